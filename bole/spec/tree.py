@@ -1,0 +1,234 @@
+"""Draft trees and packed forests.
+
+A draft tree of T nodes is given by its parent list in topological order: ``parents[i]`` is the
+local index of node i's parent, or -1 when i is a child of the committed prefix (the root). Every
+parent precedes its child, so the list is acyclic by construction and "ancestor" is a strict
+lower-triangular relation.
+
+A verification step packs the trees of all requests into one flat node list (a *forest*):
+per request an offset (``cu_seqlens``, as flash-linear-attention's variable-length kernels use),
+per node its local parent, its depth (1 for children of the root), its ancestor chain
+``anc[i, l]`` (the local index of i's ancestor at depth l+1, -1 past depth(i)), and a compact
+ancestor bitmask (bit j of node i set iff j is an ancestor of i or i itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Sequence
+
+import torch
+
+DEFAULT_MAX_DEPTH = 16
+
+
+def _as_parent_list(parents) -> list[int]:
+    if isinstance(parents, torch.Tensor):
+        if parents.dim() != 1:
+            raise ValueError(f"parents must be 1-D, got shape {tuple(parents.shape)}")
+        return [int(p) for p in parents.tolist()]
+    return [int(p) for p in parents]
+
+
+def validate_parents(parents: Sequence[int], max_depth: int = DEFAULT_MAX_DEPTH) -> list[int]:
+    """Check a parent list and return the depth of every node (1-based).
+
+    Raises ``ValueError`` naming the first bad entry: a parent that does not precede its child
+    (which also rules out cycles and self-loops), a parent below -1, or a depth over ``max_depth``.
+    """
+    parents = _as_parent_list(parents)
+    if len(parents) == 0:
+        raise ValueError("a draft tree needs at least one node")
+    depth: list[int] = []
+    for i, p in enumerate(parents):
+        if p < -1:
+            raise ValueError(f"node {i}: parent {p} is invalid (use -1 for the committed root)")
+        if p >= i:
+            kind = "a cycle / self-loop" if p == i else "a parent that does not precede its child"
+            raise ValueError(f"node {i}: parent {p} >= {i} ({kind}); nodes must be in topological order")
+        d = 1 if p == -1 else depth[p] + 1
+        if d > max_depth:
+            raise ValueError(f"node {i}: depth {d} exceeds the limit max_depth={max_depth}")
+        depth.append(d)
+    return depth
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """One request's draft tree (parent list in topological order), validated on construction."""
+
+    parents: tuple[int, ...]
+    max_depth: int = DEFAULT_MAX_DEPTH
+
+    def __init__(self, parents, max_depth: int = DEFAULT_MAX_DEPTH):
+        plist = _as_parent_list(parents)
+        validate_parents(plist, max_depth)
+        object.__setattr__(self, "parents", tuple(plist))
+        object.__setattr__(self, "max_depth", max_depth)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parents)
+
+    @cached_property
+    def depths(self) -> list[int]:
+        return validate_parents(self.parents, self.max_depth)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths)
+
+    def path_to(self, i: int) -> list[int]:
+        """Nodes from the first level down to node i (inclusive)."""
+        if not 0 <= i < self.num_nodes:
+            raise ValueError(f"node {i} is not in a tree of {self.num_nodes} nodes")
+        path = []
+        while i != -1:
+            path.append(i)
+            i = self.parents[i]
+        return path[::-1]
+
+    def ancestor_mask(self, include_self: bool = True) -> torch.Tensor:
+        """Dense [T, T] bool mask: M[i, j] iff j is a strict ancestor of i (or j == i)."""
+        T = self.num_nodes
+        m = torch.zeros(T, T, dtype=torch.bool)
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                m[i] = m[p]
+                m[i, p] = True
+        if include_self:
+            m |= torch.eye(T, dtype=torch.bool)
+        return m
+
+    @staticmethod
+    def chain(n: int) -> "DraftTree":
+        return DraftTree(list(range(-1, n - 1)))
+
+
+@dataclass(frozen=True)
+class PackedForest:
+    """The trees of one verification step packed into one node list.
+
+    Attributes (all on ``device``):
+        cu_seqlens: int32 [B+1]: request b owns nodes cu_seqlens[b]:cu_seqlens[b+1].
+        parents:    int32 [N]: local parent index, -1 = committed root.
+        depth:      int32 [N]: 1 for children of the root.
+        anc:        int32 [N, max_depth]: anc[i, l] = local index of the ancestor of i at depth l+1
+                    (anc[i, depth[i]-1] == local index of i), -1 past depth[i].
+        anc_bits:   int64 [N, W]: bit j of word j // 64 set iff local node j is an ancestor of i or i.
+        request_ids: int32 [N]: the request each node belongs to.
+    """
+
+    cu_seqlens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    anc: torch.Tensor
+    anc_bits: torch.Tensor
+    request_ids: torch.Tensor
+    max_nodes: int
+    max_depth: int
+
+    @staticmethod
+    def from_trees(trees: Sequence[DraftTree | Sequence[int]], device=None,
+                   max_depth: int | None = None) -> "PackedForest":
+        if len(trees) == 0:
+            raise ValueError("a forest needs at least one tree")
+        trees = [t if isinstance(t, DraftTree) else DraftTree(t) for t in trees]
+        depth_cap = max(t.depth for t in trees)
+        if max_depth is not None:
+            if depth_cap > max_depth:
+                raise ValueError(f"tree depth {depth_cap} exceeds max_depth={max_depth}")
+            depth_cap = max_depth
+        max_nodes = max(t.num_nodes for t in trees)
+        words = (max_nodes + 63) // 64
+        cu, parents, depth, anc, bits, rid = [0], [], [], [], [], []
+        for b, t in enumerate(trees):
+            cu.append(cu[-1] + t.num_nodes)
+            chains: list[list[int]] = []
+            for i, p in enumerate(t.parents):
+                chain = (chains[p] if p >= 0 else []) + [i]
+                chains.append(chain)
+                parents.append(p)
+                depth.append(len(chain))
+                anc.append(chain + [-1] * (depth_cap - len(chain)))
+                w = [0] * words
+                for j in chain:
+                    w[j // 64] |= 1 << (j % 64)
+                # store as signed int64
+                bits.append([x - (1 << 64) if x >= (1 << 63) else x for x in w])
+                rid.append(b)
+        i32 = dict(dtype=torch.int32, device=device)
+        return PackedForest(
+            cu_seqlens=torch.tensor(cu, **i32),
+            parents=torch.tensor(parents, **i32),
+            depth=torch.tensor(depth, **i32),
+            anc=torch.tensor(anc, **i32).reshape(len(parents), depth_cap),
+            anc_bits=torch.tensor(bits, dtype=torch.int64, device=device).reshape(len(parents), words),
+            request_ids=torch.tensor(rid, **i32),
+            max_nodes=max_nodes,
+            max_depth=depth_cap,
+        )
+
+    @property
+    def num_requests(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    @property
+    def num_nodes(self) -> int:
+        return self.parents.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.parents.device
+
+    def to(self, device) -> "PackedForest":
+        return PackedForest(*(getattr(self, f).to(device) for f in
+                              ("cu_seqlens", "parents", "depth", "anc", "anc_bits", "request_ids")),
+                            max_nodes=self.max_nodes, max_depth=self.max_depth)
+
+    def tree(self, b: int) -> DraftTree:
+        s, e = int(self.cu_seqlens[b]), int(self.cu_seqlens[b + 1])
+        return DraftTree(self.parents[s:e].tolist(), max_depth=max(self.max_depth, 1))
+
+    def global_parents(self) -> torch.Tensor:
+        """int64 [N]: parent as a global node index, -1 for children of the root."""
+        start = self.cu_seqlens[:-1].long()[self.request_ids.long()]
+        p = self.parents.long()
+        return torch.where(p >= 0, p + start, p)
+
+    def ancestor_mask(self, b: int, include_self: bool = True) -> torch.Tensor:
+        """Dense [T_b, T_b] bool mask of request b, from the packed chains."""
+        s, e = int(self.cu_seqlens[b]), int(self.cu_seqlens[b + 1])
+        anc = self.anc[s:e].long()
+        T = e - s
+        m = torch.zeros(T, T, dtype=torch.bool, device=anc.device)
+        rows = torch.arange(T, device=anc.device)[:, None].expand_as(anc)
+        ok = anc >= 0
+        m[rows[ok], anc[ok]] = True
+        if not include_self:
+            m &= ~torch.eye(T, dtype=torch.bool, device=anc.device)
+        return m
+
+    def accepted_path_nodes(self, accepted: Sequence[int]) -> torch.Tensor:
+        """Global node indices of each request's accepted path.
+
+        ``accepted[b]`` is the local index of the deepest accepted node of request b, or -1 when
+        nothing was accepted. Returns int32 [B, max_depth], padded with -1 (root first).
+        """
+        if len(accepted) != self.num_requests:
+            raise ValueError(f"accepted has {len(accepted)} entries for {self.num_requests} requests")
+        out = torch.full((self.num_requests, self.max_depth), -1, dtype=torch.int32)
+        anc = self.anc.cpu()
+        cu = self.cu_seqlens.cpu()
+        for b, a in enumerate(accepted):
+            a = int(a)
+            T = int(cu[b + 1] - cu[b])
+            if a < -1 or a >= T:
+                raise ValueError(f"request {b}: accepted node {a} is not in its tree of {T} nodes")
+            if a == -1:
+                continue
+            chain = anc[int(cu[b]) + a]
+            ok = chain >= 0
+            out[b, : int(ok.sum())] = chain[ok] + cu[b]
+        return out.to(self.device)
