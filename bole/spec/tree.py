@@ -232,3 +232,34 @@ class PackedForest:
             ok = chain >= 0
             out[b, : int(ok.sum())] = chain[ok] + cu[b]
         return out.to(self.device)
+
+
+def random_tree(num_nodes: int, max_depth: int, generator: torch.Generator | None = None,
+                max_children: int = 4) -> DraftTree:
+    """An EAGLE-like random draft tree: nodes appended breadth first, each under a random open parent.
+
+    Depth never exceeds ``max_depth``; the first node is always a child of the root. Used by tests
+    and benchmarks (the shapes of real drafts: a few wide top levels thinning with depth).
+    """
+    if num_nodes < 1 or max_depth < 1:
+        raise ValueError(f"num_nodes={num_nodes} and max_depth={max_depth} must be >= 1")
+    parents, depth, nchild = [], [], []
+    root_children = 0
+    for i in range(num_nodes):
+        open_nodes = [j for j in range(i) if depth[j] < max_depth and nchild[j] < max_children]
+        choices = len(open_nodes) + (1 if root_children < max_children or not open_nodes else 0)
+        r = int(torch.randint(choices, (1,), generator=generator))
+        if r >= len(open_nodes):
+            p = -1
+            root_children += 1
+        else:
+            # prefer deeper, later nodes half of the time so trees reach their depth
+            if torch.rand(1, generator=generator).item() < 0.5:
+                p = open_nodes[-1 - int(torch.randint(min(3, len(open_nodes)), (1,), generator=generator))]
+            else:
+                p = open_nodes[r]
+            nchild[p] += 1
+        parents.append(p)
+        depth.append(1 if p < 0 else depth[p] + 1)
+        nchild.append(0)
+    return DraftTree(parents, max_depth=max(max_depth, 1))
