@@ -1,0 +1,47 @@
+"""Tree conv1d and its commit agree with the sequence conv along every root-to-node path."""
+
+import torch
+
+from bole.ops.conv import causal_conv1d, causal_conv1d_tree, conv_state_commit
+from bole.spec.tree import PackedForest, random_tree
+
+
+def test_tree_conv_equals_sequence_conv_along_paths():
+    gen = torch.Generator().manual_seed(0)
+    C, W, slots = 6, 4, 3
+    trees = [random_tree(n, 6, gen) for n in (1, 9, 14)]
+    f = PackedForest.from_trees(trees)
+    x = torch.randn(f.num_nodes, C, generator=gen, dtype=torch.float64)
+    w = torch.randn(C, W, generator=gen, dtype=torch.float64)
+    bias = torch.randn(C, generator=gen, dtype=torch.float64)
+    state = torch.randn(slots, C, W - 1, generator=gen, dtype=torch.float64)
+    idx = torch.tensor([2, 0, 1])
+    before = state.clone()
+    y = causal_conv1d_tree(x, w, bias, state, idx, f)
+    assert torch.equal(state, before)  # verification never writes the state
+    for b, t in enumerate(trees):
+        s = int(f.cu_seqlens[b])
+        for i in range(t.num_nodes):
+            path = [s + j for j in t.path_to(i)]
+            st = state.clone()
+            y_seq = causal_conv1d(x[path], w, bias, st, idx[b : b + 1])
+            assert torch.allclose(y[s + i], y_seq[-1], rtol=0, atol=1e-12)
+            # commit of that path leaves exactly the sequence conv's final state
+            acc = [-1] * len(trees)
+            acc[b] = i
+            st2 = state.clone()
+            conv_state_commit(st2, x, f, idx, f.accepted_path_nodes(acc))
+            assert torch.equal(st2[idx[b]], st[idx[b]])
+            assert torch.equal(st2[[k for k in range(slots) if k != int(idx[b])]],
+                               state[[k for k in range(slots) if k != int(idx[b])]])
+
+
+def test_sequence_conv_matches_torch_conv1d_from_zero_state():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(10, 5, generator=gen)
+    w = torch.randn(5, 4, generator=gen)
+    st = torch.zeros(1, 5, 3)
+    y = causal_conv1d(x, w, None, st, [0], activation=None)
+    ref = torch.nn.functional.conv1d(x.T[None], w[:, None], padding=3, groups=5)[0, :, :10].T
+    assert torch.allclose(y, ref, atol=1e-6)
+    assert torch.equal(st[0], x[-3:].T)
