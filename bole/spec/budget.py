@@ -1,0 +1,300 @@
+"""The batch-shared verification budget (Algorithm 3): calibration tables and online node selection.
+
+Offline, ``bole.calibrate`` sweeps each bucket c = (batch size, KV length, tree depth) and writes
+the largest capture capacity N whose verification time stays within (1+ε) of one decode step
+(eq. 12, ``select_b_ver``). Online, every step looks up its bucket's B_ver and ``select_nodes``
+keeps, across the whole batch, every request's first-level nodes plus the highest-ρ nodes up to
+B_ver in total.
+
+Calibration table (YAML; ``calibration_tables/default.yaml`` is the reference):
+
+    hardware: h200            # hardware class (bole.hardware)
+    model: qwen3.5-9b         # model id the table was measured with
+    dtype: bfloat16
+    tp_size: 1
+    versions: {torch: "2.13.0", triton: "3.6.0", bole: "0.1.0"}
+    date: "2026-01-31"
+    epsilon: 0.1              # ε of eq. 12
+    source: measured          # measured | modeled | default
+    capture_set: [8, 16, 32, 64]   # G: the capacities N that were (or can be) captured
+    notes: "..."              # optional free text: where/how it was measured
+    buckets:                  # inclusive integer ranges; together an exact partition of a box
+      - {batch: [1, 1], kv: [0, 4095], depth: [1, 16], b_ver: 64,
+         t_dec_ms: 7.1, t_ver_ms: {8: 7.2, 16: 7.3, 32: 7.5, 64: 7.8}}
+
+The bucket box must start at batch 1, kv 0, depth 1; look-ups beyond its upper ends clamp to the
+last bucket. ``t_dec_ms`` / ``t_ver_ms`` may be null only in ``source: default`` tables; where they
+are given, ``b_ver`` must be what eq. 12 gives for them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Mapping
+
+import torch
+import yaml
+
+SOURCES = ("measured", "modeled", "default")
+_TOP_KEYS = {"hardware", "model", "dtype", "tp_size", "versions", "date", "epsilon", "source",
+             "capture_set", "buckets"}
+_OPTIONAL_TOP_KEYS = {"notes"}
+_BUCKET_KEYS = {"batch", "kv", "depth", "b_ver", "t_dec_ms", "t_ver_ms"}
+_AXES = (("batch", 1), ("kv", 0), ("depth", 1))  # axis name, lowest allowed value
+
+
+def select_b_ver(t_ver: Mapping[int, float], t_dec: float, epsilon: float) -> int:
+    """Eq. 12: B_ver = max{N ∈ G : T_ver(N) <= (1+ε) T_dec}, G = the keys of ``t_ver``.
+
+    When even the smallest capacity misses the bound the smallest one is returned: the fairness
+    floor keeps a request's first-level nodes anyway, so "no speculation" is not an option here.
+    """
+    if not t_ver:
+        raise ValueError("t_ver is empty: no capacities to choose from")
+    bound = (1.0 + epsilon) * t_dec
+    fits = [n for n, t in t_ver.items() if t <= bound]
+    return max(fits) if fits else min(t_ver)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    batch: tuple[int, int]
+    kv: tuple[int, int]
+    depth: tuple[int, int]
+    b_ver: int
+    t_dec_ms: float | None = None
+    t_ver_ms: Mapping[int, float] | None = None
+
+    def contains(self, batch_size: int, kv_len: int, depth: int) -> bool:
+        return all(lo <= x <= hi for (lo, hi), x in
+                   zip((self.batch, self.kv, self.depth), (batch_size, kv_len, depth), strict=True))
+
+
+@dataclass(frozen=True)
+class CalibrationTable:
+    hardware: str
+    model: str
+    dtype: str
+    tp_size: int
+    versions: Mapping[str, str]
+    date: str
+    epsilon: float
+    source: str
+    capture_set: tuple[int, ...]
+    buckets: tuple[Bucket, ...]
+    notes: str = ""
+
+    @cached_property
+    def _box(self) -> tuple[tuple[int, int], ...]:
+        """(lo, hi) of the bucket box per axis (batch, kv, depth)."""
+        return tuple((min(getattr(b, a)[0] for b in self.buckets),
+                      max(getattr(b, a)[1] for b in self.buckets)) for a, _ in _AXES)
+
+    @property
+    def table_id(self) -> str:
+        """Short provenance id, e.g. for routing stats: ``h200/qwen3.5-9b/bfloat16/tp1@2026-01-31``."""
+        return f"{self.hardware}/{self.model}/{self.dtype}/tp{self.tp_size}@{self.date}"
+
+    @staticmethod
+    def load(path) -> "CalibrationTable":
+        with open(path) as f:
+            data = yaml.safe_load(f)
+        try:
+            return CalibrationTable.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+
+    @staticmethod
+    def from_dict(data) -> "CalibrationTable":
+        if not isinstance(data, dict):
+            raise ValueError("a calibration table must be a mapping")
+        missing = sorted(_TOP_KEYS - data.keys())
+        if missing:
+            raise ValueError(f"missing keys: {missing}")
+        unknown = sorted(data.keys() - _TOP_KEYS - _OPTIONAL_TOP_KEYS)
+        if unknown:
+            raise ValueError(f"unknown keys: {unknown}")
+        for k in ("hardware", "model", "dtype"):
+            if not isinstance(data[k], str) or not data[k]:
+                raise ValueError(f"{k} must be a non-empty string, got {data[k]!r}")
+        if not _is_int(data["tp_size"]) or data["tp_size"] < 1:
+            raise ValueError(f"tp_size must be an int >= 1, got {data['tp_size']!r}")
+        if not isinstance(data["versions"], dict):
+            raise ValueError(f"versions must be a mapping of package -> version, got {data['versions']!r}")
+        date = data["date"]
+        if isinstance(date, (datetime.date, datetime.datetime)):
+            date = date.isoformat()
+        if not isinstance(date, str):
+            raise ValueError(f"date must be an ISO date string, got {date!r}")
+        eps = data["epsilon"]
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (0 <= eps < math.inf):
+            raise ValueError(f"epsilon must be a finite number >= 0, got {eps!r}")
+        if data["source"] not in SOURCES:
+            raise ValueError(f"source must be one of {SOURCES}, got {data['source']!r}")
+        cap = data["capture_set"]
+        if (not isinstance(cap, list) or not cap or not all(_is_int(n) and n >= 1 for n in cap)
+                or sorted(set(cap)) != cap):
+            raise ValueError(f"capture_set must be a strictly increasing list of ints >= 1, got {cap!r}")
+        if not isinstance(data["buckets"], list) or not data["buckets"]:
+            raise ValueError("buckets must be a non-empty list")
+        buckets = tuple(_parse_bucket(i, b, set(cap), float(eps), data["source"])
+                        for i, b in enumerate(data["buckets"]))
+        _check_partition(buckets)
+        return CalibrationTable(
+            hardware=data["hardware"], model=data["model"], dtype=data["dtype"],
+            tp_size=data["tp_size"], versions={str(k): str(v) for k, v in data["versions"].items()},
+            date=date, epsilon=float(eps), source=data["source"], capture_set=tuple(cap),
+            buckets=buckets, notes=str(data.get("notes", "")))
+
+    def to_dict(self) -> dict:
+        out = {k: getattr(self, k) for k in ("hardware", "model", "dtype", "tp_size", "date",
+                                             "epsilon", "source")}
+        out["versions"] = dict(self.versions)
+        out["capture_set"] = list(self.capture_set)
+        if self.notes:
+            out["notes"] = self.notes
+        out["buckets"] = [{"batch": list(b.batch), "kv": list(b.kv), "depth": list(b.depth),
+                           "b_ver": b.b_ver, "t_dec_ms": b.t_dec_ms,
+                           "t_ver_ms": None if b.t_ver_ms is None else dict(b.t_ver_ms)}
+                          for b in self.buckets]
+        return out
+
+    def dump(self, path) -> None:
+        with open(path, "w") as f:
+            yaml.safe_dump(self.to_dict(), f, sort_keys=False)
+
+    def lookup(self, batch_size: int, kv_len: int, depth: int) -> tuple[int, int]:
+        """(bucket index, B_ver) of a step; values past the table's upper ends clamp to them."""
+        if batch_size < 1 or kv_len < 0 or depth < 1:
+            raise ValueError(f"bad bucket query batch_size={batch_size} kv_len={kv_len} depth={depth}")
+        q = [min(x, hi) for x, (_, hi) in zip((batch_size, kv_len, depth), self._box, strict=True)]
+        for i, b in enumerate(self.buckets):
+            if b.contains(*q):
+                return i, b.b_ver
+        raise AssertionError("validated buckets cover their box")  # unreachable
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _parse_bucket(i: int, b, capture: set[int], eps: float, source: str) -> Bucket:
+    if not isinstance(b, dict):
+        raise ValueError(f"bucket {i} must be a mapping, got {b!r}")
+    missing = sorted(_BUCKET_KEYS - b.keys() - {"t_dec_ms", "t_ver_ms"})
+    if missing:
+        raise ValueError(f"bucket {i}: missing keys {missing}")
+    unknown = sorted(b.keys() - _BUCKET_KEYS)
+    if unknown:
+        raise ValueError(f"bucket {i}: unknown keys {unknown}")
+    ranges = {}
+    for axis, lowest in _AXES:
+        r = b[axis]
+        if (not isinstance(r, list) or len(r) != 2 or not all(_is_int(x) for x in r)
+                or r[0] > r[1] or r[0] < lowest):
+            raise ValueError(f"bucket {i}: {axis} must be [lo, hi] ints with {lowest} <= lo <= hi, got {r!r}")
+        ranges[axis] = (r[0], r[1])
+    b_ver = b["b_ver"]
+    if not _is_int(b_ver) or b_ver < 1 or b_ver not in capture:
+        raise ValueError(f"bucket {i}: b_ver={b_ver!r} must be an int >= 1 in capture_set {sorted(capture)}")
+    t_dec, t_ver = b.get("t_dec_ms"), b.get("t_ver_ms")
+    if (t_dec is None or t_ver is None) and source != "default":
+        raise ValueError(f"bucket {i}: t_dec_ms and t_ver_ms are required in a '{source}' table")
+    if t_dec is not None and (not isinstance(t_dec, (int, float)) or not 0 < t_dec < math.inf):
+        raise ValueError(f"bucket {i}: t_dec_ms must be a positive number, got {t_dec!r}")
+    if t_ver is not None:
+        if not isinstance(t_ver, dict) or not t_ver:
+            raise ValueError(f"bucket {i}: t_ver_ms must be a non-empty mapping N -> ms, got {t_ver!r}")
+        bad = [n for n in t_ver if n not in capture]
+        if bad:
+            raise ValueError(f"bucket {i}: t_ver_ms capacities {bad} are not in capture_set")
+        items = sorted(t_ver.items())
+        for n, t in items:
+            if not isinstance(t, (int, float)) or not 0 < t < math.inf:
+                raise ValueError(f"bucket {i}: t_ver_ms[{n}]={t!r} must be a positive number")
+        for (n0, t0), (n1, t1) in zip(items, items[1:], strict=False):
+            if t1 < t0:
+                raise ValueError(
+                    f"bucket {i}: non-monotone timings t_ver_ms[{n1}]={t1} < t_ver_ms[{n0}]={t0}")
+        t_ver = {int(n): float(t) for n, t in items}
+        if t_dec is not None and select_b_ver(t_ver, t_dec, eps) != b_ver:
+            raise ValueError(f"bucket {i}: b_ver={b_ver} disagrees with eq. 12 on its timings "
+                             f"(gives {select_b_ver(t_ver, t_dec, eps)})")
+    return Bucket(batch=ranges["batch"], kv=ranges["kv"], depth=ranges["depth"], b_ver=b_ver,
+                  t_dec_ms=None if t_dec is None else float(t_dec), t_ver_ms=t_ver)
+
+
+def _check_partition(buckets: tuple[Bucket, ...]) -> None:
+    """Check that the buckets partition their bounding box exactly.
+
+    Every bucket boundary cuts the box into elementary cells, each either inside a bucket or not;
+    testing one point per cell finds every gap and every overlap.
+    """
+    starts = []
+    for axis, lowest in _AXES:
+        lo = min(getattr(b, axis)[0] for b in buckets)
+        hi = max(getattr(b, axis)[1] for b in buckets)
+        if lo != lowest:
+            raise ValueError(f"buckets must start at {axis}={lowest}, the lowest starts at {lo}")
+        cuts = {getattr(b, axis)[0] for b in buckets} | {getattr(b, axis)[1] + 1 for b in buckets}
+        starts.append(sorted(c for c in cuts if c <= hi))
+    for point in itertools.product(*starts):
+        inside = [i for i, b in enumerate(buckets) if b.contains(*point)]
+        where = ", ".join(f"{axis}={x}" for (axis, _), x in zip(_AXES, point, strict=True))
+        if not inside:
+            raise ValueError(f"gap in buckets: no bucket covers {where}")
+        if len(inside) > 1:
+            raise ValueError(f"overlapping buckets {inside[0]} and {inside[1]} both cover {where}")
+
+
+def select_nodes(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, depth: torch.Tensor,
+                 b_ver) -> torch.Tensor:
+    """Algorithm 3 online: which draft nodes of the batch to verify. Returns bool keep [B, T].
+
+    Args:
+        rho:     [B, T] cumulative draft probability of every node (probabilities or their logs:
+                 only the order matters); padding may hold anything.
+        parents: int [B, T] local parent, -1 = root; nodes in topological order.
+        valid:   bool [B, T] real nodes.
+        depth:   int [B, T] 1 for children of the root.
+        b_ver:   the bucket's capacity (int or 0-d tensor).
+
+    Every request keeps its valid depth-1 nodes (fairness floor). The remaining budget,
+    max(b_ver - #floor, 0), goes to the other nodes in the order (ρ desc, depth asc, flat index
+    asc), so the kept count is exactly max(#floor, min(b_ver, #valid)). ρ is first clamped to the
+    running minimum along each path (pointer jumping, ceil(log2 T) gathers): a no-op for real
+    drafts, whose ρ never increases down a path, and a guarantee of prefix closure otherwise,
+    since a parent then sorts before each of its children.
+
+    Fixed-shape sorts, gathers and scatters only; ``b_ver`` may be a device tensor: no host sync.
+    """
+    if not (rho.shape == parents.shape == valid.shape == depth.shape) or rho.dim() != 2:
+        raise ValueError(f"rho, parents, valid, depth must share one [B, T] shape, got "
+                         f"{[tuple(x.shape) for x in (rho, parents, valid, depth)]}")
+    B, T = rho.shape
+    N = B * T
+    dev = rho.device
+    valid = valid.bool()
+    node = torch.arange(T, device=dev).expand(B, T)
+    jump = torch.where(valid & (parents >= 0), parents.long().clamp(0, T - 1), node)
+    key = torch.where(valid, rho.float(), torch.full_like(rho, -math.inf, dtype=torch.float32))
+    for _ in range(max(1, math.ceil(math.log2(max(T, 2))))):
+        key = torch.minimum(key, key.gather(1, jump))
+        jump = jump.gather(1, jump)
+
+    floor = valid & (depth == 1)
+    cand = (valid & ~floor).flatten()
+    remaining = (b_ver - floor.sum()).clamp(min=0)
+    # Lexicographic order (candidates first, ρ desc, depth asc, flat index asc): sort by a unique
+    # integer key of (is-candidate, depth, index), then stably by ρ, which leaves ties in that order.
+    idx = torch.arange(N, device=dev)
+    secondary = (~cand).long() * (T + 1) * N + depth.flatten().long().clamp(0, T) * N + idx
+    order = secondary.argsort()
+    neg_key = torch.where(cand, -key.flatten(), torch.full_like(key.flatten(), math.inf))
+    order = order[neg_key[order].sort(stable=True).indices]
+    rank = torch.empty_like(order).scatter_(0, order, idx)
+    return (floor.flatten() | (cand & (rank < remaining))).view(B, T)

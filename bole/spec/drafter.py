@@ -1,0 +1,179 @@
+"""EAGLE-2 style draft-tree expansion, independent of the draft model.
+
+One step of drafting for B requests:
+
+1. ``expand_tree(root_log_probs, step, depth, topk, beam)`` grows every request's candidate tree.
+   Depth 1: the root's ``topk`` most likely tokens. Depth d >= 2: the ``beam`` depth-(d-1) nodes
+   with the highest cumulative log-probability ρ form the frontier; ``step`` evaluates the draft
+   model (the MTP layer) at them and each proposes its ``topk`` most likely tokens as children.
+   Every proposed node is kept as a candidate (not only the frontier), so the budget can later pick
+   the globally best ones. Candidates are stored in fixed-shape [B, T_max] tensors, depth block by
+   depth block, so parents precede children, with
+   T_max = k + Σ_{d=2..D} min(beam, size of block d-1) * k, k = min(topk, V): all Python ints.
+2. ``bole.spec.budget.select_nodes(c.rho, c.parents, c.valid, c.depth, b_ver)`` picks the nodes to
+   verify (prefix-closed).
+3. ``compact(c, keep)`` re-indexes the kept nodes compactly, preserving the topological order, into
+   padded [B, T_max] tensors; ``accept_tree`` consumes that form directly.
+4. ``to_forest(tree)`` builds the ``PackedForest`` the verification kernels take. It is the one
+   place that needs the host (variable-size trees become Python lists), once per step.
+
+The draft model is a callable ``step(frontier: Frontier) -> log_probs [B, M, V]`` (log-softmax of
+the drafter's logits at each frontier node). ``Frontier.node_ids`` are indices into the candidate
+list, so the model can store each node's hidden state under its id; ``Frontier.parent_ids`` tell it
+which stored state (or, for -1, the target's hidden state at the committed root) feeds the node; a
+node's ancestors are exactly the frontier nodes of earlier calls on its parent chain.
+
+Steps 1 and 3 are fixed-shape topk / gather / scatter ops: no host syncs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from bole.spec.tree import DraftTree, PackedForest
+
+
+@dataclass(frozen=True)
+class Frontier:
+    """The nodes the draft model evaluates in one call (all int64 [B, M] tensors).
+
+    depth: depth of the frontier nodes (1 = children of the root); their children get depth + 1.
+    node_ids: index of each frontier node in the candidate list.
+    parent_ids: index of its parent (-1 = the committed root).
+    tokens: its draft token (the MTP input embedding).
+    """
+
+    depth: int
+    node_ids: torch.Tensor
+    parent_ids: torch.Tensor
+    tokens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DraftCandidates:
+    """Every candidate node of one drafting step, [B, T_max] each, in topological order.
+
+    tokens: int64 draft token (-1 where invalid). parents: int64 local parent (-1 = root).
+    rho: float32 cumulative log-probability along the path (-inf where invalid).
+    depth: int64 (1 = child of the root). valid: bool, rho > -inf.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    rho: torch.Tensor
+    depth: torch.Tensor
+    valid: torch.Tensor
+
+    @property
+    def max_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+
+@dataclass(frozen=True)
+class DraftBatch:
+    """The kept nodes of every request, compacted (padded [B, T]; node order stays topological).
+
+    tokens: int64, -1 padding. parents: int64 local parent in the compact order (-1 = root, and
+    -1 on padding). depth: int64, 0 on padding. rho: float32, -inf on padding.
+    source_index: int64 index of each node in the ``DraftCandidates`` it came from (-1 padding),
+    to fetch per-candidate state such as draft hidden states. num_nodes: int64 [B].
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    rho: torch.Tensor
+    source_index: torch.Tensor
+    num_nodes: torch.Tensor
+
+
+def tree_size(vocab_size: int, depth: int, topk: int, beam: int) -> int:
+    """T_max of ``expand_tree`` for these settings (a Python int: buffers can be sized up front)."""
+    k = min(topk, vocab_size)
+    block, total = k, k
+    for _ in range(2, depth + 1):
+        block = min(beam, block) * k
+        total += block
+    return total
+
+
+def expand_tree(root_log_probs: torch.Tensor, step: Callable[[Frontier], torch.Tensor], depth: int,
+                topk: int, beam: int) -> DraftCandidates:
+    """Grow B candidate trees of depth ``depth`` (see the module docstring).
+
+    Args:
+        root_log_probs: [B, V] draft log-probabilities of the first draft token.
+        step: the draft model, ``step(frontier) -> log_probs [B, M, V]``.
+        depth: D >= 1 (``step`` is called D - 1 times). topk: children per node (>= 1).
+        beam: frontier width per depth (>= 1).
+    """
+    if root_log_probs.dim() != 2:
+        raise ValueError(f"root_log_probs must be [B, V], got {tuple(root_log_probs.shape)}")
+    if depth < 1 or topk < 1 or beam < 1:
+        raise ValueError(f"depth={depth}, topk={topk} and beam={beam} must all be >= 1")
+    B, V = root_log_probs.shape
+    k = min(topk, V)
+    rho, tok = root_log_probs.float().topk(k, dim=-1)                  # [B, k], distinct tokens
+    par = torch.full_like(tok, -1)
+    blocks = [(tok, par, rho)]
+    offset = 0                                                         # start of the last block
+    for d in range(2, depth + 1):
+        tok, par, rho = blocks[-1]
+        M = min(beam, rho.shape[1])
+        f_rho, f_local = rho.topk(M, dim=-1)                           # [B, M] frontier
+        f_ids = f_local + offset
+        frontier = Frontier(depth=d - 1, node_ids=f_ids, parent_ids=par.gather(1, f_local),
+                            tokens=tok.gather(1, f_local))
+        log_probs = step(frontier)
+        if log_probs.shape != (B, M, V):
+            raise ValueError(f"step returned {tuple(log_probs.shape)}, expected {(B, M, V)}")
+        c_lp, c_tok = log_probs.float().topk(k, dim=-1)                # [B, M, k]
+        offset += rho.shape[1]
+        blocks.append((c_tok.reshape(B, M * k), f_ids[:, :, None].expand(B, M, k).reshape(B, M * k),
+                       (f_rho[:, :, None] + c_lp).reshape(B, M * k)))
+
+    tokens = torch.cat([b[0] for b in blocks], 1)
+    rho = torch.cat([b[2] for b in blocks], 1)
+    depths = torch.cat([torch.full_like(b[0], d + 1) for d, b in enumerate(blocks)], 1)
+    valid = rho > float("-inf")
+    parents = torch.cat([b[1] for b in blocks], 1)
+    return DraftCandidates(tokens=torch.where(valid, tokens, -1), parents=parents, rho=rho, depth=depths,
+                           valid=valid)
+
+
+def compact(cand: DraftCandidates, keep: torch.Tensor) -> DraftBatch:
+    """Move the kept nodes to the front of each row, in their original (topological) order.
+
+    ``keep`` [B, T] must be prefix-closed (``select_nodes`` guarantees it) and imply ``valid``.
+    """
+    B, T = cand.tokens.shape
+    keep = keep.bool() & cand.valid
+    new_index = keep.long().cumsum(1) - 1                              # [B, T] position if kept
+    new_parent = torch.where(cand.parents >= 0, new_index.gather(1, cand.parents.clamp(min=0)), -1)
+    dest = torch.where(keep, new_index, T)                             # dropped nodes -> slot T
+
+    def move(values: torch.Tensor, fill) -> torch.Tensor:
+        out = torch.full((B, T + 1), fill, dtype=values.dtype, device=values.device)
+        return out.scatter_(1, dest, values)[:, :T]
+
+    return DraftBatch(tokens=move(cand.tokens, -1), parents=move(new_parent, -1),
+                      depth=move(cand.depth, 0), rho=move(cand.rho, float("-inf")),
+                      source_index=move(torch.arange(T, device=keep.device).expand(B, T), -1),
+                      num_nodes=keep.sum(1))
+
+
+def to_forest(batch: DraftBatch, max_depth: int | None = None) -> tuple[PackedForest, torch.Tensor]:
+    """The ``PackedForest`` of a compacted batch and its flat int64 [N] node tokens (host sync).
+
+    Raises ``ValueError`` (from ``DraftTree``) if a request kept no node.
+    """
+    counts = batch.num_nodes.tolist()
+    parents = batch.parents.tolist()
+    cap = batch.tokens.shape[1] if max_depth is None else max_depth   # a depth never exceeds T
+    trees = [DraftTree(parents[b][:n], max_depth=cap) for b, n in enumerate(counts)]
+    forest = PackedForest.from_trees(trees, device=batch.tokens.device, max_depth=max_depth)
+    width = torch.arange(batch.tokens.shape[1], device=batch.tokens.device)
+    return forest, batch.tokens[width[None] < batch.num_nodes[:, None]]

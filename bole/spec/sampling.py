@@ -1,0 +1,217 @@
+"""Logit processing, sampling and the lossless tree acceptance rule, as pure tensor functions.
+
+Nothing here calls ``.item()``, ``.tolist()``, boolean-mask indexing or anything else that waits for
+the device: every shape is fixed by Python ints known before the step (batch size, node count,
+vocabulary, max depth), so a verification step can be queued (or CUDA-graph captured) without a
+host sync. Randomness is passed in as pre-drawn uniforms, one per (request, target row), never
+drawn from a global generator inside the hot path.
+
+Reproducible per-request seeds: ``counter_uniforms(seed, offset, n)`` is a counter-based hash
+(splitmix64) of (seed, offset + j), so request b's uniforms depend only on its own seed and
+counter, not on which other requests share the batch or on the device. Recommended convention:
+one uniform per absolute token position. A step whose root sits at sequence length n draws
+``u = counter_uniforms(seed, n, D + 1)`` and gives target row r the uniform of its depth
+(``uniforms[b, r] = u[b, depth(r)]``, depth 0 for the root). A path visits one row per depth, so
+its draws stay independent; each position's uniform is used exactly once over the whole
+generation; and because inverse-CDF sampling is a deterministic function of (distribution,
+uniform), a seeded request emits the same tokens with or without speculation (tested).
+
+Lossless tree acceptance (DESIGN.md §2). At the current node (the committed root first) draw x
+from the processed target distribution; if x is the token of one of the node's children, move to
+that child and repeat; otherwise emit x and stop (a correction, or the bonus token at a leaf).
+Why this is exact when the children of a node carry distinct tokens (deterministic top-k drafts):
+the token emitted at each position is the draw x itself, and x ~ p_target(· | path so far); the
+tree only decides whether the *next* draw conditions on a node that the target has already
+evaluated (x matched a child) or ends the step (the next step's root is then exactly the context
+prefix + x). By induction every emitted token is drawn from the target conditional on all
+earlier emitted tokens, which is autoregressive sampling. Greedy rows have a one-hot target, so
+x is the argmax and the walk is autoregressive greedy decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# splitmix64 constants as signed int64 (torch has no uint64 arithmetic).
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _per_row(x, rows: int, dtype, device) -> torch.Tensor:
+    """Broadcast a Python scalar or a [R] tensor to a [R] tensor of ``dtype`` on ``device``."""
+    t = torch.as_tensor(x, dtype=dtype, device=device)
+    return t.expand(rows) if t.dim() == 0 else t.to(dtype)
+
+
+def process_logits(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Tensor:
+    """Target probabilities after temperature, top-k and top-p, one set of parameters per row.
+
+    Args:
+        logits: [R, V] (any float dtype; computed in float32).
+        temperature: [R] float or a scalar; rows with temperature <= 0 are greedy and get the
+            one-hot of the argmax of the raw logits (first index on ties).
+        top_k: [R] int or a scalar; <= 0 disables it.
+        top_p: [R] float in (0, 1] or a scalar; 1 disables it.
+    Returns:
+        float32 [R, V] probabilities, each row summing to 1.
+
+    Tie semantics (deterministic whatever order the sort leaves equal logits in): top-k keeps every
+    token whose logit is >= the k-th largest; top-p keeps the smallest prefix of the (top-k
+    truncated, sorted) distribution whose mass reaches top_p, then every token whose logit is >=
+    the last kept one. Top-p is applied to the top-k renormalised distribution, as vLLM does.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [R, V], got shape {tuple(logits.shape)}")
+    R, V = logits.shape
+    dev = logits.device
+    temperature = _per_row(temperature, R, torch.float32, dev)
+    top_k = _per_row(top_k, R, torch.int64, dev)
+    top_p = _per_row(top_p, R, torch.float32, dev)
+
+    greedy = temperature <= 0
+    x = logits.float() / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    sorted_x = x.sort(dim=-1, descending=True).values                      # [R, V]
+    k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))  # [R]
+    kth = sorted_x.gather(-1, (k - 1)[:, None])                             # [R, 1]
+    in_top_k = sorted_x >= kth                                              # a prefix, ties kept
+    sorted_p = torch.softmax(sorted_x.masked_fill(~in_top_k, float("-inf")), dim=-1)
+    mass_before = sorted_p.cumsum(-1) - sorted_p                            # exclusive cumsum
+    n_p = (mass_before < top_p[:, None]).sum(-1).clamp(min=1)
+    n_p = torch.where(top_p >= 1, torch.full_like(n_p, V), n_p)
+    n_keep = torch.minimum(in_top_k.sum(-1), n_p)                           # [R], >= 1
+    threshold = sorted_x.gather(-1, (n_keep - 1)[:, None])                  # [R, 1]
+    probs = torch.softmax(x.masked_fill(x < threshold, float("-inf")), dim=-1)
+    one_hot = F.one_hot(logits.argmax(-1), V).to(probs.dtype)
+    return torch.where(greedy[:, None], one_hot, probs)
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling without a host sync: int64 [R] tokens from probs [R, V], uniforms [R] in [0,1).
+
+    Returns the first token whose cumulative mass exceeds ``u * total``; a zero-probability token is
+    never returned (its CDF step is empty, and the result is clamped to the last positive token
+    against float rounding at the top end). One-hot rows return their hot index for every u.
+    """
+    V = probs.shape[-1]
+    cdf = probs.float().cumsum(-1)
+    target = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    last_positive = V - 1 - (probs > 0).flip(-1).to(torch.int64).argmax(-1)
+    return torch.minimum(idx, last_positive)
+
+
+def _srl(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    z = (z ^ _srl(z, 30)) * _MIX1
+    z = (z ^ _srl(z, 27)) * _MIX2
+    return z ^ _srl(z, 31)
+
+
+def counter_uniforms(seed: torch.Tensor, offset: torch.Tensor, n: int) -> torch.Tensor:
+    """Reproducible per-request uniforms: float32 [B, n] in [0, 1), a hash of (seed[b], offset[b] + j).
+
+    Args:
+        seed: int64 [B] per-request seeds (draw one at admission for requests without a seed).
+        offset: int64 [B] counters (see the module docstring for the engine's convention).
+        n: uniforms per request (``max_nodes + 1`` for ``accept_tree``).
+    Runs on the device of ``seed`` with int64 wrap-around arithmetic; 24 random bits per value, so
+    every value is exactly representable in float32 and strictly below 1.
+    """
+    j = torch.arange(n, device=seed.device, dtype=torch.int64)
+    z = _mix64(seed.long())[:, None] + (offset.long()[:, None] + j[None]) * _GOLDEN
+    return _srl(_mix64(z), 40).to(torch.float32) * (1.0 / (1 << 24))
+
+
+@dataclass(frozen=True)
+class TreeAcceptance:
+    """Result of ``accept_tree`` for B requests (all int64 tensors on the input device).
+
+    accepted_path: [B, D] local indices of the accepted nodes, the depth-1 node first, -1 padded.
+    num_accepted:  [B] accepted draft nodes (0..D).
+    accepted_node: [B] deepest accepted node (-1 when none): what ``PackedForest.accepted_path_nodes``
+                   and the state commit take.
+    tokens:        [B, D+1] emitted tokens: the accepted nodes' tokens then the correction / bonus
+                   token, padded with ``pad_token``.
+    num_emitted:   [B] = num_accepted + 1.
+    """
+
+    accepted_path: torch.Tensor
+    num_accepted: torch.Tensor
+    accepted_node: torch.Tensor
+    tokens: torch.Tensor
+    num_emitted: torch.Tensor
+
+
+def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, uniforms: torch.Tensor,
+                probs: torch.Tensor | None = None, *, logits: torch.Tensor | None = None,
+                temperature=None, top_k=None, top_p=None, max_depth: int | None = None,
+                pad_token: int = -1) -> TreeAcceptance:
+    """Walk every request's draft tree with the lossless acceptance rule, without host syncs.
+
+    Args:
+        tokens:   int64 [B, T] draft token of each node; padding nodes have a negative token (they
+                  can never match a draw, so their parent entry is ignored). Nodes are in
+                  topological order and the children of one node carry distinct tokens.
+        parents:  int64 [B, T] local parent index, -1 = the committed root.
+        uniforms: float [B, T+1] in [0, 1): row r's draw uses uniforms[b, r]. A path visits each row
+                  at most once, so draws along it are independent.
+        probs:    float [B, T+1, V] processed target probabilities: row 0 is the next-token
+                  distribution after the committed prefix, row i+1 the one after node i.
+        logits, temperature, top_k, top_p: instead of ``probs``, raw target logits [B, T+1, V] and
+                  per-request [B] parameters; then only the max_depth+1 rows the walk visits are
+                  processed (T+1 full-vocabulary sorts and softmaxes would dominate at V ~ 150k).
+        max_depth: depth bound of every tree (default T). The walk runs exactly max_depth + 1
+                  gather-based iterations, whatever the trees look like.
+        pad_token: fill value of ``TreeAcceptance.tokens`` beyond the emitted ones.
+    """
+    if (probs is None) == (logits is None):
+        raise ValueError("pass exactly one of probs or logits")
+    target = probs if probs is not None else logits
+    if tokens.dim() != 2 or parents.shape != tokens.shape:
+        raise ValueError(f"tokens {tuple(tokens.shape)} and parents {tuple(parents.shape)} must be [B, T]")
+    B, T = tokens.shape
+    if target.dim() != 3 or target.shape[:2] != (B, T + 1):
+        raise ValueError(f"target must be [B, T+1, V] = [{B}, {T + 1}, V], got {tuple(target.shape)}")
+    if uniforms.shape != (B, T + 1):
+        raise ValueError(f"uniforms must be [B, T+1] = [{B}, {T + 1}], got {tuple(uniforms.shape)}")
+    if logits is not None and (temperature is None or top_k is None or top_p is None):
+        raise ValueError("logits need temperature, top_k and top_p")
+    D = T if max_depth is None else max_depth
+    if D < 0:
+        raise ValueError(f"max_depth must be >= 0, got {D}")
+
+    dev = tokens.device
+    tokens, parents = tokens.long(), parents.long()
+    rows = torch.arange(B, device=dev)
+    cur = torch.full((B,), -1, dtype=torch.int64, device=dev)     # current node, -1 = root
+    alive = torch.ones(B, dtype=torch.bool, device=dev)           # still walking
+    path, emitted = [], []
+    for step in range(D + 1):
+        r = cur + 1                                                # target row of the current node
+        p = target[rows, r]                                        # [B, V]
+        if logits is not None:
+            p = process_logits(p, temperature, top_k, top_p)
+        x = sample_from_probs(p, uniforms[rows, r])                # [B]
+        hit = (parents == cur[:, None]) & (tokens == x[:, None]) & (tokens >= 0)   # [B, T]
+        matched = hit.any(-1) & alive
+        if step == D:  # depth bound reached: only a leaf can be here
+            matched = torch.zeros_like(matched)
+        child = hit.to(torch.int64).argmax(-1)
+        emitted.append(torch.where(alive, x, torch.full_like(x, pad_token)))
+        if step < D:
+            path.append(torch.where(matched, child, torch.full_like(child, -1)))
+        cur = torch.where(matched, child, cur)
+        alive = matched
+
+    accepted_path = torch.stack(path, 1) if path else torch.empty(B, 0, dtype=torch.int64, device=dev)
+    num_accepted = (accepted_path >= 0).sum(-1)
+    return TreeAcceptance(accepted_path=accepted_path, num_accepted=num_accepted, accepted_node=cur,
+                          tokens=torch.stack(emitted, 1), num_emitted=num_accepted + 1)

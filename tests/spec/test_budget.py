@@ -1,0 +1,186 @@
+"""Calibration tables and batch-shared node selection (bole/spec/budget.py)."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from bole.spec.budget import CalibrationTable, select_b_ver, select_nodes
+from bole.spec.tree import random_tree
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------- eq. 12 and tables
+
+def test_select_b_ver_eq12():
+    t_ver = {8: 10.0, 16: 10.5, 32: 11.0, 64: 13.0}
+    assert select_b_ver(t_ver, 10.0, 0.1) == 32      # 11.0 <= 11.0 (bound inclusive)
+    assert select_b_ver(t_ver, 10.0, 0.3) == 64
+    assert select_b_ver(t_ver, 10.0, 0.0) == 8
+    assert select_b_ver(t_ver, 5.0, 0.1) == 8        # nothing fits: the smallest capacity
+    with pytest.raises(ValueError):
+        select_b_ver({}, 1.0, 0.1)
+
+
+def test_default_table_loads_and_scales_down_per_request():
+    t = CalibrationTable.load(REPO / "calibration_tables" / "default.yaml")
+    assert t.source == "default" and t.lookup(1, 0, 1) == (0, 64)
+    shares = [t.lookup(b, 1000, 6)[1] / b for b in (1, 2, 4, 8, 16, 32, 64)]
+    assert shares == sorted(shares, reverse=True) and shares[0] == 64
+    assert t.lookup(10**6, 10**9, 99)[0] == len(t.buckets) - 1  # beyond the table: clamp
+
+
+def measured_table() -> dict:
+    """2 batch x 2 kv buckets, one depth bucket, with timings consistent with eq. 12 (ε = 0.1)."""
+    def bucket(batch, kv, t_dec, t_ver):
+        return {"batch": batch, "kv": kv, "depth": [1, 16], "b_ver": select_b_ver(t_ver, t_dec, 0.1),
+                "t_dec_ms": t_dec, "t_ver_ms": t_ver}
+    return {
+        "hardware": "h200", "model": "qwen3.5-9b", "dtype": "bfloat16", "tp_size": 1,
+        "versions": {"torch": "2.13.0"}, "date": "2026-01-31", "epsilon": 0.1, "source": "measured",
+        "capture_set": [16, 32, 64],
+        "buckets": [
+            bucket([1, 4], [0, 4095], 10.0, {16: 10.2, 32: 10.9, 64: 12.0}),
+            bucket([1, 4], [4096, 65535], 12.0, {16: 12.1, 32: 12.5, 64: 13.1}),
+            bucket([5, 64], [0, 4095], 14.0, {16: 15.0, 32: 16.0, 64: 19.0}),
+            bucket([5, 64], [4096, 65535], 16.0, {16: 16.5, 32: 17.5, 64: 20.0}),
+        ],
+    }
+
+
+def test_lookup_and_roundtrip(tmp_path):
+    t = CalibrationTable.from_dict(measured_table())
+    assert [b.b_ver for b in t.buckets] == [32, 64, 16, 32]
+    assert t.lookup(1, 0, 1) == (0, 32)
+    assert t.lookup(4, 4096, 3) == (1, 64)
+    assert t.lookup(5, 4095, 3) == (2, 16)
+    assert t.lookup(500, 10**7, 30) == (3, 32)
+    assert t.table_id == "h200/qwen3.5-9b/bfloat16/tp1@2026-01-31"
+    t.dump(tmp_path / "t.yaml")
+    assert CalibrationTable.load(tmp_path / "t.yaml") == t
+    with pytest.raises(ValueError, match="bad bucket query"):
+        t.lookup(0, 0, 1)
+
+
+def _broken(edit):
+    d = copy.deepcopy(measured_table())
+    edit(d)
+    return d
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.pop("epsilon"), "missing keys: \\['epsilon'\\]"),
+    (lambda d: d.update(colour="red"), "unknown keys: \\['colour'\\]"),
+    (lambda d: d.update(source="guessed"), "source must be one of"),
+    (lambda d: d.update(capture_set=[32, 16]), "capture_set"),
+    (lambda d: d["buckets"][0].pop("b_ver"), "bucket 0: missing keys \\['b_ver'\\]"),
+    (lambda d: d["buckets"][1].update(kv=[4000, 65535]), "overlapping buckets 0 and 1"),
+    (lambda d: d["buckets"][1].update(kv=[5000, 65535]), "gap in buckets: no bucket covers batch=1, kv=4096"),
+    (lambda d: [b.update(batch=[2, 4]) for b in d["buckets"][:2]], "must start at batch=1"),
+    (lambda d: d["buckets"][2].update(depth=[3, 1]), "bucket 2: depth must be"),
+    (lambda d: d["buckets"][0].update(b_ver=48), "b_ver=48 must be an int >= 1 in capture_set"),
+    (lambda d: d["buckets"][0].update(b_ver=0), "b_ver=0"),
+    (lambda d: d["buckets"][3]["t_ver_ms"].update({32: 16.0}), "bucket 3: non-monotone timings"),
+    (lambda d: d["buckets"][0]["t_ver_ms"].update({48: 11.0}), "capacities \\[48\\] are not in capture_set"),
+    (lambda d: d["buckets"][0].update(b_ver=16), "b_ver=16 disagrees with eq. 12"),
+    (lambda d: d["buckets"][0].update(t_dec_ms=None), "required in a 'measured' table"),
+    (lambda d: d["buckets"][0].update(t_dec_ms=-1.0), "t_dec_ms must be a positive number"),
+])
+def test_table_validation(edit, message):
+    with pytest.raises(ValueError, match=message):
+        CalibrationTable.from_dict(_broken(edit))
+
+
+def test_load_names_the_file(tmp_path):
+    (tmp_path / "bad.yaml").write_text("hardware: x\n")
+    with pytest.raises(ValueError, match="bad.yaml: missing keys"):
+        CalibrationTable.load(tmp_path / "bad.yaml")
+
+
+# ---------------------------------------------------------------- node selection
+
+def random_batch(B, T, g, ratios=(1.0, 0.5, 0.25)):
+    """Padded random trees; ρ = product of ratios drawn from a small set, so ties are common
+    (ratio 1 even ties a child with its parent)."""
+    parents = torch.full((B, T), -1, dtype=torch.long)
+    depth = torch.zeros(B, T, dtype=torch.long)
+    rho = torch.zeros(B, T)
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    for b in range(B):
+        n = int(torch.randint(1, T + 1, (1,), generator=g))
+        tree = random_tree(n, 6, generator=g)
+        for i, p in enumerate(tree.parents):
+            r = ratios[int(torch.randint(len(ratios), (1,), generator=g))]
+            parents[b, i], depth[b, i], valid[b, i] = p, tree.depths[i], True
+            rho[b, i] = r * (1.0 if p < 0 else float(rho[b, p]))
+    return rho, parents, valid, depth
+
+
+def reference_select(rho, valid, depth, b_ver):
+    B, T = rho.shape
+    keep = valid & (depth == 1)
+    remaining = max(b_ver - int(keep.sum()), 0)
+    cands = [(-float(rho[b, i]), int(depth[b, i]), b * T + i) for b in range(B) for i in range(T)
+             if valid[b, i] and depth[b, i] != 1]
+    for _, _, flat in sorted(cands)[:remaining]:
+        keep[flat // T, flat % T] = True
+    return keep
+
+
+def assert_prefix_closed(keep, parents):
+    B, T = keep.shape
+    for b in range(B):
+        for i in range(T):
+            if keep[b, i] and parents[b, i] >= 0:
+                assert keep[b, parents[b, i]], f"request {b}: node {i} kept without its parent"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_select_nodes_matches_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, T = 5, 24
+    rho, parents, valid, depth = random_batch(B, T, g)
+    total, floor = int(valid.sum()), int((valid & (depth == 1)).sum())
+    for b_ver in (0, 1, floor, floor + 3, total // 2, total, total + 10):
+        keep = select_nodes(rho, parents, valid, depth, b_ver)
+        assert torch.equal(keep, reference_select(rho, valid, depth, b_ver)), f"b_ver={b_ver}"
+        assert_prefix_closed(keep, parents)
+        assert int(keep.sum()) == max(floor, min(b_ver, total))
+        assert not (keep & ~valid).any()
+        # log-probabilities select the same nodes (only the order matters)
+        assert torch.equal(keep, select_nodes(rho.log(), parents, valid, depth, torch.tensor(b_ver)))
+
+
+def test_fairness_floor_keeps_every_request_first_level():
+    g = torch.Generator().manual_seed(3)
+    B, T = 4, 16
+    rho, parents, valid, depth = random_batch(B, T, g)
+    rho[0] = torch.where(valid[0], torch.ones(T), rho[0])  # request 0 is far more confident
+    rho[1:] *= 1e-3
+    floor = valid & (depth == 1)
+    keep = select_nodes(rho, parents, valid, depth, int(floor.sum()) + 2)
+    assert (keep[floor]).all()
+    extra = keep & ~floor
+    assert int(extra.sum()) == min(2, int((valid & ~floor).sum()))
+    assert not extra[1:].any()  # the spare budget goes to the confident request
+
+
+def test_select_nodes_prefix_closed_even_if_rho_increases():
+    g = torch.Generator().manual_seed(9)
+    B, T = 4, 20
+    _, parents, valid, depth = random_batch(B, T, g)
+    rho = torch.rand(B, T, generator=g)  # not monotone along paths
+    for b_ver in range(0, int(valid.sum()) + 1, 3):
+        keep = select_nodes(rho, parents, valid, depth, b_ver)
+        assert_prefix_closed(keep, parents)
+        assert int(keep.sum()) == max(int((valid & (depth == 1)).sum()), min(b_ver, int(valid.sum())))
+
+
+def test_select_nodes_no_host_sync_on_meta():
+    m = dict(device="meta")
+    keep = select_nodes(torch.zeros(3, 8, **m), torch.zeros(3, 8, dtype=torch.long, **m),
+                        torch.ones(3, 8, dtype=torch.bool, **m), torch.ones(3, 8, dtype=torch.long, **m),
+                        torch.tensor(5, **m))
+    assert keep.is_meta and keep.shape == (3, 8)

@@ -1,0 +1,42 @@
+"""SamplingParams validation (bole/sampling_params.py)."""
+
+import dataclasses
+
+import pytest
+
+from bole.sampling_params import SamplingParams
+
+
+def test_defaults_and_normalisation():
+    p = SamplingParams()
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.min_tokens) == (1.0, 1.0, -1, 16, 0)
+    assert p.stop == () and p.stop_token_ids == () and p.seed is None and not p.ignore_eos
+    q = SamplingParams(temperature=0, top_k=0, stop="\n\n", stop_token_ids=[7, 9], seed=3)
+    assert q.greedy and q.temperature == 0.0 and q.effective_top_k == -1
+    assert q.stop == ("\n\n",) and q.stop_token_ids == (7, 9)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    assert SamplingParams(top_k=5).effective_top_k == 5
+    hash(q)  # immutable and hashable
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        q.temperature = 1.0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": -0.1}, "temperature .* got -0.1"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0.0}, "top_p must be in \\(0, 1\\], got 0.0"),
+    ({"top_p": 1.5}, "top_p .* got 1.5"),
+    ({"top_k": -2}, "top_k .* got -2"),
+    ({"top_k": 2.5}, "top_k .* got 2.5"),
+    ({"max_tokens": 0}, "max_tokens .* got 0"),
+    ({"min_tokens": -1}, "min_tokens .* got -1"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens=5 must not exceed max_tokens=4"),
+    ({"stop": [1]}, "stop must be"),
+    ({"stop": [""]}, "empty strings"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids .* got \\[-1\\]"),
+    ({"seed": 1.5}, "seed .* got 1.5"),
+    ({"ignore_eos": 1}, "ignore_eos"),
+])
+def test_invalid_values_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
