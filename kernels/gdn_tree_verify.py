@@ -1,0 +1,395 @@
+"""Parallel closed-form GDN tree verification (Bole Algorithm 1, DESIGN.md §2 eq. 2) in Triton.
+
+One program per (request b, value head h, value tile of BV columns). Everything that depends only on
+the tree, Q/K and the gates is built on chip from the packed forest:
+
+    M⁺[i, j] = anc[i, depth[j] − 1] == j         (j is an ancestor of i, or i itself)
+    logP     = M⁺ g                               (path log decay)
+    E[i, j]  = exp(logP_i − logP_j) on M⁺, else 0 (masked BEFORE exp: the ratio P_i / P_j, never divided)
+    G = D_β [(K Kᵀ) ⊙ E ⊙ M⁻],   C = (Q Kᵀ) ⊙ E
+    R = D_β (V − D_P K S_pre),   U = Σ_{m<d} (−G)^m R,   O = D_P Q S_pre + C U
+
+``method="neumann"`` evaluates U by Horner's rule (U ← R − G U, d−1 times; d = the request's depth).
+``method="inverse"`` forms W = (I+G)⁻¹ = Π_k (I + (−G)^{2^k}) in ⌈log₂ d⌉ squarings and C W once per
+program, then U = W R and O = D_P Q S_pre + (C W) R: fewer T×T×BV products when BV is large.
+
+With ``block_v == V`` there is one program per (request, head), so G and C are formed once per head,
+as the design asks; with BV < V they are recomputed per tile (Q Kᵀ and K Kᵀ on tensor cores for
+half-precision q/k, plus T² elementwise work) in exchange for V/BV times more programs, which is what
+fills the GPU at batch 1 and keeps the fp32 tiles in registers. `default_config` picks BV per batch.
+
+q/k L2 normalisation and the q scale are applied after the K-loop as diagonal scalings
+(diag(r_q) Q Kᵀ diag(r_k) etc.), so the raw q/k tiles enter tl.dot unchanged: with fp16/bf16 q/k
+on a GPU their products are exact in the fp32 accumulator and Q Kᵀ / K Kᵀ run on tensor cores.
+Every other product is fp32 with the caller's ``input_precision``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from bole.spec.tree import PackedForest
+
+MAX_NODES = 128
+L2NORM_EPS = 1e-6
+_FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
+_STATE_DTYPES = (torch.float32, torch.bfloat16)
+_PRECISIONS = ("ieee", "tf32", "tf32x3")
+_METHODS = ("neumann", "inverse")
+
+
+@triton.jit
+def gdn_tree_verify_kernel(
+    q, k, v, g, beta,               # [N, HK, K], [N, HK, K], [N, HV, V], [N, HV], [N, HV]
+    h0, state_indices,              # pool [slots, HV, V, K], [B]
+    cu_seqlens, depth, anc,         # [B+1], [N], [N, D_ANC]
+    o, u, logp,                     # [N, HV, V] (v's dtype), [N, HV, V] fp32, [N, HV] fp32
+    scale, num_rounds,              # num_rounds < 0: each request's own depth (exact)
+    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, D_ANC: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_L2NORM: tl.constexpr, HAS_H0: tl.constexpr, HAS_INDICES: tl.constexpr,
+    INVERSE: tl.constexpr, LOWP_QK: tl.constexpr, LOWP_S: tl.constexpr, SPLIT_S: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    i_b, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hk = i_h // (HV // HK)
+    bos = tl.load(cu_seqlens + i_b).to(tl.int64)
+    T = (tl.load(cu_seqlens + i_b + 1).to(tl.int64) - bos).to(tl.int32)
+
+    o_t = tl.arange(0, BT)
+    m_t = o_t < T
+    m_tt = m_t[:, None] & m_t[None, :]
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_tv = m_t[:, None] & m_v[None, :]
+
+    # ---- tree relation: M⁺[i, j] iff the ancestor of i at depth(j) is j
+    b_depth = tl.load(depth + bos + o_t, mask=m_t, other=1)
+    b_anc = tl.load(anc + (bos + o_t[:, None]) * D_ANC + (b_depth[None, :] - 1), mask=m_tt, other=-1)
+    m_plus = b_anc == o_t[None, :]
+    m_minus = m_plus & (o_t[:, None] != o_t[None, :])
+    if num_rounds < 0:
+        n_rounds = tl.max(tl.where(m_t, b_depth, 0), axis=0)
+    else:
+        n_rounds = num_rounds + tl.zeros([], tl.int32)
+
+    # ---- gates and path log decays (logP = M⁺ g), [BT]
+    b_g = tl.load(g + (bos + o_t) * HV + i_h, mask=m_t, other=0).to(tl.float32)
+    b_beta = tl.load(beta + (bos + o_t) * HV + i_h, mask=m_t, other=0).to(tl.float32)
+    b_lp = tl.sum(tl.where(m_plus, b_g[None, :], 0.0), axis=1)
+
+    # ---- one pass over K: Q Kᵀ, K Kᵀ [BT, BT]; Q S_pre, K S_pre [BT, BV]; sums of squares [BT]
+    b_qk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_kk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_qs = tl.zeros([BT, BV], dtype=tl.float32)
+    b_ks = tl.zeros([BT, BV], dtype=tl.float32)
+    b_q2 = tl.zeros([BT], dtype=tl.float32)
+    b_k2 = tl.zeros([BT], dtype=tl.float32)
+    if HAS_INDICES:
+        i_slot = tl.load(state_indices + i_b).to(tl.int64)
+    else:
+        i_slot = i_b.to(tl.int64)
+    p_h0 = h0 + (i_slot * HV + i_h) * V * K
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        p_qk = ((bos + o_t[:, None]) * HK + i_hk) * K + o_k[None, :]
+        b_q = tl.load(q + p_qk, mask=m_tk, other=0)
+        b_k = tl.load(k + p_qk, mask=m_tk, other=0)
+        b_qf = b_q.to(tl.float32)
+        b_kf = b_k.to(tl.float32)
+        if USE_L2NORM:
+            b_q2 += tl.sum(b_qf * b_qf, axis=1)
+            b_k2 += tl.sum(b_kf * b_kf, axis=1)
+        if LOWP_QK:
+            # fp16/bf16 products are exact in the fp32 accumulator: tensor cores at no loss
+            b_qk += tl.dot(b_q, tl.trans(b_k))
+            b_kk += tl.dot(b_k, tl.trans(b_k))
+        else:
+            b_qk += tl.dot(b_qf, tl.trans(b_kf), input_precision=PRECISION)
+            b_kk += tl.dot(b_kf, tl.trans(b_kf), input_precision=PRECISION)
+        if HAS_H0:
+            # S_preᵀ tile [BV, BK] (the pool holds Sᵀ, K contiguous): read once per program
+            b_s = tl.load(p_h0 + o_v[:, None] * K + o_k[None, :], mask=m_v[:, None] & m_k[None, :], other=0)
+            if LOWP_S:
+                b_qs += tl.dot(b_q, tl.trans(b_s))
+                b_ks += tl.dot(b_k, tl.trans(b_s))
+            elif SPLIT_S:
+                # bf16 q/k against an fp32 pool: S = hi + mid + lo in bf16 (8 + 8 + 8 mantissa bits)
+                # makes each product exact, so three bf16 MMAs reproduce the fp32 product
+                b_sf = b_s.to(tl.float32)
+                b_hi = b_sf.to(tl.bfloat16)
+                b_rem = b_sf - b_hi.to(tl.float32)
+                b_mid = b_rem.to(tl.bfloat16)
+                b_lo = (b_rem - b_mid.to(tl.float32)).to(tl.bfloat16)
+                b_qs += tl.dot(b_q, tl.trans(b_hi))
+                b_qs += tl.dot(b_q, tl.trans(b_mid))
+                b_qs += tl.dot(b_q, tl.trans(b_lo))
+                b_ks += tl.dot(b_k, tl.trans(b_hi))
+                b_ks += tl.dot(b_k, tl.trans(b_mid))
+                b_ks += tl.dot(b_k, tl.trans(b_lo))
+            else:
+                b_sf = tl.trans(b_s.to(tl.float32))
+                b_qs += tl.dot(b_qf, b_sf, input_precision=PRECISION)
+                b_ks += tl.dot(b_kf, b_sf, input_precision=PRECISION)
+
+    # normalisation and scale as diagonal scalings: r_q = scale / ||q||, r_k = 1 / ||k||
+    if USE_L2NORM:
+        b_rq = scale * tl.rsqrt(b_q2 + 1e-6)
+        b_rk = tl.rsqrt(b_k2 + 1e-6)
+        b_qk = b_qk * (b_rq[:, None] * b_rk[None, :])
+        b_kk = b_kk * (b_rk[:, None] * b_rk[None, :])
+        b_qs = b_qs * b_rq[:, None]
+        b_ks = b_ks * b_rk[:, None]
+    else:
+        b_qk = b_qk * scale
+        b_qs = b_qs * scale
+
+    # ---- E = P_i / P_j on M⁺ (masked before exp), G, C, R
+    b_e = tl.exp(tl.where(m_plus, b_lp[:, None] - b_lp[None, :], float("-inf")))
+    b_G = tl.where(m_minus, b_beta[:, None] * b_kk * b_e, 0.0)
+    b_C = b_qk * b_e
+    b_p = tl.exp(b_lp)
+    p_v = ((bos + o_t[:, None]) * HV + i_h) * V + o_v[None, :]
+    b_v = tl.load(v + p_v, mask=m_tv, other=0).to(tl.float32)
+    b_r = b_beta[:, None] * (b_v - b_p[:, None] * b_ks)
+
+    if INVERSE:
+        # W = Π_k (I + A^{2^k}), A = −G: after the loop W = Σ_{m<n} A^m with n ≥ d, exact as A^d = 0
+        b_a = -b_G
+        b_w = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0) + b_a
+        n_terms = 2 + tl.zeros([], tl.int32)
+        while n_terms < n_rounds:
+            b_a = tl.dot(b_a, b_a, input_precision=PRECISION)
+            b_w += tl.dot(b_w, b_a, input_precision=PRECISION)
+            n_terms *= 2
+        b_u = tl.dot(b_w, b_r, input_precision=PRECISION)
+        b_m = tl.dot(b_C, b_w, input_precision=PRECISION)
+        b_o = tl.dot(b_m, b_r, acc=b_p[:, None] * b_qs, input_precision=PRECISION)
+    else:
+        # Horner: U ← R − G U, n_rounds − 1 times gives Σ_{m<n_rounds} (−G)^m R
+        b_u = b_r
+        n_left = n_rounds - 1
+        while n_left > 0:
+            b_u = b_r - tl.dot(b_G, b_u, input_precision=PRECISION)
+            n_left -= 1
+        b_o = tl.dot(b_C, b_u, acc=b_p[:, None] * b_qs, input_precision=PRECISION)
+
+    tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_tv)
+    tl.store(u + p_v, b_u, mask=m_tv)
+    if i_v == 0:
+        tl.store(logp + (bos + o_t) * HV + i_h, b_lp, mask=m_t)
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    """Launch configuration: K chunk, value tile, warps and pipeline stages of one program."""
+
+    block_k: int
+    block_v: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+# Every configuration the benchmark may sweep (filtered per shape by `configs_for`).
+CONFIGS = [VerifyConfig(bk, bv, w, s) for bk in (32, 64, 128) for bv in (16, 32, 64, 128)
+           for w in (4, 8) for s in (1, 2, 3)]
+
+# Defaults keyed by the tree tile BT: (block_k, widest block_v, num_warps); K and V clamp them.
+# Chosen from ptxas -v on sm_90a (Qwen3.5-9B heads, bf16 q/k, fp32 pool, ieee), not from timings:
+# at BT=64 every 4-warp program spills; with 8 warps BV=16 uses 197 registers and no spill, BV=32
+# spills ~300 B, BV=64 ~600 B, BV=128 ~1.9 KB (the fp32 FMA dots hold whole K strips of their
+# operands in registers). BK=32 spills least. BT=32 with BV=64 and 8 warps spills 16 B.
+_DEFAULTS = {16: (64, 64, 4), 32: (64, 64, 8), 64: (32, 64, 8), 128: (32, 32, 8)}
+_SMEM_BUDGET = 160 * 1024  # bytes of pipelined K-chunk operands per program (H200: 228 KB/SM)
+
+
+def _defaults(BT: int) -> tuple[int, int, int]:
+    return _DEFAULTS[BT]
+
+
+def configs_for(K: int, V: int, BT: int) -> list[VerifyConfig]:
+    """The configurations in `CONFIGS` worth trying for one shape: BV ≤ V, BK ≤ K (rounded up), a
+    K loop long enough for the stages, and q/k/S_pre chunks (fp32 worst case) within shared memory."""
+    vmax = triton.next_power_of_2(V)
+    kmax = max(16, triton.next_power_of_2(K))
+    smem = lambda c: c.num_stages * (2 * BT * c.block_k + c.block_v * c.block_k) * 4
+    out: list[VerifyConfig] = []
+    for c in CONFIGS:
+        c = VerifyConfig(min(c.block_k, kmax), c.block_v, c.num_warps, c.num_stages)
+        if (c.block_v <= vmax and (c.num_stages == 1 or c.num_stages <= kmax // c.block_k)
+                and smem(c) <= _SMEM_BUDGET and c not in out):
+            out.append(c)
+    return out
+
+
+def default_config(K: int, V: int, BT: int, num_heads_x_requests: int | None = None,
+                   block_v: int | None = None) -> VerifyConfig:
+    """Pick a launch configuration (see `_DEFAULTS` for the register reasoning).
+
+    block_v: explicit value tile. By default the table's widest tile (64 at BT=64: G and C are then
+    formed once per two value tiles at Qwen3.5 shapes), halved down to 16 while the grid would have
+    fewer than ~2 programs per SM: at batch 1 Qwen3.5-9B has only 32 (request, head) pairs for 132
+    SMs, so BV=16 gives 256 programs; at batch 16, BV=64 gives 1024.
+    """
+    vmax = triton.next_power_of_2(V)
+    kmax = max(16, triton.next_power_of_2(K))
+    bk, bv_max, num_warps = _defaults(BT)
+    if block_v is None:
+        block_v = max(16, min(vmax, bv_max))
+        if num_heads_x_requests is not None and torch.cuda.is_available():
+            target = 2 * torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+            while block_v > 16 and num_heads_x_requests * triton.cdiv(V, block_v) < target:
+                block_v //= 2
+    bk = min(bk, kmax)
+    return VerifyConfig(block_k=bk, block_v=block_v, num_warps=num_warps, num_stages=2 if K > bk else 1)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def launch_gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state_indices, scale,
+                           use_qk_l2norm, num_rounds, o, u, logp, config: VerifyConfig,
+                           input_precision: str, method: str):
+    """Launcher: contiguous [N, H, D] views, grid (B, HV, V / BV). Outputs are preallocated."""
+    _, N, HK, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    B = forest.num_requests
+    BT = max(16, triton.next_power_of_2(forest.max_nodes))
+    BV, BK = config.block_v, config.block_k
+    lowp_qk = q.dtype == k.dtype and q.dtype in (torch.float16, torch.bfloat16) and not _interpreting()
+    has_h0 = initial_state is not None
+    lowp_s = lowp_qk and has_h0 and initial_state.dtype == q.dtype
+    # bf16 q/k with an fp32 pool: split S into 3 bf16 terms unless plain tf32 was asked for (cheaper)
+    split_s = (lowp_qk and has_h0 and not lowp_s and q.dtype == torch.bfloat16
+               and initial_state.dtype == torch.float32 and input_precision != "tf32")
+    grid = (B, HV, triton.cdiv(V, BV))
+    gdn_tree_verify_kernel[grid](
+        q[0].contiguous(), k[0].contiguous(), v[0].contiguous(), g[0].contiguous(), beta[0].contiguous(),
+        initial_state if has_h0 else q, state_indices if state_indices is not None else forest.cu_seqlens,
+        forest.cu_seqlens, forest.depth, forest.anc.contiguous(),
+        o[0], u, logp,
+        float(scale), -1 if num_rounds is None else int(num_rounds),
+        HK=HK, HV=HV, K=K, V=V, D_ANC=forest.anc.shape[1], BT=BT, BK=BK, BV=BV,
+        USE_L2NORM=bool(use_qk_l2norm), HAS_H0=has_h0, HAS_INDICES=state_indices is not None,
+        INVERSE=method == "inverse", LOWP_QK=lowp_qk, LOWP_S=lowp_s, SPLIT_S=split_s,
+        PRECISION=input_precision,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return o, u, logp
+
+
+def _check_out(name, t, shape, dtype, device):
+    if t is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {tuple(shape)} on {device}, "
+                         f"got {t.dtype} {tuple(t.shape)} on {t.device}"
+                         + ("" if t.is_contiguous() else " (not contiguous)"))
+    return t
+
+
+def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state_indices=None,
+                    scale=None, use_qk_l2norm=False, num_rounds=None, u_out=None, logp_out=None,
+                    o_out=None, *, block_v: int | None = None, config: VerifyConfig | None = None,
+                    input_precision: str = "ieee", method: str = "neumann"):
+    """Closed-form parallel GDN tree verification (Theorem 1, eq. 2); twin: `bole.ops.gdn.gdn_tree_verify`.
+
+    Args:
+        q, k: [1, N, HK, K] (fp32, fp16 or bf16); v: [1, N, HV, V]; g (log decay), beta: [1, N, HV].
+        forest: the packed draft trees (N nodes, at most 128 per tree), on q's device.
+        initial_state: the state pool [slots, HV, V, K] (fp32 or bf16, K contiguous), read by slot,
+            never written; None means zero states.
+        state_indices: int [B] pool slot of each request (default: request b reads slot b).
+        scale: q scale (default K ** -0.5). use_qk_l2norm: L2-normalise q and k in the kernel.
+        num_rounds: Neumann terms (default: each request's depth, exact). Neumann method only.
+        u_out, logp_out, o_out: optional preallocated outputs (e.g. slices of the all-layer factor
+            buffer [L, N, HV, V] / [L, N, HV]); they must be contiguous with the shapes below.
+        block_v: value tile BV (power of two); default: see `default_config`.
+        config: a `VerifyConfig` (overrides the default; `block_v` still overrides its tile).
+        input_precision: fp32 tl.dot precision, "ieee" (exact, default), "tf32" or "tf32x3" (GPU only).
+        method: "neumann" (Horner on the finite series) or "inverse" (product-form (I+G)⁻¹).
+    Returns:
+        o [1, N, HV, V] in v's dtype, u [N, HV, V] fp32 and logp [N, HV] fp32 (the commit's factors).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in _FLOAT_INPUTS:
+            raise ValueError(f"{name} must be a float32/float16/bfloat16 tensor, got "
+                             f"{getattr(t, 'dtype', type(t))}")
+    if q.dim() != 4 or q.shape[0] != 1:
+        raise ValueError(f"q must be [1, N, HK, K], got {tuple(q.shape)}")
+    if k.shape != q.shape:
+        raise ValueError(f"k shape {tuple(k.shape)} != q shape {tuple(q.shape)}")
+    _, N, HK, K = q.shape
+    if v.dim() != 4 or tuple(v.shape[:2]) != (1, N):
+        raise ValueError(f"v must be [1, {N}, HV, V], got {tuple(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    if HV % HK != 0:
+        raise ValueError(f"value heads HV={HV} must be a multiple of key heads HK={HK}")
+    for name, t in (("g", g), ("beta", beta)):
+        if tuple(t.shape) != (1, N, HV):
+            raise ValueError(f"{name} must be [1, {N}, {HV}], got {tuple(t.shape)}")
+    if K > 256 or V > 256:
+        raise ValueError(f"head dims K={K}, V={V} exceed 256")
+    if not isinstance(forest, PackedForest):
+        raise ValueError(f"forest must be a PackedForest, got {type(forest)}")
+    if forest.num_nodes != N:
+        raise ValueError(f"forest has {forest.num_nodes} nodes but the inputs have {N} tokens")
+    if forest.max_nodes > MAX_NODES:
+        raise ValueError(f"a tree of {forest.max_nodes} nodes exceeds the kernel's limit of {MAX_NODES}")
+    dev = q.device
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("forest", forest.parents)):
+        if t.device != dev:
+            raise ValueError(f"{name} is on {t.device}, q on {dev}")
+    B = forest.num_requests
+    if initial_state is not None:
+        if initial_state.dim() != 4 or tuple(initial_state.shape[1:]) != (HV, V, K):
+            raise ValueError(f"initial_state must be [slots, {HV}, {V}, {K}], "
+                             f"got {tuple(initial_state.shape)}")
+        if initial_state.dtype not in _STATE_DTYPES:
+            raise ValueError(f"initial_state must be float32 or bfloat16, got {initial_state.dtype}")
+        if not initial_state.is_contiguous():
+            raise ValueError("initial_state must be contiguous (K fastest)")
+        if initial_state.device != dev:
+            raise ValueError(f"initial_state is on {initial_state.device}, q on {dev}")
+        if state_indices is None and initial_state.shape[0] < B:
+            raise ValueError(f"{B} requests but only {initial_state.shape[0]} state slots")
+    if state_indices is not None:
+        if state_indices.dim() != 1 or state_indices.numel() != B:
+            raise ValueError(f"state_indices must be [{B}] (one slot per request), "
+                             f"got {tuple(state_indices.shape)}")
+        if state_indices.dtype not in (torch.int32, torch.int64) or state_indices.device != dev:
+            raise ValueError(f"state_indices must be int32/int64 on {dev}, got {state_indices.dtype} "
+                             f"on {state_indices.device}")
+    if input_precision not in _PRECISIONS:
+        raise ValueError(f"input_precision must be one of {_PRECISIONS}, got {input_precision!r}")
+    if method not in _METHODS:
+        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+    if method == "inverse" and num_rounds is not None:
+        raise ValueError("num_rounds applies to method='neumann' only")
+    if num_rounds is not None and int(num_rounds) < 1:
+        raise ValueError(f"num_rounds must be >= 1, got {num_rounds}")
+
+    BT = max(16, triton.next_power_of_2(forest.max_nodes))
+    if config is None:
+        config = default_config(K, V, BT, B * HV, block_v)
+    elif block_v is not None:
+        config = VerifyConfig(config.block_k, block_v, config.num_warps, config.num_stages)
+    if config.block_v < 16 or config.block_v & (config.block_v - 1):
+        raise ValueError(f"block_v must be a power of two >= 16, got {config.block_v}")
+    if config.block_k < 16 or config.block_k & (config.block_k - 1):
+        raise ValueError(f"block_k must be a power of two >= 16, got {config.block_k}")
+
+    o = _check_out("o_out", o_out, (1, N, HV, V), v.dtype, dev)
+    u = _check_out("u_out", u_out, (N, HV, V), torch.float32, dev)
+    logp = _check_out("logp_out", logp_out, (N, HV), torch.float32, dev)
+    scale = K ** -0.5 if scale is None else float(scale)
+    return launch_gdn_tree_verify(q, k, v, g, beta, forest, initial_state, state_indices, scale,
+                                  use_qk_l2norm, num_rounds, o, u, logp, config, input_precision, method)

@@ -1,0 +1,266 @@
+"""The Triton tree verifier (kernels/gdn_tree_verify.py) against its naive twin (bole/ops/gdn.py).
+
+The reference runs in float64 on the same (possibly fp16/bf16) input values, so the kernel's fp32
+result must agree to fp32 rounding; outputs are poisoned with NaN so an unwritten element fails;
+the state pool must be bitwise unchanged. Shapes are small: the CPU runs these under the Triton
+interpreter.
+"""
+
+import pytest
+import torch
+
+from bole.ops import gdn as ref
+from bole.spec.tree import DraftTree, PackedForest, random_tree
+from kernels.gdn_tree_verify import CONFIGS, VerifyConfig, configs_for, default_config, gdn_tree_verify
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all(), "non-finite values (an unwritten output?)"
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make_forest(sizes, seed, device, depth=5):
+    gen = torch.Generator().manual_seed(seed)
+    trees = [DraftTree([-1]) if n == 1 else random_tree(n, depth, gen) for n in sizes]
+    return PackedForest.from_trees(trees, device=device)
+
+
+def make_inputs(forest, HK, HV, K, V, dtype, pool_dtype, seed, device, slots=6, gate_dtype=None):
+    gen = torch.Generator().manual_seed(seed)
+    N = forest.num_nodes
+    r = lambda *s: torch.randn(*s, generator=gen)
+    gate_dtype = dtype if gate_dtype is None else gate_dtype
+    q = r(1, N, HK, K).to(device, dtype)
+    k = (r(1, N, HK, K) * 0.4).to(device, dtype)
+    v = r(1, N, HV, V).to(device, dtype)
+    g = (-torch.rand(1, N, HV, generator=gen) * 0.7).to(device, gate_dtype)
+    beta = torch.rand(1, N, HV, generator=gen).to(device, gate_dtype)
+    pool = (r(slots, HV, V, K) * 0.2).to(device, pool_dtype)
+    perm = torch.randperm(slots, generator=gen)[: forest.num_requests].to(device)
+    return q, k, v, g, beta, pool, perm
+
+
+def reference(q, k, v, g, beta, forest, pool, indices, **kw):
+    """The twin in float64 on exactly the kernel's input values."""
+    d = lambda t: None if t is None else t.double()
+    return ref.gdn_tree_verify(d(q), d(k), d(v), d(g), d(beta), forest, d(pool), indices, **kw)
+
+
+def poisoned(q, v, HV):
+    N, V = q.shape[1], v.shape[3]
+    return dict(o_out=torch.full((1, N, HV, V), float("nan"), dtype=v.dtype, device=v.device),
+                u_out=torch.full((N, HV, V), float("nan"), device=v.device),
+                logp_out=torch.full((N, HV), float("nan"), device=v.device))
+
+
+O_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}  # o is stored in v's dtype
+
+
+def check(forest, HK, HV, K, V, dtype, pool_dtype, l2, seed, device, method="neumann", **kw):
+    q, k, v, g, beta, pool, idx = make_inputs(forest, HK, HV, K, V, dtype, pool_dtype, seed, device)
+    pool_before = pool.clone()
+    outs = poisoned(q, v, HV)
+    o, u, logp = gdn_tree_verify(q, k, v, g, beta, forest, pool, idx, use_qk_l2norm=l2, method=method,
+                                 **outs, **kw)
+    assert o.data_ptr() == outs["o_out"].data_ptr() and u.data_ptr() == outs["u_out"].data_ptr()
+    assert logp.data_ptr() == outs["logp_out"].data_ptr()
+    assert torch.equal(pool, pool_before), "verification wrote the state pool"
+    assert o.dtype == v.dtype and u.dtype == torch.float32 and logp.dtype == torch.float32
+    o_r, u_r, lp_r = reference(q, k, v, g, beta, forest, pool, idx, use_qk_l2norm=l2)
+    assert rel_err(o, o_r) < O_TOL[dtype]
+    assert rel_err(u, u_r) < 1e-5
+    assert rel_err(logp, lp_r) < 1e-5
+    return o, u, logp
+
+
+@pytest.mark.parametrize("HK,HV", [(2, 4), (2, 2)])
+@pytest.mark.parametrize("l2", [False, True])
+@pytest.mark.parametrize("method", ["neumann", "inverse"])
+def test_matches_twin_fp32(device, HK, HV, l2, method):
+    forest = make_forest([1, 7, 13], seed=0, device=device)
+    check(forest, HK, HV, 32, 16, torch.float32, torch.float32, l2, seed=1, device=device, method=method)
+
+
+@pytest.mark.parametrize("dtype,pool_dtype,l2", [
+    (torch.float16, torch.float32, True), (torch.float16, torch.bfloat16, False),
+    (torch.bfloat16, torch.float32, True), (torch.bfloat16, torch.bfloat16, True),
+    (torch.float32, torch.bfloat16, False),
+])
+def test_matches_twin_low_precision(device, dtype, pool_dtype, l2):
+    forest = make_forest([5, 1, 11], seed=2, device=device)
+    check(forest, 1, 2, 32, 16, dtype, pool_dtype, l2, seed=3, device=device)
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_random_forests_odd_sizes(device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [int(x) for x in torch.randint(1, 16, (3,), generator=gen)]
+    forest = make_forest(sizes, seed=seed, device=device, depth=6)
+    check(forest, 2, 4, 16, 16, torch.float32, torch.float32, True, seed=seed, device=device)
+
+
+def test_deep_chain_and_wider_tile(device):
+    # depth 9 chain (Neumann rounds > 8, inverse with a non power-of-two depth) beside a 17-node
+    # tree (BT = 32): both methods, the inverse squaring four times
+    gen = torch.Generator().manual_seed(6)
+    forest = PackedForest.from_trees([DraftTree.chain(9), random_tree(17, 4, gen)], device=device)
+    for method in ("neumann", "inverse"):
+        check(forest, 1, 1, 16, 16, torch.float32, torch.float32, False, seed=7, device=device, method=method)
+
+
+def test_value_tiles_and_k_chunks(device):
+    # BV < V (G/C recomputed per tile) and BK < K (several K chunks, l2norm across chunks)
+    forest = make_forest([7, 3], seed=8, device=device)
+    a = check(forest, 1, 2, 64, 32, torch.float32, torch.float32, True, seed=9, device=device,
+              config=VerifyConfig(block_k=32, block_v=16))
+    b = check(forest, 1, 2, 64, 32, torch.float32, torch.float32, True, seed=9, device=device, block_v=32)
+    for x, y in zip(a, b, strict=True):
+        assert rel_err(x, y) < 1e-6
+
+
+def test_head_dim_256(device):
+    forest = make_forest([3, 2], seed=10, device=device)
+    check(forest, 1, 1, 256, 16, torch.float32, torch.float32, True, seed=11, device=device)
+
+
+def test_matches_serial_recurrence_and_per_tree(device):
+    # O also equals the serial per-node recurrence; a forest equals its trees verified one by one
+    forest = make_forest([6, 9], seed=12, device=device)
+    q, k, v, g, beta, pool, idx = make_inputs(forest, 1, 2, 16, 16, torch.float32, torch.float32, 13, device)
+    o, u, logp = gdn_tree_verify(q, k, v, g, beta, forest, pool, idx, use_qk_l2norm=True)
+    d = lambda t: t.double()
+    o_s, _ = ref.gdn_tree_serial(d(q), d(k), d(v), d(g), d(beta), forest, d(pool), idx, use_qk_l2norm=True)
+    assert rel_err(o, o_s) < 1e-5
+    cu = forest.cu_seqlens.tolist()
+    for b in range(forest.num_requests):
+        s, e = cu[b], cu[b + 1]
+        fb = PackedForest.from_trees([forest.tree(b)], device=device)
+        ob, ub, lb = gdn_tree_verify(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], fb, pool,
+                                     idx[b:b + 1], use_qk_l2norm=True)
+        assert rel_err(ob, o[:, s:e]) < 1e-6 and rel_err(ub, u[s:e]) < 1e-6
+        assert rel_err(lb, logp[s:e]) < 1e-6
+
+
+def test_defaults_no_indices_zero_state_and_num_rounds(device):
+    forest = make_forest([4, 7], seed=14, device=device)
+    q, k, v, g, beta, pool, _ = make_inputs(forest, 2, 4, 16, 16, torch.float32, torch.float32, 15, device)
+    # state_indices None: request b reads slot b
+    o, u, _ = gdn_tree_verify(q, k, v, g, beta, forest, pool, scale=0.3)
+    o_r, u_r, _ = reference(q, k, v, g, beta, forest, pool, None, scale=0.3)
+    assert rel_err(o, o_r) < 1e-5 and rel_err(u, u_r) < 1e-5
+    # initial_state None: zero states
+    o, u, _ = gdn_tree_verify(q, k, v, g, beta, forest, None)
+    o_r, u_r, _ = reference(q, k, v, g, beta, forest, None, None)
+    assert rel_err(o, o_r) < 1e-5 and rel_err(u, u_r) < 1e-5
+    # truncated Neumann series follows the twin's num_rounds
+    o, u, _ = gdn_tree_verify(q, k, v, g, beta, forest, pool, num_rounds=2)
+    o_r, u_r, _ = reference(q, k, v, g, beta, forest, pool, None, num_rounds=2)
+    assert rel_err(o, o_r) < 1e-5 and rel_err(u, u_r) < 1e-5
+
+
+def test_config_table():
+    cfgs = configs_for(128, 128, 64)
+    assert cfgs and all(VerifyConfig(64, c.block_v, c.num_warps, c.num_stages) in CONFIGS for c in cfgs
+                        if c.block_k == 64)
+    assert default_config(128, 128, 64) in cfgs
+    assert {c.block_v for c in cfgs} >= {32, 64, 128} and {c.num_warps for c in cfgs} == {4, 8}
+    small = configs_for(16, 32, 16)
+    assert small and all(c.block_v <= 32 and c.block_k == 16 for c in small)
+
+
+def _bad_inputs(device):
+    forest = make_forest([3, 4], seed=16, device=device)
+    return forest, make_inputs(forest, 2, 4, 16, 16, torch.float32, torch.float32, 17, device)
+
+
+@pytest.mark.parametrize("case", [
+    "q_rank", "k_shape", "v_tokens", "gqa", "g_shape", "beta_shape", "dtype_int", "dtype_f64",
+    "forest_size", "too_many_nodes", "pool_shape", "pool_dtype", "indices_len", "out_shape",
+    "out_dtype", "block_v", "precision", "method", "inverse_rounds",
+])
+def test_bad_inputs_raise(device, case):
+    forest, (q, k, v, g, beta, pool, idx) = _bad_inputs(device)
+    N = q.shape[1]
+    kw = dict(q=q, k=k, v=v, g=g, beta=beta, forest=forest, initial_state=pool, state_indices=idx)
+    if case == "q_rank":
+        kw.update(q=q[0], k=k[0])
+    elif case == "k_shape":
+        kw.update(k=k[..., :8])
+    elif case == "v_tokens":
+        kw.update(v=v[:, :-1])
+    elif case == "gqa":
+        kw.update(q=torch.randn(1, N, 3, 16), k=torch.randn(1, N, 3, 16))
+    elif case == "g_shape":
+        kw.update(g=g[0])
+    elif case == "beta_shape":
+        kw.update(beta=beta[..., :2])
+    elif case == "dtype_int":
+        kw.update(q=q.to(torch.int32))
+    elif case == "dtype_f64":
+        kw.update(v=v.double())
+    elif case == "forest_size":
+        kw.update(forest=make_forest([3, 5], seed=16, device=device))
+    elif case == "too_many_nodes":
+        big = PackedForest.from_trees([DraftTree([-1] * 129)], device=device)
+        kw = dict(q=torch.randn(1, 129, 2, 16), k=torch.randn(1, 129, 2, 16), v=torch.randn(1, 129, 4, 16),
+                  g=-torch.rand(1, 129, 4), beta=torch.rand(1, 129, 4), forest=big, initial_state=None)
+    elif case == "pool_shape":
+        kw.update(initial_state=pool[:, :, :, :8])
+    elif case == "pool_dtype":
+        kw.update(initial_state=pool.half())
+    elif case == "indices_len":
+        kw.update(state_indices=idx[:1])
+    elif case == "out_shape":
+        kw.update(u_out=torch.empty(N, 4, 8))
+    elif case == "out_dtype":
+        kw.update(logp_out=torch.empty(N, 4, dtype=torch.float16))
+    elif case == "block_v":
+        kw.update(block_v=24)
+    elif case == "precision":
+        kw.update(input_precision="fp8")
+    elif case == "method":
+        kw.update(method="lu")
+    elif case == "inverse_rounds":
+        kw.update(method="inverse", num_rounds=3)
+    with pytest.raises(ValueError):
+        gdn_tree_verify(**kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_low_precision_dot_paths(device, dtype, pool_dtype):
+    # compiled only: half-precision q/k (and a matching pool) enter tl.dot natively
+    forest = make_forest([64, 33, 1], seed=18, device=device, depth=8)
+    check(forest, 2, 4, 128, 128, dtype, pool_dtype, True, seed=19, device=device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["neumann", "inverse"])
+@pytest.mark.parametrize("precision,tol", [("tf32", 2e-2), ("tf32x3", 1e-5)])
+def test_gpu_tf32(device, method, precision, tol):
+    forest = make_forest([64, 20], seed=20, device=device, depth=8)
+    q, k, v, g, beta, pool, idx = make_inputs(forest, 2, 4, 128, 128, torch.float32, torch.float32, 21,
+                                              device)
+    o, u, _ = gdn_tree_verify(q, k, v, g, beta, forest, pool, idx, use_qk_l2norm=True, method=method,
+                              input_precision=precision)
+    o_r, u_r, _ = reference(q, k, v, g, beta, forest, pool, idx, use_qk_l2norm=True)
+    assert rel_err(o, o_r) < tol and rel_err(u, u_r) < tol
+
+
+@pytest.mark.gpu
+def test_gpu_all_configs_qwen_shapes(device):
+    # the configurations the benchmark sweeps first compile and are exact at Qwen3.5-9B head shapes
+    forest = make_forest([64, 64], seed=22, device=device, depth=8)
+    q, k, v, g, beta, pool, idx = make_inputs(forest, 2, 4, 128, 128, torch.bfloat16, torch.float32, 23,
+                                              device)
+    o_r, u_r, _ = reference(q, k, v, g, beta, forest, pool, idx, use_qk_l2norm=True)
+    base = default_config(128, 128, 64)
+    for cfg in configs_for(128, 128, 64):
+        if (cfg.block_k, cfg.num_stages) != (base.block_k, base.num_stages):
+            continue  # block_v x num_warps only: every config is a separate compile
+        for method in ("neumann", "inverse"):
+            o, u, _ = gdn_tree_verify(q, k, v, g, beta, forest, pool, idx, use_qk_l2norm=True, config=cfg,
+                                      method=method)
+            assert rel_err(u, u_r) < 1e-5, (cfg, method)
