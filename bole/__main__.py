@@ -1,0 +1,57 @@
+"""Command line: ``python -m bole generate --model PATH --prompt ... [--mode bole|ar|serial_tree]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from bole.config import ENGINE_MODES, CacheConfig, EngineConfig, SpecConfig
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bole")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate completions for prompts")
+    g.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    g.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    g.add_argument("--mode", choices=ENGINE_MODES, default=EngineConfig.mode)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--device", default=EngineConfig.device)
+    g.add_argument("--dtype", default=EngineConfig.dtype)
+    g.add_argument("--depth", type=int, default=SpecConfig.depth)
+    g.add_argument("--topk", type=int, default=SpecConfig.topk)
+    g.add_argument("--beam", type=int, default=SpecConfig.beam)
+    g.add_argument("--num-blocks", type=int, default=CacheConfig.num_blocks)
+    g.add_argument("--json", action="store_true", help="print one JSON object per prompt and the metrics")
+    a = p.parse_args(argv)
+
+    from bole import LLM, SamplingParams
+
+    llm = LLM(a.model, mode=a.mode, device=a.device, dtype=a.dtype, depth=a.depth, topk=a.topk, beam=a.beam,
+              num_blocks=a.num_blocks)
+    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
+                            seed=a.seed)
+    t0 = time.perf_counter()
+    outs = llm.generate(a.prompt, params, use_tqdm=True)
+    dt = time.perf_counter() - t0
+    n = sum(len(o.token_ids) for o in outs)
+    m = llm.engine.metrics.snapshot()
+    for o in outs:
+        if a.json:
+            print(json.dumps({"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}))
+        else:
+            print(o.text)
+    summary = {"mode": a.mode, "tokens": n, "seconds": round(dt, 3), "tokens_per_s": round(n / dt, 2),
+               "mat": round(m["mat"], 3)}
+    print(json.dumps(summary) if a.json else summary, file=sys.stdout if a.json else sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""The one place where GDN compute backends are chosen (STYLE item 4).
+
+A ``GDNBackend`` bundles the four sequence/tree operations a GDN layer needs, all with the
+signatures of the naive twins in ``bole.ops`` (flash-linear-attention conventions, states stored
+transposed [.., V, K]):
+
+    prefill(q, k, v, g, beta, scale, initial_state, state_indices, cu_seqlens, use_qk_l2norm)
+        -> (o [1, N, HV, V], final_state [B, HV, V, K])              (reads the pool, never writes)
+    decode(...same...)                                                one token per sequence
+    tree_verify(q, k, v, g, beta, forest, initial_state, state_indices, scale, use_qk_l2norm)
+        -> (o, u [N, HV, V], logp [N, HV])                            closed form, read only
+    commit(state_pool, k, u, logp, accepted_nodes, state_indices, use_qk_l2norm)
+        -> state_pool, updated in place for all layers at once        eq. (10)
+
+Registered backends:
+    "torch":  bole.ops twins; chunked WY prefill (bole.ops.gdn_chunk), batched single-step decode.
+    "triton": kernels.gdn_tree_verify / kernels.gdn_commit; prefill with flash-linear-attention's
+              chunk_gated_delta_rule when importable (else the torch chunk); decode as "torch".
+    "auto":   "triton" on CUDA when the kernels import, else "torch". Resolved once, logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from bole.ops.gdn import gdn_commit, gdn_tree_serial, gdn_tree_verify
+from bole.ops.gdn_chunk import gdn_chunk
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GDNBackend:
+    name: str
+    prefill: Callable
+    decode: Callable
+    tree_verify: Callable
+    commit: Callable
+    tree_serial: Callable = gdn_tree_serial   # the serial_tree baseline (per-node snapshots)
+
+
+_REGISTRY: dict[str, Callable[[], GDNBackend]] = {}
+
+
+def register_backend(name: str):
+    def deco(factory: Callable[[], GDNBackend]):
+        _REGISTRY[name] = factory
+        return factory
+    return deco
+
+
+def available_backends() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+@register_backend("torch")
+def _torch_backend() -> GDNBackend:
+    return GDNBackend("torch", prefill=gdn_chunk, decode=gdn_chunk, tree_verify=gdn_tree_verify,
+                      commit=gdn_commit)
+
+
+def _fla_prefill():
+    """Wrap fla's chunk_gated_delta_rule (state [N, H, K, V], no slot indices) into our signature."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    def prefill(q, k, v, g, beta, scale=None, initial_state=None, state_indices=None, cu_seqlens=None,
+                use_qk_l2norm=False):
+        HK, HV = q.shape[2], v.shape[2]
+        if HV != HK:  # fla versions differ in GQA support; expand keys to value heads ourselves
+            q = q.repeat_interleave(HV // HK, dim=2)
+            k = k.repeat_interleave(HV // HK, dim=2)
+        B = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
+        init = None
+        if initial_state is not None:
+            idx = torch.arange(B, device=q.device) if state_indices is None else state_indices.long()
+            init = initial_state[idx].transpose(-1, -2).float().contiguous()  # [B, HV, K, V]
+        o, final = chunk_gated_delta_rule(
+            q, k, v, g.float(), beta, scale=scale, initial_state=init, output_final_state=True,
+            cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),
+            use_qk_l2norm_in_kernel=use_qk_l2norm)
+        return o, final.transpose(-1, -2)
+    return prefill
+
+
+@register_backend("triton")
+def _triton_backend() -> GDNBackend:
+    from kernels.gdn_commit import gdn_commit as triton_commit
+    from kernels.gdn_tree_verify import gdn_tree_verify as triton_verify
+
+    try:
+        prefill = _fla_prefill()
+        prefill_name = "fla.chunk_gated_delta_rule"
+    except ImportError:
+        prefill, prefill_name = gdn_chunk, "torch chunk"
+    logger.info("GDN triton backend: prefill via %s", prefill_name)
+    return GDNBackend("triton", prefill=prefill, decode=gdn_chunk, tree_verify=triton_verify,
+                      commit=triton_commit)
+
+
+def resolve_backend(name: str = "auto", device: torch.device | str | None = None) -> GDNBackend:
+    """Resolve a backend name ("auto" picks by device) once; log the choice."""
+    if name == "auto":
+        dev = torch.device(device) if device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+        if dev.type == "cuda":
+            try:
+                backend = _REGISTRY["triton"]()
+            except ImportError as e:
+                logger.warning("GDN backend auto: triton kernels unavailable (%s); using torch twins", e)
+                backend = _REGISTRY["torch"]()
+        else:
+            backend = _REGISTRY["torch"]()
+        logger.info("GDN backend auto -> %s (device %s)", backend.name, dev)
+        return backend
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown GDN backend {name!r}; available: {available_backends() + ['auto']}")
+    backend = _REGISTRY[name]()
+    logger.info("GDN backend %s", backend.name)
+    return backend

@@ -1,0 +1,298 @@
+"""Configuration dataclasses.
+
+``ModelConfig`` is the engine's view of a hybrid Qwen3.5 / Qwen3-Next checkpoint, derived once from
+the transformers config class (``config.json`` through ``AutoConfig``) and validated on construction.
+Everything the layers, caches and loader need is here; nothing reads the transformers config after
+``ModelConfig.from_hf``. Multimodal ``qwen3_5`` / ``qwen3_5_moe`` configs contribute their
+``text_config`` (the vision tower is not served).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and hyper-parameters of a hybrid GDN / gated-attention decoder.
+
+    ``gdn_layout`` says how the checkpoint stores the GDN input projections: ``"split"`` (Qwen3.5:
+    in_proj_qkv / in_proj_z / in_proj_b / in_proj_a) or ``"fused"`` (Qwen3-Next: in_proj_qkvz /
+    in_proj_ba interleaved per key-head group). The model always runs the split layout; the loader
+    converts fused tensors.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    # gated full attention
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    partial_rotary_factor: float
+    attention_bias: bool
+    # Gated DeltaNet
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    gdn_layout: str
+    # MLP / MoE (num_experts == 0: dense everywhere)
+    intermediate_size: int | None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # misc
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    num_mtp_layers: int = 0
+    dtype: str = "bfloat16"
+    max_position_embeddings: int = 32768
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {self.model_type!r}; "
+                             f"supported: {SUPPORTED_MODEL_TYPES}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"{self.num_hidden_layers} layers")
+        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if bad:
+            raise ValueError(f"unknown layer types {bad}; expected {LAYER_TYPES}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                             f"linear_num_key_heads={self.linear_num_key_heads}")
+        if self.gdn_layout not in ("split", "fused"):
+            raise ValueError(f"gdn_layout must be 'split' or 'fused', got {self.gdn_layout!r}")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"rotary dim {self.rotary_dim} (head_dim {self.head_dim} x "
+                             f"{self.partial_rotary_factor}) must be even and in (0, head_dim]")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                                 f"[1, num_experts={self.num_experts}]")
+            if self.moe_intermediate_size <= 0:
+                raise ValueError("MoE models need moe_intermediate_size > 0")
+        dense_layers = [i for i in range(self.num_hidden_layers) if not self.is_moe_layer(i)]
+        if dense_layers and not self.intermediate_size:
+            raise ValueError("dense MLP layers need intermediate_size > 0")
+
+    # ---- derived values
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def gdn_layer_ids(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def attn_layer_ids(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def num_gdn_layers(self) -> int:
+        return len(self.gdn_layer_ids)
+
+    @property
+    def num_attn_layers(self) -> int:
+        return len(self.attn_layer_ids)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the GDN causal conv: [q | k | v] of the mixed projection."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether decoder layer ``layer_id`` (or the MTP layer, ``layer_id >= num_hidden_layers``)
+        uses the sparse MoE block (transformers' Qwen3NextDecoderLayer rule)."""
+        if self.num_experts == 0:
+            return False
+        if layer_id >= self.num_hidden_layers:  # MTP layers follow the model's MLP kind
+            return True
+        return layer_id not in self.mlp_only_layers and (layer_id + 1) % self.decoder_sparse_step == 0
+
+    # ---- construction
+    @staticmethod
+    def from_hf(hf_config) -> "ModelConfig":
+        """Derive from a transformers config object (multimodal configs contribute text_config)."""
+        top_type = getattr(hf_config, "model_type", None)
+        if top_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {top_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        if top_type in ("qwen3_5", "qwen3_5_moe") and hasattr(hf_config, "text_config"):
+            text = hf_config.text_config
+        rope = dict(getattr(text, "rope_parameters", None) or {})
+        rope_type = rope.get("rope_type", "default")
+        if rope_type != "default":
+            raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default'; text-only "
+                             "M-RoPE with equal t/h/w positions reduces to it)")
+        partial = rope.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0))
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        num_experts = int(_attr(text, "num_experts", 0) or 0)
+        is_next = top_type == "qwen3_next"
+        # Qwen3.5-MoE's router always renormalises its top-k (the config has no norm_topk_prob).
+        norm_topk = bool(_attr(text, "norm_topk_prob", True)) if is_next else True
+        dtype = getattr(text, "dtype", None) or getattr(hf_config, "dtype", None) or "bfloat16"
+        dtype = str(dtype).replace("torch.", "")
+        mtp = getattr(text, "mtp_num_hidden_layers", None)
+        if mtp is None:
+            mtp = getattr(text, "num_nextn_predict_layers", 0)
+        return ModelConfig(
+            model_type=text.model_type if top_type in ("qwen3_5", "qwen3_5_moe") else top_type,
+            vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
+            num_hidden_layers=text.num_hidden_layers,
+            layer_types=tuple(text.layer_types),
+            num_attention_heads=text.num_attention_heads,
+            num_key_value_heads=text.num_key_value_heads,
+            head_dim=head_dim,
+            rope_theta=float(rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))),
+            partial_rotary_factor=float(partial),
+            attention_bias=bool(getattr(text, "attention_bias", False)),
+            linear_num_key_heads=text.linear_num_key_heads,
+            linear_num_value_heads=text.linear_num_value_heads,
+            linear_key_head_dim=text.linear_key_head_dim,
+            linear_value_head_dim=text.linear_value_head_dim,
+            linear_conv_kernel_dim=text.linear_conv_kernel_dim,
+            gdn_layout="fused" if is_next else "split",
+            intermediate_size=_attr(text, "intermediate_size", None),
+            num_experts=num_experts,
+            num_experts_per_tok=int(getattr(text, "num_experts_per_tok", 0) or 0) if num_experts else 0,
+            moe_intermediate_size=int(getattr(text, "moe_intermediate_size", 0) or 0) if num_experts else 0,
+            shared_expert_intermediate_size=int(getattr(text, "shared_expert_intermediate_size", 0) or 0)
+            if num_experts else 0,
+            norm_topk_prob=norm_topk,
+            decoder_sparse_step=int(_attr(text, "decoder_sparse_step", 1) or 1) if is_next else 1,
+            mlp_only_layers=tuple(_attr(text, "mlp_only_layers", None) or ()) if is_next else (),
+            rms_norm_eps=float(text.rms_norm_eps),
+            hidden_act=text.hidden_act,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)
+                                     or getattr(text, "tie_word_embeddings", False)),
+            num_mtp_layers=int(mtp or 0),
+            dtype=dtype,
+            max_position_embeddings=int(getattr(text, "max_position_embeddings", 32768)),
+        )
+
+
+def _attr(obj, name, default):
+    """getattr that also treats transformers' deleted fields (AttributeError sentinels) as absent."""
+    try:
+        value = getattr(obj, name, default)
+    except AttributeError:
+        return default
+    return default if isinstance(value, BaseException) else value
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine configuration: EngineConfig -> SpecConfig / CacheConfig (frozen, validated, layered).
+# ---------------------------------------------------------------------------------------------
+
+ENGINE_MODES = ("ar", "serial_tree", "bole")
+DEFAULT_CALIBRATION_TABLE = "calibration_tables/default.yaml"
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Draft-tree shape (EAGLE-2 style expansion with the MTP head).
+
+    depth: draft levels D (the verified tree is D + 1 deep with its root). topk: children proposed
+    per expanded node. beam: nodes expanded per level (by cumulative draft probability ρ).
+    """
+
+    depth: int = 4
+    topk: int = 4
+    beam: int = 4
+
+    def __post_init__(self):
+        for name in ("depth", "topk", "beam"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"SpecConfig.{name} must be an int >= 1, got {v!r}")
+        if self.depth > 15:
+            raise ValueError(f"SpecConfig.depth={self.depth} exceeds the supported 15")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache for full-attention layers (the GDN state pool has max_num_seqs + 1 slots)."""
+
+    block_size: int = 16
+    num_blocks: int = 512
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.num_blocks < 1:
+            raise ValueError(f"block_size={self.block_size} and num_blocks={self.num_blocks} must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    mode: str = "bole"
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 1024
+    calibration_table: str = DEFAULT_CALIBRATION_TABLE
+    eos_token_ids: tuple[int, ...] = ()
+    spec: SpecConfig = SpecConfig()
+    cache: CacheConfig = CacheConfig()
+
+    def __post_init__(self):
+        if self.mode not in ENGINE_MODES:
+            raise ValueError(f"mode must be one of {ENGINE_MODES}, got {self.mode!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} and max_num_batched_tokens="
+                             f"{self.max_num_batched_tokens} must be >= 1")
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    @staticmethod
+    def from_options(**options) -> "EngineConfig":
+        """Build from flat keyword options (``LLM(path, mode=..., depth=..., num_blocks=...)``).
+
+        Unknown keys raise ``ValueError`` naming them.
+        """
+        from dataclasses import fields
+
+        spec_keys = {f.name for f in fields(SpecConfig)}
+        cache_keys = {f.name for f in fields(CacheConfig)}
+        top_keys = {f.name for f in fields(EngineConfig)} - {"spec", "cache"}
+        unknown = sorted(set(options) - spec_keys - cache_keys - top_keys)
+        if unknown:
+            raise ValueError(f"unknown engine options {unknown}; known: "
+                             f"{sorted(spec_keys | cache_keys | top_keys)}")
+        spec = SpecConfig(**{k: v for k, v in options.items() if k in spec_keys})
+        cache = CacheConfig(**{k: v for k, v in options.items() if k in cache_keys})
+        top = {k: (tuple(v) if k == "eos_token_ids" else v) for k, v in options.items() if k in top_keys}
+        return EngineConfig(spec=spec, cache=cache, **top)

@@ -1,0 +1,226 @@
+"""The engine step loop: schedule, run the forwards of the step's mode, sample, commit, emit.
+
+One ``step()``:
+  1. ``Scheduler.schedule(lookahead)`` picks prefill chunks and decoding requests (preempting by
+     recompute when KV blocks run out).
+  2. Prefill chunks run in one forward; requests whose prefill completed sample their next token.
+  3. Decoding requests advance by the engine's mode:
+       ar           one decode forward, sample one token;
+       bole         MTP draft -> batch budget (Algorithm 3) -> one verify forward over the forest
+                    (closed-form GDN verification) -> lossless tree sampling -> factorized commit;
+       serial_tree  the same trees, verified with per-node state snapshots and committed by copying
+                    the accepted node's snapshot (the SGLang-style baseline).
+  4. Emitted tokens are appended with stop / length checks; finished requests free their memory.
+
+Sampling randomness is keyed by (request seed, token index): the token at index i of a request
+is always drawn with the uniform U(seed, i), whichever mode produced it, so greedy AND seeded
+stochastic outputs are identical across modes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from bole.config import EngineConfig
+from bole.engine.metrics import EngineMetrics, StepStats
+from bole.engine.runner import ModelRunner
+from bole.engine.scheduler import Scheduler
+from bole.engine.sequence import Request, RequestStatus
+from bole.sampling_params import SamplingParams
+from bole.spec.budget import CalibrationTable, select_nodes
+from bole.spec.drafter import compact, tree_size
+from bole.spec.sampling import accept_tree, counter_uniforms, process_logits, sample_from_probs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (the delta) and where the request stands."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    output_token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+
+
+class LLMEngine:
+    def __init__(self, model, config: EngineConfig, tokenizer=None, calibration: CalibrationTable | None = None):
+        self.model, self.config, self.tokenizer = model, config, tokenizer
+        self.mode = config.mode
+        if self.mode != "ar" and model.mtp is None:
+            raise ValueError(f"mode {self.mode!r} needs a checkpoint with an MTP drafter (mtp.* tensors)")
+        spec = config.spec
+        V = model.config.vocab_size
+        self.max_draft_nodes = tree_size(V, spec.depth, spec.topk, spec.beam) if self.mode != "ar" else 0
+        self.lookahead = 1 + self.max_draft_nodes
+        self.calibration = calibration or CalibrationTable.load(config.calibration_table)
+        self.runner = ModelRunner(model, config.cache.num_blocks, config.cache.block_size,
+                                  config.max_num_seqs + 1, self.lookahead, config.max_num_seqs * self.lookahead,
+                                  config.torch_dtype, config.device,
+                                  snapshot_verify=self.mode == "serial_tree")
+        self.scheduler = Scheduler(self.runner.allocator, self.runner.state_pool, config.cache.block_size,
+                                   config.max_num_seqs, config.max_num_batched_tokens)
+        self.capacity_tokens = config.cache.num_blocks * config.cache.block_size
+        self.metrics = EngineMetrics()
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        self.eos_token_ids = tuple(config.eos_token_ids) or ((eos,) if eos is not None else ())
+
+    # -- requests --------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        V = self.model.config.vocab_size
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < V)]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {V}): {bad[:5]}")
+        need = len(prompt_token_ids) + params.max_tokens + self.lookahead
+        if need > self.capacity_tokens:
+            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"does not fit the KV cache ({self.capacity_tokens} tokens)")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else random.getrandbits(62)
+        req = Request(rid, list(prompt_token_ids), params, seed, self.eos_token_ids)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        req = self.scheduler.abort(request_id)
+        self.requests.pop(request_id, None)
+        return req is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- sampling helpers ------------------------------------------------------------------------
+    def _param_tensors(self, reqs: list[Request]):
+        dev = self.runner.device
+        return (torch.tensor([r.params.temperature for r in reqs], device=dev),
+                torch.tensor([r.params.top_k for r in reqs], device=dev),
+                torch.tensor([r.params.top_p for r in reqs], device=dev),
+                torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=dev))
+
+    def _sample_next(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
+        """One token per request from logits [B, V] (the token at index num_tokens)."""
+        temp, top_k, top_p, seed = self._param_tensors(reqs)
+        offset = torch.tensor([r.num_tokens for r in reqs], device=seed.device)
+        u = counter_uniforms(seed, offset, 1)[:, 0]
+        return sample_from_probs(process_logits(logits.float(), temp, top_k, top_p), u).tolist()
+
+    # -- the step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule(self.lookahead)
+        outputs: list[RequestOutput] = []
+        stats = StepStats(time.perf_counter())
+        spec = self.mode != "ar"
+        if sched.prefill:
+            last = self.runner.prefill(sched.prefill, keep_hidden=spec)
+            done = [r for r, _ in sched.prefill if r.request_id in last]
+            for r in done:
+                r.prefilled = True
+            if done:
+                toks = self._sample_next(done, torch.stack([last[r.request_id] for r in done]))
+                for r, t in zip(done, toks):
+                    outputs.append(self._emit(r, [t]))
+            stats.prefill_tokens = sum(n for _, n in sched.prefill)
+        decode = [r for r in sched.decode if not r.is_finished]
+        if decode:
+            t0 = time.perf_counter()
+            if self.mode == "ar":
+                logits = self.runner.decode(decode, keep_hidden=False)
+                toks = self._sample_next(decode, logits)
+                emitted = [[t] for t in toks]
+                stats.tree_nodes = len(decode)
+            else:
+                emitted = self._speculative_step(decode, stats)
+            stats.verify_time = time.perf_counter() - t0
+            for r, toks in zip(decode, emitted):
+                r.metrics.num_steps += 1
+                r.metrics.num_accepted_drafts += len(toks) - 1
+                outputs.append(self._emit(r, toks))
+            stats.decode_requests = len(decode)
+            stats.emitted_tokens = sum(len(t) for t in emitted)
+        stats.preempted = len(sched.preempted)
+        stats.end = time.perf_counter()
+        self.metrics.record_step(stats)
+        return outputs
+
+    def _speculative_step(self, reqs: list[Request], stats: StepStats) -> list[list[int]]:
+        spec = self.config.spec
+        cand = self.runner.draft(reqs, spec.depth, spec.topk, spec.beam)
+        kv_len = max(r.num_computed for r in reqs)
+        _, b_ver = self.calibration.lookup(len(reqs), kv_len, spec.depth + 1)
+        keep = select_nodes(cand.rho, cand.parents, cand.valid, cand.depth, b_ver)
+        batch = compact(cand, keep)
+        res = self.runner.verify(reqs, batch)
+        temp, top_k, top_p, seed = self._param_tensors(reqs)
+        # Row 0 draws token index n+1 (n = num_computed), row i+1 draws index n+1+depth(i).
+        n = torch.tensor([r.num_computed for r in reqs], device=seed.device)
+        D = spec.depth
+        u_by_depth = counter_uniforms(seed, n + 1, D + 1)  # [B, D+1]
+        row_depth = torch.cat([torch.zeros_like(batch.depth[:, :1]), batch.depth], 1).clamp(max=D)
+        uniforms = u_by_depth.gather(1, row_depth)
+        acc = accept_tree(batch.tokens, batch.parents, uniforms, logits=res.logits.float(), temperature=temp,
+                          top_k=top_k, top_p=top_p, max_depth=D)
+        accepted = acc.accepted_node.tolist()
+        self.runner.commit(reqs, res, accepted, keep_hidden=True)
+        num = acc.num_emitted.tolist()
+        toks = acc.tokens.tolist()
+        stats.tree_nodes = int(batch.num_nodes.sum()) + len(reqs)
+        stats.b_ver = int(b_ver)
+        return [toks[b][: num[b]] for b in range(len(reqs))]
+
+    # -- emission --------------------------------------------------------------------------------
+    def _emit(self, req: Request, tokens: list[int]) -> RequestOutput:
+        """Append tokens one by one with stop checks; finish the request if one fires."""
+        p = req.params
+        new, reason = [], None
+        for t in tokens:
+            req.output_token_ids.append(t)
+            new.append(t)
+            n_out = len(req.output_token_ids)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = time.monotonic()
+            if n_out >= p.min_tokens and ((t in req.eos_token_ids and not p.ignore_eos) or t in p.stop_token_ids):
+                reason = "stop"
+                break
+            if n_out >= p.max_tokens:
+                reason = "length"
+                break
+        new_text = ""
+        if self.tokenizer is not None:
+            full = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+            if p.stop and reason is None:
+                hit = min((i for i in (full.find(s, max(0, len(req.output_text) - len(s)))
+                                       for s in p.stop) if i >= 0), default=-1)
+                if hit >= 0:
+                    full, reason = full[:hit], "stop"
+            new_text, req.output_text = full[len(req.output_text):], full
+        if reason is not None:
+            req.metrics.finish_time = time.monotonic()
+            self.scheduler.finish(req, reason)
+            self.metrics.record_finish(req)
+        return RequestOutput(req.request_id, new, new_text, reason is not None, reason,
+                             list(req.output_token_ids), req.output_text)
+
+    def pop_finished(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None and req.status == RequestStatus.FINISHED:
+            return self.requests.pop(request_id)
+        return None

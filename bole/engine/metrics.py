@@ -1,0 +1,86 @@
+"""Engine metrics: per step (tree size, budget, accepted tokens, time in verification) and per request
+(TTFT, TPOT, MAT), aggregated in one small object the server reads (``snapshot()``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepStats:
+    start: float
+    end: float = 0.0
+    prefill_tokens: int = 0
+    decode_requests: int = 0
+    emitted_tokens: int = 0        # tokens emitted by decode / verify steps
+    tree_nodes: int = 0            # tokens run through the target in the decode / verify forward
+    b_ver: int = 0                 # the bucket's capacity (speculative modes)
+    verify_time: float = 0.0       # seconds in draft + verify + sample + commit (or decode)
+    preempted: int = 0
+
+
+@dataclass
+class EngineMetrics:
+    steps: int = 0
+    decode_steps: int = 0
+    request_steps: int = 0         # sum over decode steps of requests advanced
+    emitted_tokens: int = 0
+    tree_nodes: int = 0
+    b_ver_sum: int = 0
+    step_time: float = 0.0
+    verify_time: float = 0.0
+    prefill_tokens: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    ttft_sum: float = 0.0
+    tpot_sum: float = 0.0
+    tpot_count: int = 0
+    last_step: StepStats | None = None
+    accept_histogram: dict = field(default_factory=dict)
+
+    def record_step(self, s: StepStats) -> None:
+        self.steps += 1
+        self.step_time += s.end - s.start
+        self.prefill_tokens += s.prefill_tokens
+        self.preemptions += s.preempted
+        if s.decode_requests:
+            self.decode_steps += 1
+            self.request_steps += s.decode_requests
+            self.emitted_tokens += s.emitted_tokens
+            self.tree_nodes += s.tree_nodes
+            self.b_ver_sum += s.b_ver
+            self.verify_time += s.verify_time
+        self.last_step = s
+
+    def record_finish(self, req) -> None:
+        m = req.metrics
+        self.finished += 1
+        if m.ttft is not None:
+            self.ttft_sum += m.ttft
+        n = len(req.output_token_ids)
+        if n > 1 and m.finish_time is not None and m.first_token_time is not None:
+            self.tpot_sum += (m.finish_time - m.first_token_time) / (n - 1)
+            self.tpot_count += 1
+        if m.num_steps:
+            k = round(m.num_accepted_drafts / m.num_steps, 1)
+            self.accept_histogram[k] = self.accept_histogram.get(k, 0) + 1
+
+    @property
+    def mat(self) -> float:
+        """Mean accepted tokens per request-step (accepted drafts + the correction / bonus token)."""
+        return self.emitted_tokens / self.request_steps if self.request_steps else 0.0
+
+    def snapshot(self) -> dict:
+        return {
+            "steps": self.steps,
+            "mat": self.mat,
+            "mean_tree_nodes": self.tree_nodes / self.decode_steps if self.decode_steps else 0.0,
+            "mean_b_ver": self.b_ver_sum / self.decode_steps if self.decode_steps else 0.0,
+            "verify_time_share": self.verify_time / self.step_time if self.step_time else 0.0,
+            "mean_ttft_s": self.ttft_sum / self.finished if self.finished else 0.0,
+            "mean_tpot_s": self.tpot_sum / self.tpot_count if self.tpot_count else 0.0,
+            "emitted_tokens": self.emitted_tokens,
+            "prefill_tokens": self.prefill_tokens,
+            "preemptions": self.preemptions,
+            "finished": self.finished,
+        }

@@ -1,0 +1,204 @@
+"""Model runner: owns the model and its caches and turns scheduled requests into forward passes.
+
+Three kinds of forward per step (DESIGN.md §2), all batched over requests:
+
+* ``prefill(chunks)``: runs known tokens (chunked), returns the last logits of requests whose
+  prefill completed. Target hiddens are kept for the MTP drafter.
+* ``decode(reqs)``: autoregressive mode: one forward over every request's pending root token.
+* ``draft(reqs)`` + ``verify(reqs, batch)``: speculative modes. The MTP drafter first catches up
+  on the committed positions it has not seen, then grows each request's candidate tree
+  (``bole.spec.drafter.expand_tree``); the budget (``select_nodes``) keeps at most B_ver nodes for
+  the whole batch; the target verifies every request's tree in ONE forward: node 0 of each tree is
+  the pending root token, the kept drafts hang below it (so draft depth d sits at tree depth d+1).
+  ``commit`` then materialises the accepted path (factorized GDN commit for all layers in one
+  launch, conv windows, K/V moved into place).
+
+The drafter's forward over a partial tree recomputes the shallower draft nodes at each depth (the
+MTP is a single decoder layer, so this costs little and keeps its KV handling the same as the
+target's verify mode: every node attends to the committed prefix, its ancestors and itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bole.cache.kv_cache import PagedKVCache
+from bole.cache.state_pool import StatePool
+from bole.engine.sequence import Request
+from bole.models.context import ForwardContext, TreeFactors
+from bole.spec.drafter import DraftBatch, Frontier, expand_tree, tree_size
+from bole.spec.tree import DraftTree, PackedForest
+
+
+@dataclass
+class VerifyResult:
+    logits: torch.Tensor          # [B, 1 + T, V]: row 0 the root node, row i+1 draft node i
+    ctx: ForwardContext
+    hidden: torch.Tensor          # [N, H] flat over the forest
+    forest: PackedForest
+
+
+def _empty_factors(num_nodes: int, device) -> TreeFactors:
+    """A factor buffer for a model without GDN layers (the MTP drafter)."""
+    z = torch.empty(0, num_nodes, 1, 1, device=device)
+    return TreeFactors(k=z, u=z, logp=z[..., 0], conv_x=z[..., 0])
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, num_state_slots: int, max_tree_nodes: int,
+                 max_batch_nodes: int, kv_dtype: torch.dtype, device, snapshot_verify: bool = False):
+        cfg = model.config
+        self.model, self.cfg, self.device = model, cfg, torch.device(device)
+        self.block_size = block_size
+        self.kv_cache = PagedKVCache(cfg.num_attn_layers, num_blocks, block_size, cfg.num_key_value_heads,
+                                     cfg.head_dim, kv_dtype, device)
+        self.mtp_cache = None
+        if model.mtp is not None:
+            self.mtp_cache = PagedKVCache(len(model.mtp.layers), num_blocks, block_size,
+                                          cfg.num_key_value_heads, cfg.head_dim, kv_dtype, device)
+        # conv inputs are activations of the model dtype, so a pool of that dtype stores them exactly
+        self.state_pool = StatePool.for_model(cfg, num_state_slots, conv_dtype=kv_dtype, device=device)
+        # one factor buffer for every GDN layer and every node of a step's forest
+        self.factors = TreeFactors.allocate(cfg, max_batch_nodes, dtype=kv_dtype, device=device,
+                                            snapshots=snapshot_verify)
+        self.max_tree_nodes = max_tree_nodes
+
+    @property
+    def allocator(self):
+        return self.kv_cache.allocator
+
+    # -- target forwards -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, chunks: list[tuple[Request, int]], keep_hidden: bool) -> dict[str, torch.Tensor]:
+        """Run each request's next chunk; return {request_id: last logits [V]} for completed prefills."""
+        ids = torch.cat([torch.tensor(r.all_token_ids[r.num_computed:r.num_computed + n]) for r, n in chunks])
+        ctx = ForwardContext.build("prefill", [n for _, n in chunks], [r.num_computed for r, _ in chunks],
+                                   [r.state_slot for r, _ in chunks], [r.block_table for r, _ in chunks],
+                                   self.kv_cache, self.state_pool, device=self.device)
+        hidden = self.model(ids.to(self.device), ctx)
+        out = {}
+        for b, (req, n) in enumerate(chunks):
+            s, e = ctx.cu_host[b], ctx.cu_host[b + 1]
+            if keep_hidden:
+                req.pending_hidden = hidden[s:e] if req.pending_hidden is None else torch.cat(
+                    [req.pending_hidden, hidden[s:e]])
+            req.num_computed += n
+            if req.num_computed == req.num_tokens:
+                out[req.request_id] = self.model.compute_logits(hidden[e - 1:e])[0]
+        return out
+
+    @torch.inference_mode()
+    def decode(self, reqs: list[Request], keep_hidden: bool) -> torch.Tensor:
+        """One token per request (the pending root); returns logits [B, V]. Commits the state."""
+        ids = torch.tensor([r.all_token_ids[r.num_computed] for r in reqs], device=self.device)
+        ctx = ForwardContext.build("decode", [1] * len(reqs), [r.num_computed for r in reqs],
+                                   [r.state_slot for r in reqs], [r.block_table for r in reqs],
+                                   self.kv_cache, self.state_pool, device=self.device)
+        hidden = self.model(ids, ctx)
+        for b, r in enumerate(reqs):
+            r.num_computed += 1
+            if keep_hidden:
+                r.pending_hidden = hidden[b:b + 1] if r.pending_hidden is None else torch.cat(
+                    [r.pending_hidden, hidden[b:b + 1]])
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def verify(self, reqs: list[Request], batch: DraftBatch) -> VerifyResult:
+        """Target forward over every request's tree: root (pending token) + kept drafts."""
+        counts = (batch.num_nodes + 1).tolist()
+        parents = batch.parents.tolist()
+        tokens = batch.tokens.tolist()
+        trees, ids = [], []
+        for b, r in enumerate(reqs):
+            n = counts[b] - 1
+            trees.append(DraftTree([-1] + [p + 1 for p in parents[b][:n]], max_depth=self.max_tree_nodes))
+            ids.append(r.all_token_ids[r.num_computed])
+            ids.extend(tokens[b][:n])
+        forest = PackedForest.from_trees(trees, device=self.device)
+        ctx = ForwardContext.build("verify", None, [r.num_computed for r in reqs], [r.state_slot for r in reqs],
+                                   [r.block_table for r in reqs], self.kv_cache, self.state_pool,
+                                   forest=forest, factors=self.factors.narrow(forest.num_nodes),
+                                   device=self.device)
+        hidden = self.model(torch.tensor(ids, device=self.device), ctx)
+        flat = self.model.compute_logits(hidden)
+        T1 = batch.tokens.shape[1] + 1
+        logits = flat.new_zeros(len(reqs), T1, flat.shape[-1])
+        for b in range(len(reqs)):
+            s, e = ctx.cu_host[b], ctx.cu_host[b + 1]
+            logits[b, : e - s] = flat[s:e]
+        return VerifyResult(logits=logits, ctx=ctx, hidden=hidden, forest=forest)
+
+    @torch.inference_mode()
+    def commit(self, reqs: list[Request], res: VerifyResult, accepted_node: list[int], keep_hidden: bool):
+        """Materialise each request's accepted path (root + accepted drafts); advance num_computed."""
+        local = [a + 1 for a in accepted_node]  # the root (node 0) is always accepted
+        lengths = self.model.commit(res.ctx, local)
+        paths = res.forest.accepted_path_nodes(local)
+        for b, r in enumerate(reqs):
+            if keep_hidden:
+                h = res.hidden[paths[b, : lengths[b]].long()]
+                r.pending_hidden = h if r.pending_hidden is None else torch.cat([r.pending_hidden, h])
+            r.num_computed += lengths[b]
+        return lengths
+
+    # -- drafting ----------------------------------------------------------------------------------
+    def _mtp_catch_up(self, reqs: list[Request]) -> torch.Tensor:
+        """Feed the MTP the committed positions it has not seen; return its hidden at the last one [B, H].
+
+        Position p of the drafter takes (target hidden at p, token p+1); the last one (p = num_computed-1)
+        pairs with the pending root token and predicts the first draft level.
+        """
+        new = [r.num_computed - r.mtp_computed for r in reqs]
+        ids = torch.cat([torch.tensor(r.all_token_ids[r.mtp_computed + 1:r.num_computed + 1]) for r in reqs])
+        hid = torch.cat([r.pending_hidden[-n:] for r, n in zip(reqs, new)])
+        ctx = ForwardContext.build("prefill", new, [r.mtp_computed for r in reqs], [0] * len(reqs),
+                                   [r.block_table for r in reqs], self.mtp_cache, None, device=self.device)
+        h = self.model.mtp(ids.to(self.device), hid, ctx)
+        for r in reqs:
+            r.mtp_computed = r.num_computed
+            r.pending_hidden = None
+        return h[torch.tensor(ctx.cu_host[1:], device=self.device) - 1]
+
+    @torch.inference_mode()
+    def draft(self, reqs: list[Request], depth: int, topk: int, beam: int):
+        """Grow every request's candidate tree with the MTP head (EAGLE-2 style); returns DraftCandidates.
+
+        Each ``step`` call evaluates the MTP at the new frontier. The forest it runs holds every
+        frontier node evaluated so far (a frontier node's ancestors are earlier frontier nodes), so
+        each node attends to the committed prefix and its own ancestors; a node's input hidden is its
+        parent's MTP output (the catch-up output for first-level nodes).
+        """
+        h_root = self._mtp_catch_up(reqs)
+        root_lp = torch.log_softmax(self.model.mtp.compute_logits(h_root).float(), -1)
+        B, H = h_root.shape
+        dev = self.device
+        t_max = tree_size(root_lp.shape[-1], depth, topk, beam)
+        out_hidden = h_root.new_zeros(B, t_max, H)      # MTP output of each evaluated candidate id
+        local_of = torch.full((B, t_max), -1, dtype=torch.long, device=dev)  # candidate id -> forest idx
+        acc_tok, acc_par, acc_ids = [], [], []
+        rows = torch.arange(B, device=dev)[:, None]
+
+        def step(fr: Frontier) -> torch.Tensor:
+            S0 = sum(t.shape[1] for t in acc_tok)
+            M = fr.node_ids.shape[1]
+            local_of[rows.expand(B, M), fr.node_ids] = torch.arange(S0, S0 + M, device=dev).expand(B, M)
+            par_local = torch.where(fr.parent_ids >= 0, local_of.gather(1, fr.parent_ids.clamp(min=0)), -1)
+            acc_tok.append(fr.tokens)
+            acc_par.append(par_local)
+            acc_ids.append(fr.node_ids)
+            tok, par, ids = torch.cat(acc_tok, 1), torch.cat(acc_par, 1), torch.cat(acc_ids, 1)
+            par_ids = torch.gather(ids, 1, par.clamp(min=0))
+            in_hidden = torch.where((par >= 0)[..., None],
+                                    out_hidden.gather(1, par_ids[..., None].expand(-1, -1, H)),
+                                    h_root[:, None, :])
+            forest = PackedForest.from_trees([DraftTree(p, max_depth=depth) for p in par.tolist()], device=dev)
+            ctx = ForwardContext.build("verify", None, [r.num_computed for r in reqs], [0] * B,
+                                       [r.block_table for r in reqs], self.mtp_cache, None, forest=forest,
+                                       factors=_empty_factors(forest.num_nodes, dev), device=dev)
+            h = self.model.mtp(tok.reshape(-1), in_hidden.reshape(-1, H), ctx, step=fr.depth).view(B, -1, H)
+            out_hidden[rows.expand(B, M), fr.node_ids] = h[:, S0:]
+            return torch.log_softmax(self.model.mtp.compute_logits(h[:, S0:]).float(), -1)
+
+        return expand_tree(root_lp, step, depth, topk, beam)

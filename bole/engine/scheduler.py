@@ -1,0 +1,138 @@
+"""Continuous-batching scheduler: admission by free memory, chunked prefill, preemption by recompute.
+
+Each engine step asks ``schedule(lookahead)`` for a ``SchedulerOutput``:
+
+1. Decoding requests first (they hold memory; letting them finish frees it). Each needs KV blocks
+   for ``num_computed + lookahead`` positions (lookahead = the most tree nodes a request may verify,
+   1 for autoregressive decoding). When blocks run out, the newest running request is preempted by
+   recompute (its blocks and state slot freed, pushed to the FRONT of the waiting queue, outputs
+   kept); a request that cannot grow even alone is preempted itself.
+2. Prefill with the rest of the step's token budget (``max_num_batched_tokens``): requests already
+   prefilling continue, then waiting requests are admitted in FIFO order while a state slot, the KV
+   blocks of their chunk and a seat in ``max_num_seqs`` are free. Prompts longer than the budget are
+   split into chunks over several steps.
+
+No starvation: admission is strictly FIFO (a request that does not fit blocks those behind it), and
+preempted requests are re-admitted before new ones.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from bole.cache.kv_cache import BlockAllocator, blocks_needed
+from bole.engine.sequence import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens this step)
+    decode: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, state_pool, block_size: int,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs={max_num_seqs} and max_num_batched_tokens="
+                             f"{max_num_batched_tokens} must be >= 1")
+        self.allocator, self.state_pool, self.block_size = allocator, state_pool, block_size
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _grow(self, req: Request, num_positions: int) -> bool:
+        need = blocks_needed(num_positions, self.block_size) - len(req.block_table)
+        if need <= 0:
+            return True
+        if not self.allocator.can_allocate(need):
+            return False
+        req.block_table.extend(self.allocator.allocate(need))
+        return True
+
+    def _release(self, req: Request) -> None:
+        if req.block_table:
+            self.allocator.free(req.block_table)
+        if req.state_slot is not None:
+            self.state_pool.free(req.state_slot)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Mark finished and free everything it holds (idempotent)."""
+        if req.is_finished:
+            return
+        self._release(req)
+        req.block_table, req.state_slot = [], None
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        for req in list(self.running) + list(self.waiting):
+            if req.request_id == request_id:
+                self.finish(req, "abort")
+                return req
+        return None
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self._release(req)
+        self.running.remove(req)
+        req.reset_for_recompute()
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    # -- the step ------------------------------------------------------------------------------
+    def schedule(self, lookahead: int = 1) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        for req in list(self.running):
+            if req not in self.running or req.is_prefilling:
+                continue
+            while not self._grow(req, req.num_computed + lookahead):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req in self.running:
+                out.decode.append(req)
+                budget -= 1
+
+        def take_chunk(req: Request) -> bool:
+            nonlocal budget
+            remaining = req.num_tokens - req.num_computed
+            chunk = min(remaining, budget)
+            if chunk <= 0 or not self._grow(req, req.num_computed + chunk):
+                return False
+            out.prefill.append((req, chunk))
+            budget -= chunk
+            return True
+
+        for req in self.running:
+            if req.is_prefilling and budget > 0:
+                take_chunk(req)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if not self.state_pool.can_allocate(1):
+                break
+            if not take_chunk(req):
+                break
+            self.waiting.popleft()
+            req.state_slot = self.state_pool.allocate()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+        return out

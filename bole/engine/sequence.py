@@ -1,0 +1,95 @@
+"""Request state: one small typed object per request, owned by the scheduler.
+
+Token bookkeeping (the invariant every mode keeps):
+    all_token_ids = prompt_token_ids + output_token_ids
+    num_computed  = tokens whose K/V and GDN state are committed in the target caches.
+While a request decodes, num_computed == len(all_token_ids) - 1: the last token (the *root* of the
+next step, sampled but not yet run through the target) is pending. A (re)prefill runs every known
+token and samples the next one, so a request preempted by recompute resumes exactly where it was.
+
+The MTP drafter keeps its own KV (same block ids, same positions): position p of the drafter holds
+(target hidden at p, token p+1), so it lags the target by one position; ``mtp_computed`` counts its
+filled positions and ``pending_hidden`` holds the target hiddens it has not consumed yet.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from bole.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_steps: int = 0            # decode / verify steps that emitted tokens
+    num_accepted_drafts: int = 0  # draft tokens accepted over all steps
+    num_preemptions: int = 0
+    prefix_hit_tokens: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    eos_token_ids: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None      # "stop" | "length" | "abort"
+    num_computed: int = 0
+    state_slot: int | None = None
+    block_table: list[int] = field(default_factory=list)
+    prefilled: bool = False
+    mtp_computed: int = 0
+    pending_hidden: torch.Tensor | None = None   # [num_computed - mtp_computed, H]
+    output_text: str = ""
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Still running known tokens through the target (prompt, or prompt + output after preemption).
+
+        A (re)prefill computes every known token, then samples the next one.
+        """
+        return not self.prefilled
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: drop every cached token; outputs are kept."""
+        self.status = RequestStatus.WAITING
+        self.num_computed = 0
+        self.prefilled = False
+        self.mtp_computed = 0
+        self.pending_hidden = None
+        self.state_slot = None
+        self.block_table = []
+        self.metrics.num_preemptions += 1

@@ -1,0 +1,74 @@
+"""Gated full attention of Qwen3.5 / Qwen3-Next over the paged KV cache.
+
+    [q | gate] = q_proj(x) per head (each head's 2·D rows: D query rows then D gate rows)
+    q = RMSNorm_q(q), k = RMSNorm_k(k_proj x) per head (zero-centred), partial RoPE on q, k
+    o = softmax(q kᵀ / √D + mask) v   (GQA: query head h reads kv head h // (Hq / Hkv))
+    y = o_proj(o · sigmoid(gate))
+
+The new tokens' K/V are written to ``ctx.slot_mapping`` first; each request then attends over
+``ctx.kv_slots[b]`` (its committed prefix followed by its new tokens) with a causal mask for
+prefill/decode, or prefix + ancestor mask (M⁺) for verify. This is the torch reference path, one
+SDPA call per request; a paged attention kernel can replace the loop without changing the layout.
+
+Tensor parallel: q_proj / k_proj / v_proj column parallel by heads (q_proj's per-head [q, gate]
+blocks are contiguous rows, so a head slice keeps them together), o_proj row parallel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bole.layers.norm import RMSNorm
+from bole.layers.rotary import RotaryEmbedding
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg, cache_index: int, tp_size: int = 1):
+        super().__init__()
+        if cfg.num_attention_heads % tp_size or cfg.num_key_value_heads % tp_size:
+            raise ValueError(f"attention heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} "
+                             f"do not divide over tp_size={tp_size}")
+        self.cache_index = cache_index
+        self.num_heads = cfg.num_attention_heads // tp_size
+        self.num_kv_heads = cfg.num_key_value_heads // tp_size
+        self.head_dim = D = cfg.head_dim
+        H, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(H, self.num_heads * D * 2, bias=bias)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * D, H, bias=bias)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        N, D = x.shape[0], self.head_dim
+        q, gate = self.q_proj(x).view(N, self.num_heads, 2 * D).chunk(2, dim=-1)
+        gate = gate.reshape(N, self.num_heads * D)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(N, self.num_kv_heads, D))
+        v = self.v_proj(x).view(N, self.num_kv_heads, D)
+        cos, sin = self.rotary.cos_sin(ctx.positions)
+        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+
+        cache = ctx.kv_cache
+        cache.write(self.cache_index, ctx.slot_mapping, k, v)
+        out = torch.empty(N, self.num_heads, D, dtype=x.dtype, device=x.device)
+        rep = self.num_heads // self.num_kv_heads
+        for b in range(ctx.num_requests):
+            s, e = ctx.cu_host[b], ctx.cu_host[b + 1]
+            T, P = e - s, ctx.num_cached_host[b]
+            kb, vb = cache.gather(self.cache_index, ctx.kv_slots[b])  # [P + T, Hkv, D]
+            kb = kb.to(x.dtype).repeat_interleave(rep, dim=1).transpose(0, 1)
+            vb = vb.to(x.dtype).repeat_interleave(rep, dim=1).transpose(0, 1)
+            mask = torch.ones(T, P + T, dtype=torch.bool, device=x.device)
+            if ctx.mode == "verify":
+                mask[:, P:] = ctx.forest.ancestor_mask(b)
+            else:
+                mask[:, P:] = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), kb, vb, attn_mask=mask,
+                                               scale=D ** -0.5)
+            out[s:e] = o.transpose(0, 1)
+        return self.o_proj(out.reshape(N, -1) * torch.sigmoid(gate))

@@ -1,0 +1,89 @@
+"""Gated DeltaNet layer (Qwen3.5 projections; Qwen3-Next's fused ones are split by the loader).
+
+    [q | k | v] = conv1d_causal(in_proj_qkv x) then silu       (depthwise, kernel W, state W-1)
+    z = in_proj_z x;  beta = sigmoid(in_proj_b x);  g = -exp(A_log) · softplus(in_proj_a x + dt_bias)
+    o = GDN(l2norm(q)/√K, l2norm(k), v, g, beta)                (eq. 1; GQA: HV = r·HK)
+    y = out_proj(GatedRMSNorm(o) · silu(z))                     (per value head)
+
+Modes (``ctx.mode``):
+    prefill/decode: conv over each request's new tokens continuing from the conv pool (updated in
+        place); GDN from the ssm pool slot through the backend's prefill (chunked) / decode, and the
+        final state written back to the slot.
+    verify: tree conv and closed-form tree GDN reading the committed pools only; the layer stores
+        the commit factors (raw k, u, logP, conv inputs) in ``ctx.factors`` at its GDN index.
+
+Tensor parallel: the q/k/v segments of in_proj_qkv (and the conv channels with them), in_proj_z,
+in_proj_b, in_proj_a, A_log, dt_bias are split by heads (column parallel), out_proj is row parallel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bole.layers.norm import GatedRMSNorm
+from bole.ops.conv import causal_conv1d, causal_conv1d_tree
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg, gdn_index: int, backend, tp_size: int = 1):
+        super().__init__()
+        if cfg.linear_num_key_heads % tp_size or cfg.linear_num_value_heads % tp_size:
+            raise ValueError(f"GDN heads {cfg.linear_num_key_heads}/{cfg.linear_num_value_heads} do not "
+                             f"divide over tp_size={tp_size}")
+        self.gdn_index, self.backend = gdn_index, backend
+        self.num_k_heads = cfg.linear_num_key_heads // tp_size
+        self.num_v_heads = cfg.linear_num_value_heads // tp_size
+        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        H, W = cfg.hidden_size, cfg.linear_conv_kernel_dim
+        self.in_proj_qkv = nn.Linear(H, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(H, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(H, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(H, self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, W, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, H, bias=False)
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        N = x.shape[0]
+        mixed = self.in_proj_qkv(x)  # [N, conv_dim]
+        z = self.in_proj_z(x).view(N, self.num_v_heads, self.head_v_dim)
+        beta = torch.sigmoid(self.in_proj_b(x))
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+
+        pool, i = ctx.state_pool, self.gdn_index
+        weight = self.conv1d.weight[:, 0, :]
+        if ctx.mode == "verify":
+            ctx.factors.conv_x[i] = mixed
+            y = causal_conv1d_tree(mixed, weight, None, pool.conv[i], ctx.state_slots, ctx.forest)
+        else:
+            y = causal_conv1d(mixed, weight, None, pool.conv[i], ctx.state_slots, ctx.cu_seqlens)
+        q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(1, N, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(1, N, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(1, N, self.num_v_heads, self.head_v_dim)
+
+        if ctx.mode == "verify" and ctx.factors.snapshots is not None:
+            # serial_tree baseline: per-node state snapshots, committed by copy
+            o, snaps = self.backend.tree_serial(q, k, v, g[None], beta[None], ctx.forest, pool.ssm[i],
+                                                ctx.state_slots, use_qk_l2norm=True)
+            ctx.factors.snapshots[i] = snaps
+        elif ctx.mode == "verify":
+            o, u, logp = self.backend.tree_verify(q, k, v, g[None], beta[None], ctx.forest, pool.ssm[i],
+                                                  ctx.state_slots, use_qk_l2norm=True)
+            ctx.factors.k[i] = k[0]
+            ctx.factors.u[i] = u
+            ctx.factors.logp[i] = logp
+        else:
+            fn = self.backend.decode if ctx.mode == "decode" else self.backend.prefill
+            o, final = fn(q, k, v, g[None], beta[None], initial_state=pool.ssm[i],
+                          state_indices=ctx.state_slots, cu_seqlens=ctx.cu_seqlens, use_qk_l2norm=True)
+            pool.ssm[i, ctx.state_slots] = final.to(pool.ssm.dtype)
+        o = self.norm(o[0].to(x.dtype), z)
+        return self.out_proj(o.reshape(N, self.value_dim))

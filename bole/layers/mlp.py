@@ -1,0 +1,21 @@
+"""Dense SwiGLU MLP: down(silu(gate(x)) * up(x)).
+
+Tensor parallel: gate_proj / up_proj are column parallel (intermediate dim split), down_proj row
+parallel; the caller all-reduces the output (``tp_reduce``).
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

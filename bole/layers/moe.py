@@ -1,0 +1,58 @@
+"""Sparse MoE block of Qwen3.5-MoE / Qwen3-Next: routed top-k experts plus a gated shared expert.
+
+    probs = softmax(x Wgᵀ) (fp32);  top-k;  renormalise the k weights when norm_topk_prob
+    y = Σ_k w_k · expert_k(x) + sigmoid(x w_sᵀ) · shared_expert(x)
+
+Experts are stored fused, as transformers holds them: ``experts.gate_up_proj`` [E, 2I, H] (gate rows
+then up rows) and ``experts.down_proj`` [E, H, I]; the loader stacks per-expert checkpoint tensors.
+Tensor parallel: each expert's intermediate dim is split (gate_up column, down row parallel), the
+router and the shared-expert gate are replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bole.layers.mlp import MLP
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x, top_idx, top_w):
+        """x [N, H]; top_idx, top_w [N, k] -> [N, H]."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(top_idx).tolist():
+            tok, slot = torch.where(top_idx == e)
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            out.index_add_(0, tok, (y * top_w[tok, slot, None]).to(out.dtype))
+        return out
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, moe_intermediate_size: int,
+                 shared_intermediate_size: int, norm_topk_prob: bool):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = Experts(num_experts, hidden_size, moe_intermediate_size)
+        self.shared_expert = MLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_intermediate_size else None
+
+    def forward(self, x):
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        top_w, top_idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        out = self.experts(x, top_idx, top_w.to(x.dtype))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

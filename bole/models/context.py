@@ -1,0 +1,196 @@
+"""Per-step forward metadata: one ``ForwardContext`` built once per model call (STYLE item 3).
+
+A forward call runs ONE mode over a batch of B requests whose new tokens are packed into one flat
+list of N tokens (``cu_seqlens``):
+
+    prefill  any number of new tokens per request, continuing from ``num_cached`` tokens already in
+             the caches (chunked prefill: a prompt may arrive over several steps). Requests with one
+             new token are fine too, so a mixed prefill + decode batch can run as one prefill call.
+    decode   exactly one new token per request (the fast path).
+    verify   the new tokens are the nodes of a packed draft forest (``forest``): node i of request b
+             has position id num_cached[b] + depth(i) - 1, attends to the committed prefix, its
+             ancestors and itself, and reads the GDN/conv state of the committed prefix. Nothing is
+             committed: the GDN pools are only read; per-node factors go to ``factors`` and the
+             tree nodes' K/V are written at positions num_cached[b] + local_index in the request's
+             blocks. ``HybridForCausalLM.commit(ctx, accepted)`` then materialises the accepted
+             path (GDN ssm for all layers in one call, conv windows, K/V moved into place).
+
+Caches travel in the context (``kv_cache`` for the full-attention layers, ``state_pool`` for the
+GDN layers) so the same model object can run against the target caches or, for the MTP drafter,
+against the drafter's own KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Literal, Sequence
+
+import torch
+
+from bole.cache.kv_cache import PagedKVCache
+from bole.cache.state_pool import StatePool
+from bole.spec.tree import PackedForest
+
+Mode = Literal["prefill", "decode", "verify"]
+MODES = ("prefill", "decode", "verify")
+
+
+@dataclass
+class TreeFactors:
+    """What the commit needs from a verification step, for every GDN layer (one buffer).
+
+    k       [L, N, HK, K]   raw (pre-L2-norm) keys after the conv, compute dtype of the layer
+    u       [L, N, HV, V]   fp32 corrected values (eq. 2)
+    logp    [L, N, HV]      fp32 path log decays
+    conv_x  [L, N, conv_dim] conv inputs (the mixed q/k/v projections) of every node
+    snapshots [L, N, HV, V, K] or None: only for the ``serial_tree`` baseline, which verifies with the
+            serial per-node recurrence and commits by copying the accepted node's snapshot (what
+            SGLang does); Bole's own path never allocates it.
+    """
+
+    k: torch.Tensor
+    u: torch.Tensor
+    logp: torch.Tensor
+    conv_x: torch.Tensor
+    snapshots: torch.Tensor | None = None
+
+    @staticmethod
+    def allocate(cfg, num_nodes: int, dtype=torch.float32, device=None, tp_size: int = 1,
+                 snapshots: bool = False, state_dtype=torch.float32) -> "TreeFactors":
+        L = cfg.num_gdn_layers
+        HK, HV = cfg.linear_num_key_heads // tp_size, cfg.linear_num_value_heads // tp_size
+        f32 = dict(dtype=torch.float32, device=device)
+        return TreeFactors(
+            k=torch.empty(L, num_nodes, HK, cfg.linear_key_head_dim, dtype=dtype, device=device),
+            u=torch.empty(L, num_nodes, HV, cfg.linear_value_head_dim, **f32),
+            logp=torch.empty(L, num_nodes, HV, **f32),
+            conv_x=torch.empty(L, num_nodes, cfg.conv_dim // tp_size, dtype=dtype, device=device),
+            snapshots=torch.empty(L, num_nodes, HV, cfg.linear_value_head_dim, cfg.linear_key_head_dim,
+                                  dtype=state_dtype, device=device) if snapshots else None,
+        )
+
+    def narrow(self, num_nodes: int) -> "TreeFactors":
+        """A view of the first num_nodes nodes (for a preallocated max-size buffer)."""
+        return TreeFactors(*(t[:, :num_nodes] for t in (self.k, self.u, self.logp, self.conv_x)),
+                           snapshots=None if self.snapshots is None else self.snapshots[:, :num_nodes])
+
+
+@dataclass
+class ForwardContext:
+    """Everything a layer needs besides its weights and the hidden states.
+
+    Attributes (device tensors unless noted):
+        mode:          "prefill" | "decode" | "verify".
+        cu_seqlens:    int32 [B+1]; request b owns flat tokens cu_seqlens[b]:cu_seqlens[b+1].
+        num_cached:    int64 [B]; tokens of each request already in the caches (committed length).
+        positions:     int64 [N]; rotary position ids.
+        kv_positions:  int64 [N]; cache position each token's K/V is written to (num_cached + local
+                       index; equals ``positions`` except in verify).
+        slot_mapping:  int64 [N]; flat KV slot of each token (block_table[p // bs] * bs + p % bs).
+        kv_slots:      list (host) per request: int64 [num_cached + T_b] flat slots of all the keys the
+                       request's new tokens may attend to (prefix then new tokens).
+        state_slots:   int64 [B]; GDN state pool slot of each request.
+        block_tables:  host list of each request's block ids.
+        forest / factors: verify only.
+        cu_host, num_cached_host: host copies of cu_seqlens / num_cached.
+    """
+
+    mode: Mode
+    cu_seqlens: torch.Tensor
+    num_cached: torch.Tensor
+    positions: torch.Tensor
+    kv_positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    kv_slots: list
+    state_slots: torch.Tensor
+    block_tables: list
+    cu_host: list
+    num_cached_host: list
+    kv_cache: PagedKVCache | None = None
+    state_pool: StatePool | None = None
+    forest: PackedForest | None = None
+    factors: TreeFactors | None = None
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.cu_host) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cu_host[-1]
+
+    @staticmethod
+    def build(mode: Mode, num_new_tokens: Sequence[int], num_cached: Sequence[int],
+              state_slots: Sequence[int], block_tables: Sequence[Sequence[int]],
+              kv_cache: PagedKVCache | None, state_pool: StatePool | None,
+              forest: PackedForest | None = None, factors: TreeFactors | None = None,
+              device=None) -> "ForwardContext":
+        """Validate the step's batch and derive positions and KV slots.
+
+        For verify, ``num_new_tokens`` may be None: it is taken from ``forest``.
+        """
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode == "verify":
+            if forest is None:
+                raise ValueError("verify mode needs a PackedForest")
+            cu = [int(c) for c in forest.cu_seqlens.tolist()]
+            counts = [b - a for a, b in pairwise(cu)]
+            if num_new_tokens is not None and list(num_new_tokens) != counts:
+                raise ValueError(f"num_new_tokens {list(num_new_tokens)} disagree with the forest {counts}")
+            num_new_tokens = counts
+        elif forest is not None or factors is not None:
+            raise ValueError(f"forest/factors are for verify mode only, not {mode}")
+        B = len(num_new_tokens)
+        for name, seq in (("num_cached", num_cached), ("state_slots", state_slots),
+                          ("block_tables", block_tables)):
+            if len(seq) != B:
+                raise ValueError(f"{name} has {len(seq)} entries for {B} requests")
+        if B == 0 or any(int(n) < 1 for n in num_new_tokens):
+            raise ValueError(f"every request needs >= 1 new token, got {list(num_new_tokens)}")
+        if mode == "decode" and any(int(n) != 1 for n in num_new_tokens):
+            raise ValueError(f"decode mode takes exactly one token per request, got {list(num_new_tokens)}")
+        if any(int(c) < 0 for c in num_cached):
+            raise ValueError(f"num_cached must be >= 0, got {list(num_cached)}")
+        if device is None:
+            device = kv_cache.device if kv_cache is not None else (
+                state_pool.ssm.device if state_pool is not None else torch.device("cpu"))
+        cu = [0]
+        for n in num_new_tokens:
+            cu.append(cu[-1] + int(n))
+        nc = [int(c) for c in num_cached]
+        kv_pos = torch.cat([torch.arange(c, c + int(n)) for c, n in zip(nc, num_new_tokens, strict=True)])
+        if mode == "verify":
+            rep = torch.repeat_interleave(torch.tensor(nc), torch.tensor(list(num_new_tokens)))
+            positions = rep + forest.depth.cpu().long() - 1
+        else:
+            positions = kv_pos.clone()
+        kv_slots, slot_mapping = [], torch.zeros(cu[-1], dtype=torch.long)
+        if kv_cache is not None:
+            for b in range(B):
+                end = nc[b] + int(num_new_tokens[b])
+                slots = kv_cache.slots_for(block_tables[b], torch.arange(end))
+                kv_slots.append(slots.to(device))
+                slot_mapping[cu[b]:cu[b + 1]] = slots[nc[b]:]
+        if factors is not None and factors.k.shape[1] != cu[-1]:
+            raise ValueError(f"factor buffer holds {factors.k.shape[1]} nodes, the forest {cu[-1]}")
+        if mode == "verify" and factors is None:
+            raise ValueError("verify mode needs a TreeFactors buffer (TreeFactors.allocate)")
+        return ForwardContext(
+            mode=mode,
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
+            num_cached=torch.tensor(nc, dtype=torch.long, device=device),
+            positions=positions.to(device),
+            kv_positions=kv_pos.to(device),
+            slot_mapping=slot_mapping.to(device),
+            kv_slots=kv_slots,
+            state_slots=torch.tensor([int(s) for s in state_slots], dtype=torch.long, device=device),
+            block_tables=[list(map(int, t)) for t in block_tables],
+            cu_host=cu,
+            num_cached_host=nc,
+            kv_cache=kv_cache,
+            state_pool=state_pool,
+            forest=None if forest is None else forest.to(device),
+            factors=factors,
+        )

@@ -1,0 +1,310 @@
+"""Load Hugging Face Qwen3.5 / Qwen3.5-MoE / Qwen3-Next checkpoints into ``HybridForCausalLM``.
+
+    model = load_model(path, dtype="auto", device="cpu", tp_rank=0, tp_size=1, backend="auto")
+
+* ``config.json`` goes through transformers' config classes (``AutoConfig``) into ``ModelConfig``.
+* Weights come only from ``*.safetensors`` (one file, or shards with ``model.safetensors.index.json``)
+  read with ``safetensors.safe_open``; pickled ``*.bin`` / ``*.pt`` files are never opened.
+* Names are normalised: ``model.language_model.`` -> ``model.`` (multimodal checkpoints; the vision
+  tower ``model.visual.*`` is skipped), ``mtp.*`` goes to the drafter (its layer count is read from
+  the tensor names). Conversions: Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba`` (interleaved
+  per key-head group [q_g, k_g, v_g, z_g] / [b_g, a_g]) are split into the Qwen3.5 layout; per-expert
+  ``experts.{e}.{gate,up,down}_proj.weight`` are stacked into ``experts.gate_up_proj`` /
+  ``experts.down_proj`` (already fused checkpoints load as they are).
+* Missing or unexpected tensors (all names listed), shape mismatches and unsupported model types
+  raise ``ValueError``.
+
+Tensor parallelism (``tp_rank`` of ``tp_size``): each rank loads only its slice (``tp_slice``):
+    column parallel (output rows split by heads / intermediate units):
+        self_attn.{q,k,v}_proj, mlp.{gate,up}_proj, shared_expert.{gate,up}_proj,
+        experts.gate_up_proj (gate and up halves split separately), linear_attn.in_proj_qkv and
+        conv1d.weight (q, k and v segments split separately), in_proj_z, in_proj_b, in_proj_a,
+        A_log, dt_bias
+    row parallel (input columns split): self_attn.o_proj, mlp.down_proj, shared_expert.down_proj,
+        experts.down_proj, linear_attn.out_proj
+    replicated: embeddings, lm_head, all norms, router gate, shared_expert_gate, mtp.fc
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from contextlib import ExitStack
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+
+from bole.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from bole.models.qwen3_5 import HybridForCausalLM
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+_SKIP_PREFIXES = ("model.visual.", "visual.")
+_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_QKVZ_RE = re.compile(r"^(.*\.linear_attn)\.in_proj_qkvz\.weight$")
+_BA_RE = re.compile(r"^(.*\.linear_attn)\.in_proj_ba\.weight$")
+_MTP_LAYER_RE = re.compile(r"^mtp\.layers\.(\d+)\.")
+
+
+# ---------------------------------------------------------------------------------------- config
+def read_config(path: str):
+    """(transformers config, ModelConfig) of a checkpoint folder; unsupported types raise."""
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise ValueError(f"{path}: no config.json")
+    with open(cfg_file) as fh:
+        model_type = json.load(fh).get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{path}: unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(path)
+    return hf, ModelConfig.from_hf(hf)
+
+
+def resolve_dtype(dtype, cfg: ModelConfig) -> torch.dtype:
+    if dtype in (None, "auto"):
+        dtype = cfg.dtype
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).replace("torch.", "")
+    table = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "half": torch.float16, "float64": torch.float64}
+    if name not in table:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(table)} or 'auto'")
+    return table[name]
+
+
+# ---------------------------------------------------------------------------------------- files
+def checkpoint_files(path: str) -> dict[str, str]:
+    """Tensor name -> safetensors file, from the index (sharded) or the files themselves."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as fh:
+            weight_map = json.load(fh)["weight_map"]
+        missing = sorted({f for f in weight_map.values() if not os.path.isfile(os.path.join(path, f))})
+        if missing:
+            raise ValueError(f"{path}: shards named in {INDEX_FILE} are missing: {missing}")
+        return {name: os.path.join(path, f) for name, f in weight_map.items()}
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        pickles = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth"))]
+        hint = f" (found pickled {pickles}; refusing to unpickle)" if pickles else ""
+        raise ValueError(f"{path}: no *.safetensors files{hint}")
+    out = {}
+    for f in files:
+        full = os.path.join(path, f)
+        with safe_open(full, framework="pt") as fh:
+            for name in fh.keys():
+                out[name] = full
+    return out
+
+
+def normalize_name(name: str) -> str | None:
+    """Checkpoint name -> model name; None for tensors that are skipped (vision tower)."""
+    if name.startswith("model.language_model."):
+        name = "model." + name[len("model.language_model."):]
+    elif name.startswith("language_model.model."):
+        name = "model." + name[len("language_model.model."):]
+    elif name.startswith("language_model.lm_head."):
+        name = name[len("language_model."):]
+    if name.startswith(_SKIP_PREFIXES):
+        return None
+    return name
+
+
+# ---------------------------------------------------------------------------------------- plan
+class _Reader:
+    def __init__(self, files: dict[str, str], stack: ExitStack):
+        self.files, self.stack, self.handles = files, stack, {}
+
+    def get(self, name: str) -> torch.Tensor:
+        f = self.files[name]
+        if f not in self.handles:
+            self.handles[f] = self.stack.enter_context(safe_open(f, framework="pt"))
+        return self.handles[f].get_tensor(name)
+
+
+def _split_qkvz(t: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    HK, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    rep = cfg.linear_num_value_heads // HK
+    per = 2 * dk + 2 * rep * dv
+    if t.dim() != 2 or t.shape[0] != HK * per:
+        raise ValueError(f"in_proj_qkvz has shape {tuple(t.shape)}, expected [{HK * per}, H]")
+    q, k, v, z = t.view(HK, per, -1).split([dk, dk, rep * dv, rep * dv], dim=1)
+    H = t.shape[1]
+    return {"in_proj_qkv.weight": torch.cat([q.reshape(-1, H), k.reshape(-1, H), v.reshape(-1, H)]),
+            "in_proj_z.weight": z.reshape(-1, H)}
+
+
+def _split_ba(t: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    HK = cfg.linear_num_key_heads
+    rep = cfg.linear_num_value_heads // HK
+    if t.dim() != 2 or t.shape[0] != 2 * HK * rep:
+        raise ValueError(f"in_proj_ba has shape {tuple(t.shape)}, expected [{2 * HK * rep}, H]")
+    b, a = t.view(HK, 2 * rep, -1).split([rep, rep], dim=1)
+    return {"in_proj_b.weight": b.reshape(-1, t.shape[1]), "in_proj_a.weight": a.reshape(-1, t.shape[1])}
+
+
+def build_plan(names: list[str], cfg: ModelConfig
+               ) -> tuple[dict[str, Callable], dict[str, list[str]], list[str]]:
+    """Map model parameter names to producers of their full (unsliced) tensors.
+
+    Returns (producers: target -> fn(reader) -> tensor, sources: target -> checkpoint names,
+    skipped checkpoint names).
+    """
+    producers: dict[str, Callable] = {}
+    sources: dict[str, list[str]] = {}
+    experts: dict[str, dict[str, dict[int, str]]] = {}
+    skipped = []
+    for raw in names:
+        name = normalize_name(raw)
+        if name is None:
+            skipped.append(raw)
+            continue
+        if m := _QKVZ_RE.match(name):
+            for part in ("in_proj_qkv.weight", "in_proj_z.weight"):
+                target = f"{m[1]}.{part}"
+                producers[target] = lambda r, raw=raw, part=part: _split_qkvz(r.get(raw), cfg)[part]
+                sources[target] = [raw]
+        elif m := _BA_RE.match(name):
+            for part in ("in_proj_b.weight", "in_proj_a.weight"):
+                target = f"{m[1]}.{part}"
+                producers[target] = lambda r, raw=raw, part=part: _split_ba(r.get(raw), cfg)[part]
+                sources[target] = [raw]
+        elif m := _EXPERT_RE.match(name):
+            experts.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = raw
+        else:
+            producers[name] = lambda r, raw=raw: r.get(raw)
+            sources[name] = [raw]
+    for prefix, kinds in experts.items():
+        def stacked(kind_list, kinds=kinds):
+            return lambda r: torch.stack([torch.cat([r.get(kinds[k][e]) for k in kind_list])
+                                          for e in range(cfg.num_experts)])
+        gate_up = f"{prefix}.gate_up_proj"
+        producers[gate_up] = stacked(["gate_proj", "up_proj"])
+        producers[f"{prefix}.down_proj"] = stacked(["down_proj"])
+        for kind in ("gate_proj", "up_proj", "down_proj"):
+            target = gate_up if kind != "down_proj" else f"{prefix}.down_proj"
+            sources.setdefault(target, []).extend(kinds.get(kind, {}).values())
+    return producers, sources, skipped
+
+
+def _expert_gaps(sources: dict[str, list[str]], cfg: ModelConfig) -> list[str]:
+    """Checkpoint names of per-expert tensors absent from an otherwise per-expert checkpoint."""
+    gaps = []
+    for target, srcs in sources.items():
+        if not target.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            continue
+        if len(srcs) == 1 and _EXPERT_RE.match(normalize_name(srcs[0]) or "") is None:
+            continue  # a fused checkpoint tensor
+        prefix = target.rsplit(".", 1)[0]
+        kinds = ("gate_proj", "up_proj") if target.endswith("gate_up_proj") else ("down_proj",)
+        have = {normalize_name(s) for s in srcs}
+        gaps += [f"{prefix}.{e}.{k}.weight" for e in range(cfg.num_experts) for k in kinds
+                 if f"{prefix}.{e}.{k}.weight" not in have]
+    return gaps
+
+
+# ---------------------------------------------------------------------------------------- TP
+def _chunk(t: torch.Tensor, dim: int, rank: int, size: int, what: str) -> torch.Tensor:
+    if t.shape[dim] % size:
+        raise ValueError(f"{what}: dim {dim} of size {t.shape[dim]} does not divide over tp_size={size}")
+    return t.chunk(size, dim=dim)[rank]
+
+
+def tp_slice(name: str, t: torch.Tensor, cfg: ModelConfig, rank: int, size: int) -> torch.Tensor:
+    """The slice of full tensor ``name`` (model naming) that rank ``rank`` of ``size`` holds."""
+    if size == 1:
+        return t
+    leaf = name.split(".")
+    last2 = ".".join(leaf[-2:])
+    if ".linear_attn." in name and (last2 in ("in_proj_qkv.weight", "conv1d.weight")):
+        kd, vd = cfg.linear_key_dim, cfg.linear_value_dim
+        segs = t.split([kd, kd, vd], dim=0)
+        return torch.cat([_chunk(s, 0, rank, size, name) for s in segs])
+    if ".linear_attn." in name and last2 in ("in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"):
+        return _chunk(t, 0, rank, size, name)
+    if ".linear_attn." in name and leaf[-1] in ("A_log", "dt_bias"):
+        return _chunk(t, 0, rank, size, name)
+    if last2 in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias",
+                 "v_proj.bias", "gate_proj.weight", "up_proj.weight"):
+        return _chunk(t, 0, rank, size, name)
+    if last2 in ("o_proj.weight", "out_proj.weight") or (last2 == "down_proj.weight"):
+        return _chunk(t, 1, rank, size, name)
+    if name.endswith("experts.gate_up_proj"):
+        E, two_i, H = t.shape
+        gate, up = t.view(E, 2, two_i // 2, H).unbind(1)
+        return torch.cat([_chunk(gate, 1, rank, size, name), _chunk(up, 1, rank, size, name)], dim=1)
+    if name.endswith("experts.down_proj"):
+        return _chunk(t, 2, rank, size, name)
+    return t  # replicated (norms, embeddings, lm_head, router, shared_expert_gate, mtp.fc, o_proj.bias)
+
+
+# ---------------------------------------------------------------------------------------- load
+def _listing(names, limit: int = 50) -> str:
+    names = sorted(names)
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def load_model(path: str, dtype="auto", device="cpu", tp_rank: int = 0, tp_size: int = 1,
+               backend="auto", load_mtp: bool = True) -> HybridForCausalLM:
+    """Build the model for ``path`` and load its (rank's) weights. See the module docstring."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank={tp_rank} is not in [0, tp_size={tp_size})")
+    _, cfg = read_config(path)
+    dt = resolve_dtype(dtype, cfg)
+    files = checkpoint_files(path)
+    names = list(files)
+    mtp_layers = sorted({int(m[1]) for n in names if (m := _MTP_LAYER_RE.match(normalize_name(n) or ""))})
+    num_mtp = (max(mtp_layers) + 1) if (mtp_layers and load_mtp) else 0
+    ignored = [n for n in names if not load_mtp and (normalize_name(n) or "").startswith("mtp.")]
+    names = [n for n in names if n not in set(ignored)]
+    producers, sources, skipped = build_plan(names, cfg)
+    if cfg.tie_word_embeddings and "lm_head.weight" in producers:
+        producers.pop("lm_head.weight")  # tied: the embedding is the head
+        sources.pop("lm_head.weight")
+
+    with torch.device("meta"):
+        model = HybridForCausalLM(cfg, backend=backend, num_mtp_layers=num_mtp, tp_size=tp_size,
+                                  device=device)
+    params = dict(model.named_parameters())  # tied lm_head appears once, under the embedding
+    expected = set(params)
+    missing = sorted(expected - set(producers)) + _expert_gaps(sources, cfg)
+    unexpected = sorted(s for t in set(producers) - expected for s in sources[t])
+    if missing or unexpected:
+        msg = [f"{path}: checkpoint does not match the {cfg.model_type} model"]
+        if missing:
+            msg.append(f"missing tensors ({len(missing)}): {_listing(missing)}")
+        if unexpected:
+            msg.append(f"unexpected tensors ({len(unexpected)}): {_listing(unexpected)}")
+        raise ValueError("; ".join(msg))
+    if skipped:
+        logger.info("skipped %d vision-tower tensors", len(skipped))
+
+    model = model.to(dtype=dt).to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty materialises tied parameters separately: tie again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    params = dict(model.named_parameters())
+    mismatches = []
+    with ExitStack() as stack, torch.no_grad():
+        reader = _Reader(files, stack)
+        for name, produce in producers.items():
+            t = tp_slice(name, produce(reader), cfg, tp_rank, tp_size)
+            p = params[name]
+            if tuple(t.shape) != tuple(p.shape):
+                src = ", ".join(sources[name][:2]) + (", ..." if len(sources[name]) > 2 else "")
+                mismatches.append(f"{name} (from {src}): checkpoint {tuple(t.shape)} "
+                                  f"vs model {tuple(p.shape)}")
+                continue
+            p.copy_(t.to(dt))
+    if mismatches:
+        raise ValueError(f"{path}: shape mismatches ({len(mismatches)}): " + "; ".join(mismatches))
+    logger.info("loaded %s (%s, %d MTP layers, tp %d/%d) from %s", cfg.model_type, dt, num_mtp,
+                tp_rank, tp_size, path)
+    return model.eval()

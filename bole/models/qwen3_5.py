@@ -1,0 +1,201 @@
+"""The hybrid Qwen3.5 / Qwen3.5-MoE / Qwen3-Next decoder and its MTP drafter.
+
+Interface (the engine builds on this):
+
+    model = HybridForCausalLM(cfg, backend="auto")             # or bole.models.loader.load_model(path)
+    hidden = model(input_ids [N], ctx)                          # [N, H], after the final norm
+    logits = model.compute_logits(hidden)                       # [N, vocab]
+    accepted_len = model.commit(ctx, accepted)                  # after a verify step, see below
+    h_draft = model.mtp(next_ids [N], target_hidden [N, H], ctx_mtp)   # MTP drafter
+    draft_logits = model.mtp.compute_logits(h_draft)
+
+``ctx`` is a ``bole.models.context.ForwardContext`` (mode, packed batch, positions, caches, tree).
+Parameter names equal the checkpoint's (``model.layers.3.self_attn.q_proj.weight``, ``mtp.fc.weight``,
+...), so the loader maps tensors by name.
+
+Decoder layer: x += mixer(RMSNorm(x)); x += mlp(RMSNorm(x)), mixer = Gated DeltaNet or gated
+attention per ``cfg.layer_types``, mlp = dense SwiGLU or sparse MoE. All RMSNorms of the decoder
+are zero-centred (1 + w).
+
+Verify / commit (DESIGN.md §2): the verify forward reads the committed GDN state, stores per-node
+factors and writes the tree nodes' K/V at positions num_cached + node_index. ``commit(ctx,
+accepted)`` takes each request's deepest accepted local node (-1: none) and
+  1. materialises every GDN layer's state on the accepted path in ONE backend.commit call,
+  2. keeps the last W-1 conv inputs along the path (per layer),
+  3. moves the accepted nodes' K/V (all attention layers at once) to num_cached + 0..len(path)-1.
+The caller then advances each request's committed length by the returned path lengths; rejected
+nodes' K/V slots are simply overwritten later.
+
+Tensor parallelism: built with ``tp_size`` > 1 the layers hold their rank's slices (see the
+loader); ``tp_reduce`` (identity by default) is where a later issue plugs the all-reduce after
+row-parallel projections. Embedding and lm_head are replicated.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from bole.backend import GDNBackend, resolve_backend
+from bole.config import ModelConfig
+from bole.layers.attention import GatedAttention
+from bole.layers.gdn import GatedDeltaNet
+from bole.layers.mlp import MLP
+from bole.layers.moe import SparseMoE
+from bole.layers.norm import RMSNorm
+from bole.ops.conv import conv_state_commit
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, layer_type: str, cache_index: int,
+                 backend: GDNBackend, tp_size: int = 1, tp_reduce: Callable | None = None):
+        super().__init__()
+        self.layer_type = layer_type
+        self.tp_reduce = tp_reduce or (lambda t: t)
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg, cache_index, backend, tp_size)
+        else:
+            self.self_attn = GatedAttention(cfg, cache_index, tp_size)
+        if cfg.is_moe_layer(layer_id):
+            if cfg.moe_intermediate_size % tp_size or cfg.shared_expert_intermediate_size % tp_size:
+                raise ValueError(f"MoE intermediate sizes do not divide over tp_size={tp_size}")
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                                 cfg.moe_intermediate_size // tp_size,
+                                 cfg.shared_expert_intermediate_size // tp_size, cfg.norm_topk_prob)
+        else:
+            if cfg.intermediate_size % tp_size:
+                raise ValueError(f"intermediate_size {cfg.intermediate_size} does not divide over "
+                                 f"tp_size={tp_size}")
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size // tp_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
+        x = x + self.tp_reduce(mixer(h, ctx))
+        return x + self.tp_reduce(self.mlp(self.post_attention_layernorm(x)))
+
+
+class HybridModel(nn.Module):
+    """Embedding, decoder layers and final norm (checkpoint prefix ``model.``)."""
+
+    def __init__(self, cfg: ModelConfig, backend: GDNBackend, tp_size: int, tp_reduce):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        gdn_index = {layer: i for i, layer in enumerate(cfg.gdn_layer_ids)}
+        attn_index = {layer: i for i, layer in enumerate(cfg.attn_layer_ids)}
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, t, gdn_index[i] if t == "linear_attention" else attn_index[i], backend,
+                         tp_size, tp_reduce)
+            for i, t in enumerate(cfg.layer_types))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return self.norm(x)
+
+
+class MTPDrafter(nn.Module):
+    """Qwen3.5 / Qwen3-Next multi-token-prediction head (checkpoint prefix ``mtp.``).
+
+        h = fc([RMSNorm_e(embed(next_ids)) ; RMSNorm_h(target_hidden)])     (2H -> H, embedding first)
+        h = decoder_layer_d(h)      full attention with its own KV cache (ctx_mtp.kv_cache, index d)
+        return RMSNorm(h)           logits through the target's lm_head (``compute_logits``)
+
+``target_hidden`` is the target model's output hidden state (after its final norm) at the token
+preceding ``next_ids``. A depth-D draft reuses layer ``step % num_mtp_layers`` D times. The embedding
+and lm_head are the target's (shared, not registered here).
+"""
+
+    def __init__(self, cfg: ModelConfig, num_layers: int, backend: GDNBackend, embed: nn.Embedding,
+                 lm_head: nn.Linear, tp_size: int = 1, tp_reduce=None):
+        super().__init__()
+        H = cfg.hidden_size
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.pre_fc_norm_embedding = RMSNorm(H, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, cfg.num_hidden_layers + i, "full_attention", i, backend, tp_size, tp_reduce)
+            for i in range(num_layers))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self._shared = (embed, lm_head)  # a tuple keeps them out of this module's parameters
+
+    def forward(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, ctx,
+                step: int = 0) -> torch.Tensor:
+        embed, _ = self._shared
+        e = self.pre_fc_norm_embedding(embed(input_ids))
+        h = self.pre_fc_norm_hidden(target_hidden.to(e.dtype))
+        x = self.fc(torch.cat([e, h], dim=-1))
+        x = self.layers[step % len(self.layers)](x, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._shared[1](hidden)
+
+
+class HybridForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: str | GDNBackend = "auto",
+                 num_mtp_layers: int | None = None, tp_size: int = 1, tp_reduce: Callable | None = None,
+                 device=None):
+        super().__init__()
+        self.config = cfg
+        self.tp_size = tp_size
+        self.backend = backend if isinstance(backend, GDNBackend) else resolve_backend(backend, device)
+        self.model = HybridModel(cfg, self.backend, tp_size, tp_reduce)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        n_mtp = cfg.num_mtp_layers if num_mtp_layers is None else num_mtp_layers
+        self.mtp = MTPDrafter(cfg, n_mtp, self.backend, self.model.embed_tokens, self.lm_head, tp_size,
+                              tp_reduce) if n_mtp > 0 else None
+
+    def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
+        if input_ids.dim() != 1 or input_ids.numel() != ctx.num_tokens:
+            raise ValueError(f"input_ids must be [N={ctx.num_tokens}], got {tuple(input_ids.shape)}")
+        return self.model(input_ids, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @torch.no_grad()
+    def commit(self, ctx, accepted: Sequence[int]) -> list[int]:
+        """Materialise each request's accepted path after a verify forward; returns path lengths.
+
+        ``accepted[b]``: local index of request b's deepest accepted node, or -1 (nothing accepted).
+        """
+        if ctx.mode != "verify":
+            raise ValueError(f"commit follows a verify step, not {ctx.mode}")
+        forest, f = ctx.forest, ctx.factors
+        paths = forest.accepted_path_nodes(accepted)  # [B, D] global node ids, -1 padded
+        lengths = (paths >= 0).sum(1).tolist()
+        pool = ctx.state_pool
+        if pool is not None and self.config.num_gdn_layers and f.snapshots is not None:
+            # serial_tree baseline: copy the accepted node's snapshot of every layer
+            last = paths.gather(1, (paths >= 0).sum(1, keepdim=True).clamp(min=1) - 1)[:, 0]
+            has = last >= 0
+            pool.ssm[:, ctx.state_slots[has]] = f.snapshots[:, last[has].long()].to(pool.ssm.dtype)
+            for i in range(self.config.num_gdn_layers):
+                conv_state_commit(pool.conv[i], f.conv_x[i], forest, ctx.state_slots, paths)
+        elif pool is not None and self.config.num_gdn_layers:
+            self.backend.commit(pool.ssm, f.k, f.u, f.logp, paths, ctx.state_slots, use_qk_l2norm=True)
+            for i in range(self.config.num_gdn_layers):
+                conv_state_commit(pool.conv[i], f.conv_x[i], forest, ctx.state_slots, paths)
+        if ctx.kv_cache is not None and self.config.num_attn_layers:
+            src, dst = [], []
+            paths_host = paths.cpu()
+            for b, n in enumerate(lengths):
+                if n == 0:
+                    continue
+                local = paths_host[b, :n].long() - ctx.cu_host[b]
+                P = ctx.num_cached_host[b]
+                slots = ctx.kv_slots[b]
+                src.append(slots[(P + local).to(slots.device)])
+                dst.append(slots[P:P + n])
+            if src:
+                ctx.kv_cache.move(torch.cat(src), torch.cat(dst))
+        return lengths

@@ -1,0 +1,100 @@
+"""Chunked Gated DeltaNet over sequences in torch: the CPU prefill path (WY / UT form, chunk 64).
+
+Same signature and conventions as ``bole.ops.gdn.gdn_recurrent`` (flash-linear-attention layout,
+state stored transposed as [V, K]), plus ``chunk_size``. Within a chunk of C tokens with cumulative
+log decay c_t (from the chunk start) and the state S (K×V) entering the chunk:
+
+    A = D_β [(K Kᵀ) ⊙ E ⊙ strict-lower],  E_ij = exp(c_i − c_j) for j ≤ i (masked before exp)
+    U = (I + A)⁻¹ D_β (V − D_exp(c) K S)        (UT transform: one unit-triangular solve)
+    O = D_exp(c) Q S + [(Q Kᵀ) ⊙ E ⊙ lower] U
+    S ← exp(c_C) S + Σ_j exp(c_C − c_j) k_j u_jᵀ
+
+which is eq. (2) / (10) of DESIGN.md §2 on a chain. When every sequence has one token (decode),
+a batched single-step recurrence over all requests runs instead of the per-sequence loop.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import torch
+
+from bole.ops.gdn import _prepare
+
+DEFAULT_CHUNK_SIZE = 64
+
+
+def _chunk_sequence(q, k, v, g, beta, S, chunk_size):
+    """One sequence. q, k [HV, T, K]; v [HV, T, V]; g, beta [HV, T]; S [HV, K, V] -> (o [HV, T, V], S)."""
+    HV, T, _ = q.shape
+    o = torch.empty(HV, T, v.shape[-1], dtype=q.dtype, device=q.device)
+    for s in range(0, T, chunk_size):
+        e = min(s + chunk_size, T)
+        C = e - s
+        qc, kc, vc, bc = q[:, s:e], k[:, s:e], v[:, s:e], beta[:, s:e]
+        c = g[:, s:e].cumsum(-1)  # [HV, C]
+        lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        diff = c[:, :, None] - c[:, None, :]
+        E = torch.where(lower, diff, torch.full_like(diff, -torch.inf)).exp()  # [HV, C, C]
+        strict = lower & ~torch.eye(C, dtype=torch.bool, device=q.device)
+        A = bc[:, :, None] * (kc @ kc.transpose(1, 2)) * E * strict
+        decay = c.exp()[:, :, None]  # [HV, C, 1]
+        R = bc[:, :, None] * (vc - decay * (kc @ S))
+        eye = torch.eye(C, dtype=q.dtype, device=q.device)
+        U = torch.linalg.solve_triangular(A + eye, R, upper=False, unitriangular=True)
+        o[:, s:e] = decay * (qc @ S) + ((qc @ kc.transpose(1, 2)) * E) @ U
+        last = c[:, -1:]  # [HV, 1]
+        S = last.exp()[:, :, None] * S + (kc * (last - c).exp()[:, :, None]).transpose(1, 2) @ U
+    return o, S
+
+
+def _single_step(qf, kf, vf, gf, bf, S):
+    """All sequences of length 1. qf, kf [B, HV, K]; vf [B, HV, V]; S [B, HV, V, K] (transposed)."""
+    S = S * gf.exp()[:, :, None, None]
+    u = bf[:, :, None] * (vf - torch.einsum("bhvk,bhk->bhv", S, kf))
+    S = S + u[:, :, :, None] * kf[:, :, None, :]
+    o = torch.einsum("bhvk,bhk->bhv", S, qf)
+    return o, S
+
+
+def gdn_chunk(q, k, v, g, beta, scale=None, initial_state=None, state_indices=None,
+              cu_seqlens=None, use_qk_l2norm=False, chunk_size=DEFAULT_CHUNK_SIZE):
+    """Chunked gated delta rule over variable-length sequences (equal to ``gdn_recurrent``).
+
+    Args:
+        q, k: [1, N, HK, K]; v: [1, N, HV, V]; g, beta: [1, N, HV] (g = log decay <= 0).
+        initial_state: [slots, HV, V, K] or None (zeros). Read only.
+        state_indices: [B] slot of each sequence (default: sequence b uses slot b).
+        cu_seqlens: int [B+1] offsets (default: one sequence of N tokens).
+    Returns:
+        o [1, N, HV, V] (v's dtype), final_state [B, HV, V, K] (compute dtype).
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    qf, kf, vf, gf, bf, dt = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
+    N, HV, K = kf.shape
+    V = vf.shape[-1]
+    cu = [0, N] if cu_seqlens is None else [int(x) for x in cu_seqlens]
+    B = len(cu) - 1
+    if cu[0] != 0 or cu[-1] != N or any(b < a for a, b in pairwise(cu)):
+        raise ValueError(f"cu_seqlens {cu} does not partition {N} tokens")
+    if initial_state is None:
+        init = torch.zeros(B, HV, V, K, dtype=dt, device=q.device)
+    else:
+        idx = torch.arange(B, device=q.device) if state_indices is None else \
+            torch.as_tensor(state_indices, device=initial_state.device).long()
+        init = initial_state[idx].to(dt)
+    if B == N and all(b - a == 1 for a, b in pairwise(cu)):
+        o, final = _single_step(qf, kf, vf, gf, bf, init)
+        return o.to(v.dtype)[None], final
+    o = torch.empty(N, HV, V, dtype=dt, device=q.device)
+    finals = []
+    for b in range(B):
+        s, e = cu[b], cu[b + 1]
+        S = init[b].transpose(1, 2)  # [HV, K, V]
+        if e > s:
+            ob, S = _chunk_sequence(qf[s:e].transpose(0, 1), kf[s:e].transpose(0, 1),
+                                    vf[s:e].transpose(0, 1), gf[s:e].T, bf[s:e].T, S, chunk_size)
+            o[s:e] = ob.transpose(0, 1)
+        finals.append(S.transpose(1, 2))
+    return o.to(v.dtype)[None], torch.stack(finals).contiguous()

@@ -1,0 +1,178 @@
+"""Loader: sharded / multimodal layouts, dtype, errors with names, tensor-parallel slicing."""
+
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from bole.config import ModelConfig
+from bole.models.loader import load_model, read_config, tp_slice
+
+
+def _copy(ck, dst, edit=None):
+    shutil.copytree(ck.path, dst)
+    if edit is not None:
+        f = os.path.join(dst, "model.safetensors")
+        tensors = load_file(f)
+        edit(tensors)
+        save_file(tensors, f, metadata={"format": "pt"})
+    return str(dst)
+
+
+def _params(model):
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def dense(checkpoints):
+    ck = checkpoints("dense")
+    return ck, _params(load_model(ck.path, dtype="float32", backend="torch"))
+
+
+def test_sharded_with_index(dense, tmp_path):
+    ck, ref = dense
+    tensors = load_file(os.path.join(ck.path, "model.safetensors"))
+    names = sorted(tensors)
+    half = len(names) // 2
+    out = tmp_path / "sharded"
+    shutil.copytree(ck.path, out)
+    os.remove(out / "model.safetensors")
+    shards = {"model-00001-of-00002.safetensors": names[:half],
+              "model-00002-of-00002.safetensors": names[half:]}
+    for fname, ns in shards.items():
+        save_file({n: tensors[n] for n in ns}, str(out / fname), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {n: f for f, ns in shards.items() for n in ns}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    got = _params(load_model(str(out), dtype="float32", backend="torch"))
+    assert got.keys() == ref.keys() and all(torch.equal(got[n], ref[n]) for n in ref)
+
+
+def test_multimodal_prefix_and_vision_tower_skipped(dense, tmp_path):
+    ck, ref = dense
+    from transformers import Qwen3_5Config
+
+    out = tmp_path / "mm"
+    def edit(t):
+        for n in [n for n in t if n.startswith("model.")]:
+            t["model.language_model." + n[len("model."):]] = t.pop(n)
+        t["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(3, 3)
+    _copy(ck, out, edit)
+    text = ck.hf_config.to_dict()
+    cfg = Qwen3_5Config(text_config=text)
+    cfg.save_pretrained(out)
+    hf_cfg, mc = read_config(str(out))
+    assert hf_cfg.model_type == "qwen3_5" and mc.model_type == "qwen3_5_text"
+    got = _params(load_model(str(out), dtype="float32", backend="torch"))
+    assert got.keys() == ref.keys() and all(torch.equal(got[n], ref[n]) for n in ref)
+
+
+def test_dtype_choice(dense):
+    ck, _ = dense
+    m = load_model(ck.path, dtype=torch.bfloat16, backend="torch")
+    assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in load_model(ck.path, backend="torch").parameters()} == {torch.float32}  # "auto"
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        load_model(ck.path, dtype="int7", backend="torch")
+
+
+def test_missing_and_unexpected_tensors_are_listed(dense, tmp_path):
+    ck, _ = dense
+    def edit(t):
+        del t["model.layers.1.linear_attn.A_log"]
+        del t["mtp.layers.0.self_attn.k_norm.weight"]
+        t["model.layers.0.mlp.bogus.weight"] = torch.zeros(2)
+    path = _copy(ck, tmp_path / "bad", edit)
+    with pytest.raises(ValueError) as e:
+        load_model(path, dtype="float32", backend="torch")
+    msg = str(e.value)
+    assert "missing tensors (2)" in msg and "model.layers.1.linear_attn.A_log" in msg
+    assert "mtp.layers.0.self_attn.k_norm.weight" in msg
+    assert "unexpected tensors (1)" in msg and "model.layers.0.mlp.bogus.weight" in msg
+
+
+def test_missing_expert_is_listed(checkpoints, tmp_path):
+    ck = checkpoints("moe")
+    path = _copy(ck, tmp_path / "bad_moe", lambda t: t.pop("model.layers.2.mlp.experts.5.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight"):
+        load_model(path, dtype="float32", backend="torch")
+
+
+def test_shape_mismatch(dense, tmp_path):
+    ck, _ = dense
+    name = "model.layers.3.self_attn.k_proj.weight"
+    path = _copy(ck, tmp_path / "shape", lambda t: t.update({name: torch.zeros(8, 64)}))
+    with pytest.raises(ValueError, match=re.escape(name) + r".*\(8, 64\).*\(32, 64\)"):
+        load_model(path, dtype="float32", backend="torch")
+
+
+def test_unsupported_model_type_and_no_pickles(dense, tmp_path):
+    ck, _ = dense
+    path = _copy(ck, tmp_path / "llama")
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg["model_type"] = "llama"
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
+        load_model(path)
+    pk = tmp_path / "pickled"
+    pk.mkdir()
+    shutil.copy(os.path.join(ck.path, "config.json"), pk / "config.json")
+    (pk / "pytorch_model.bin").write_bytes(b"not to be unpickled")
+    with pytest.raises(ValueError, match="refusing to unpickle"):
+        load_model(str(pk))
+
+
+def _merge(name, slices, cfg: ModelConfig, full_shape):
+    """Inverse of the TP plan, written independently: how the full tensor is laid out."""
+    if slices[0].shape == full_shape:  # replicated: every rank holds the same tensor
+        assert all(torch.equal(s, slices[0]) for s in slices), name
+        return slices[0]
+    if name.endswith(("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight")):
+        kd, vd = cfg.linear_key_dim // len(slices), cfg.linear_value_dim // len(slices)
+        parts = [s.split([kd, kd, vd]) for s in slices]
+        return torch.cat([torch.cat([p[i] for p in parts]) for i in range(3)])
+    if name.endswith("experts.gate_up_proj"):
+        halves = [s.chunk(2, dim=1) for s in slices]
+        return torch.cat([torch.cat([h[0] for h in halves], 1), torch.cat([h[1] for h in halves], 1)], 1)
+    if name.endswith("experts.down_proj"):
+        return torch.cat(slices, 2)
+    if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+        return torch.cat(slices, 1)
+    return torch.cat(slices, 0)
+
+
+@pytest.mark.parametrize("kind", ["dense", "next"])
+def test_tp_slices_concatenate_to_full_tensors(checkpoints, kind):
+    ck = checkpoints(kind)
+    full = load_model(ck.path, dtype="float32", backend="torch")
+    ranks = [load_model(ck.path, dtype="float32", backend="torch", tp_rank=r, tp_size=2) for r in range(2)]
+    cfg = full.config
+    fp = _params(full)
+    rp = [_params(m) for m in ranks]
+    sharded = 0
+    for name, t in fp.items():
+        slices = [p[name] for p in rp]
+        if slices[0].shape != t.shape:
+            sharded += 1
+        assert torch.equal(_merge(name, slices, cfg, t.shape), t), name
+    assert sharded > 10
+    assert ranks[0].model.layers[3].self_attn.num_heads == 2
+    assert ranks[1].model.layers[0].linear_attn.num_v_heads == 2
+
+
+def test_tp_indivisible_raises(dense):
+    ck, _ = dense
+    with pytest.raises(ValueError, match="tp_size=4"):
+        load_model(ck.path, dtype="float32", backend="torch", tp_rank=0, tp_size=4)
+    with pytest.raises(ValueError, match="tp_rank"):
+        load_model(ck.path, tp_rank=2, tp_size=2)
+
+
+def test_tp_slice_replicates_norms(dense):
+    ck, _ = dense
+    _, cfg = read_config(ck.path)
+    w = torch.randn(64)
+    assert tp_slice("model.layers.0.input_layernorm.weight", w, cfg, 1, 2) is w
