@@ -53,3 +53,32 @@ def make_checkpoint(path, kind: str = "dense", vocab_size: int = 16, seed: int =
         tensors[f"mtp.{n}.weight"] = 0.2 * torch.randn(H, generator=gen)
     save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
     return hf
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_char_tokenizer(path, vocab_size: int) -> None:
+    """A character-level Hugging Face tokenizer with exactly ``vocab_size`` ids and a chat template.
+
+    Ids 0..2 are <|endoftext|>, <|im_start|>, <|im_end|>; the rest are printable characters (unknown
+    characters map to the last id). Lets CLI / server tests use text with a tiny-vocabulary model.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    chars = list(" etaoinshrdlucmfwypvbgkqjxz\n.,:;()=_0123456789ETAOINSHRDLUCMFWYPVBGKQJXZ'\"!?+-*/<>[]{}#")
+    n = vocab_size - len(specials)
+    if n < 2:
+        raise ValueError(f"vocab_size {vocab_size} is too small for a character tokenizer")
+    vocab = {t: i for i, t in enumerate(specials + chars[: n - 1] + ["\ufffd"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="\ufffd"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                   unk_token="\ufffd")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)

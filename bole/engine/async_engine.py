@@ -70,6 +70,25 @@ class AsyncEngine:
             snap["waiting"] = len(self.engine.scheduler.waiting)
             return snap
 
+    def budget_state(self) -> dict:
+        """Where the batch stands in the calibration table, for routing: the current bucket and its
+        B_ver, and the B_ver per request the batch would get with one more request."""
+        with self._lock:
+            eng = self.engine
+            running, spec = eng.scheduler.running, eng.config.spec
+            kv_len = max((r.num_computed for r in running), default=0)
+            n = len(running)
+            bucket, b_ver = eng.calibration.lookup(max(n, 1), kv_len, spec.depth + 1)
+            _, b_next = eng.calibration.lookup(n + 1, kv_len, spec.depth + 1)
+            return {"table_id": eng.calibration.table_id, "bucket": bucket, "b_ver": b_ver,
+                    "b_ver_per_request": b_next / (n + 1), "running": n,
+                    "waiting": len(eng.scheduler.waiting)}
+
+    def set_calibration(self, table) -> None:
+        """Swap the calibration table between steps (``reconfigure`` without a restart)."""
+        with self._lock:
+            self.engine.calibration = table
+
     def shutdown(self, timeout: float = 5.0) -> None:
         with self._work:
             self._stopped = True

@@ -51,6 +51,8 @@ class RequestOutput:
     finish_reason: str | None
     output_token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    num_steps: int = 0             # decode / verify steps so far (MAT = emitted tokens / steps)
+    num_accepted_drafts: int = 0
 
 
 class LLMEngine:
@@ -217,7 +219,8 @@ class LLMEngine:
             self.scheduler.finish(req, reason)
             self.metrics.record_finish(req)
         return RequestOutput(req.request_id, new, new_text, reason is not None, reason,
-                             list(req.output_token_ids), req.output_text)
+                             list(req.output_token_ids), req.output_text,
+                             req.metrics.num_steps, req.metrics.num_accepted_drafts)
 
     def pop_finished(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)

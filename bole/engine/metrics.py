@@ -35,6 +35,8 @@ class EngineMetrics:
     ttft_sum: float = 0.0
     tpot_sum: float = 0.0
     tpot_count: int = 0
+    prompt_tokens: int = 0         # over finished requests
+    prefix_hit_tokens: int = 0     # prompt tokens served from a prefix cache, over finished requests
     last_step: StepStats | None = None
     accept_histogram: dict = field(default_factory=dict)
 
@@ -55,6 +57,8 @@ class EngineMetrics:
     def record_finish(self, req) -> None:
         m = req.metrics
         self.finished += 1
+        self.prompt_tokens += len(req.prompt_token_ids)
+        self.prefix_hit_tokens += m.prefix_hit_tokens
         if m.ttft is not None:
             self.ttft_sum += m.ttft
         n = len(req.output_token_ids)
@@ -76,6 +80,9 @@ class EngineMetrics:
             "mat": self.mat,
             "mean_tree_nodes": self.tree_nodes / self.decode_steps if self.decode_steps else 0.0,
             "mean_b_ver": self.b_ver_sum / self.decode_steps if self.decode_steps else 0.0,
+            # draft nodes verified / B_ver, over speculative steps (roots are not budgeted)
+            "budget_used": (self.tree_nodes - self.request_steps) / self.b_ver_sum if self.b_ver_sum else 0.0,
+            "prefix_hit_rate": self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "verify_time_share": self.verify_time / self.step_time if self.step_time else 0.0,
             "mean_ttft_s": self.ttft_sum / self.finished if self.finished else 0.0,
             "mean_tpot_s": self.tpot_sum / self.tpot_count if self.tpot_count else 0.0,

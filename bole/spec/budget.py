@@ -18,6 +18,8 @@ Calibration table (YAML; ``calibration_tables/default.yaml`` is the reference):
     source: measured          # measured | modeled | default
     capture_set: [8, 16, 32, 64]   # G: the capacities N that were (or can be) captured
     notes: "..."              # optional free text: where/how it was measured
+    provenance: {...}         # optional mapping: device name, model signature, method, raw timings
+    model_error: {...}        # optional mapping (modeled tables): the model's error vs a measurement
     buckets:                  # inclusive integer ranges; together an exact partition of a box
       - {batch: [1, 1], kv: [0, 4095], depth: [1, 16], b_ver: 64,
          t_dec_ms: 7.1, t_ver_ms: {8: 7.2, 16: 7.3, 32: 7.5, 64: 7.8}}
@@ -32,7 +34,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Mapping
 
@@ -42,7 +44,7 @@ import yaml
 SOURCES = ("measured", "modeled", "default")
 _TOP_KEYS = {"hardware", "model", "dtype", "tp_size", "versions", "date", "epsilon", "source",
              "capture_set", "buckets"}
-_OPTIONAL_TOP_KEYS = {"notes"}
+_OPTIONAL_TOP_KEYS = {"notes", "provenance", "model_error"}
 _BUCKET_KEYS = {"batch", "kv", "depth", "b_ver", "t_dec_ms", "t_ver_ms"}
 _AXES = (("batch", 1), ("kv", 0), ("depth", 1))  # axis name, lowest allowed value
 
@@ -87,6 +89,8 @@ class CalibrationTable:
     capture_set: tuple[int, ...]
     buckets: tuple[Bucket, ...]
     notes: str = ""
+    provenance: Mapping = field(default_factory=dict)
+    model_error: Mapping | None = None
 
     @cached_property
     def _box(self) -> tuple[tuple[int, int], ...]:
@@ -144,11 +148,15 @@ class CalibrationTable:
         buckets = tuple(_parse_bucket(i, b, set(cap), float(eps), data["source"])
                         for i, b in enumerate(data["buckets"]))
         _check_partition(buckets)
+        for k in ("provenance", "model_error"):
+            if data.get(k) is not None and not isinstance(data[k], dict):
+                raise ValueError(f"{k} must be a mapping, got {data[k]!r}")
         return CalibrationTable(
             hardware=data["hardware"], model=data["model"], dtype=data["dtype"],
             tp_size=data["tp_size"], versions={str(k): str(v) for k, v in data["versions"].items()},
             date=date, epsilon=float(eps), source=data["source"], capture_set=tuple(cap),
-            buckets=buckets, notes=str(data.get("notes", "")))
+            buckets=buckets, notes=str(data.get("notes", "")), provenance=dict(data.get("provenance") or {}),
+            model_error=data.get("model_error"))
 
     def to_dict(self) -> dict:
         out = {k: getattr(self, k) for k in ("hardware", "model", "dtype", "tp_size", "date",
@@ -161,6 +169,10 @@ class CalibrationTable:
                            "b_ver": b.b_ver, "t_dec_ms": b.t_dec_ms,
                            "t_ver_ms": None if b.t_ver_ms is None else dict(b.t_ver_ms)}
                           for b in self.buckets]
+        if self.provenance:
+            out["provenance"] = dict(self.provenance)
+        if self.model_error is not None:
+            out["model_error"] = dict(self.model_error)
         return out
 
     def dump(self, path) -> None:
