@@ -49,12 +49,14 @@ def gdn_tree_verify_kernel(
     h0, state_indices,              # pool [slots, HV, V, K], [B]
     cu_seqlens, depth, anc,         # [B+1], [N], [N, D_ANC]
     o, u, logp,                     # [N, HV, V] (v's dtype), [N, HV, V] fp32, [N, HV] fp32
-    scale, num_rounds,              # num_rounds < 0: each request's own depth (exact)
+    scale,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, D_ANC: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_L2NORM: tl.constexpr, HAS_H0: tl.constexpr, HAS_INDICES: tl.constexpr,
     INVERSE: tl.constexpr, LOWP_QK: tl.constexpr, LOWP_S: tl.constexpr, SPLIT_S: tl.constexpr,
     PRECISION: tl.constexpr,
+    N_ROUNDS: tl.constexpr,         # Neumann terms (Horner steps + 1)
+    N_SQUARINGS: tl.constexpr,      # inverse method: squarings until 2^(s+1) >= N_ROUNDS
 ):
     i_b, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (HV // HK)
@@ -73,10 +75,6 @@ def gdn_tree_verify_kernel(
     b_anc = tl.load(anc + (bos + o_t[:, None]) * D_ANC + (b_depth[None, :] - 1), mask=m_tt, other=-1)
     m_plus = b_anc == o_t[None, :]
     m_minus = m_plus & (o_t[:, None] != o_t[None, :])
-    if num_rounds < 0:
-        n_rounds = tl.max(tl.where(m_t, b_depth, 0), axis=0)
-    else:
-        n_rounds = num_rounds + tl.zeros([], tl.int32)
 
     # ---- gates and path log decays (logP = M⁺ g), [BT]
     b_g = tl.load(g + (bos + o_t) * HV + i_h, mask=m_t, other=0).to(tl.float32)
@@ -164,21 +162,22 @@ def gdn_tree_verify_kernel(
         # W = Π_k (I + A^{2^k}), A = −G: after the loop W = Σ_{m<n} A^m with n ≥ d, exact as A^d = 0
         b_a = -b_G
         b_w = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0) + b_a
-        n_terms = 2 + tl.zeros([], tl.int32)
-        while n_terms < n_rounds:
+        for _ in tl.static_range(N_SQUARINGS):
             b_a = tl.dot(b_a, b_a, input_precision=PRECISION)
             b_w += tl.dot(b_w, b_a, input_precision=PRECISION)
-            n_terms *= 2
         b_u = tl.dot(b_w, b_r, input_precision=PRECISION)
         b_m = tl.dot(b_C, b_w, input_precision=PRECISION)
         b_o = tl.dot(b_m, b_r, acc=b_p[:, None] * b_qs, input_precision=PRECISION)
     else:
-        # Horner: U ← R − G U, n_rounds − 1 times gives Σ_{m<n_rounds} (−G)^m R
+        # Horner: U ← R − G U, N_ROUNDS − 1 times gives Σ_{m<N_ROUNDS} (−G)^m R. N_ROUNDS is the
+        # forest's depth: a shallower tree's rows are already final after its own depth (G is
+        # structurally nilpotent, so the extra steps recompute them from identical operands).
+        # Compile-time trip counts: data-dependent `while` loops around tl.dot miscompiled on the
+        # H200 with triton 3.6 for some BT=32 launch configurations (benchmarks/results/
+        # kernel_check_t32.json: wrong U and NaN O that the interpreter never shows).
         b_u = b_r
-        n_left = n_rounds - 1
-        while n_left > 0:
+        for _ in range(N_ROUNDS - 1):
             b_u = b_r - tl.dot(b_G, b_u, input_precision=PRECISION)
-            n_left -= 1
         b_o = tl.dot(b_C, b_u, acc=b_p[:, None] * b_qs, input_precision=PRECISION)
 
     tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_tv)
@@ -271,16 +270,21 @@ def launch_gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state
     split_s = (lowp_qk and has_h0 and not lowp_s and q.dtype == torch.bfloat16
                and initial_state.dtype == torch.float32 and input_precision != "tf32")
     grid = (B, HV, triton.cdiv(V, BV))
+    # Exact series length: the deepest tree of the forest (or the caller's num_rounds).
+    n_rounds = int(forest.max_depth) if num_rounds is None else int(num_rounds)
+    n_squarings, terms = 0, 2
+    while terms < n_rounds:
+        terms, n_squarings = terms * 2, n_squarings + 1
     gdn_tree_verify_kernel[grid](
         q[0].contiguous(), k[0].contiguous(), v[0].contiguous(), g[0].contiguous(), beta[0].contiguous(),
         initial_state if has_h0 else q, state_indices if state_indices is not None else forest.cu_seqlens,
         forest.cu_seqlens, forest.depth, forest.anc.contiguous(),
         o[0], u, logp,
-        float(scale), -1 if num_rounds is None else int(num_rounds),
+        float(scale),
         HK=HK, HV=HV, K=K, V=V, D_ANC=forest.anc.shape[1], BT=BT, BK=BK, BV=BV,
         USE_L2NORM=bool(use_qk_l2norm), HAS_H0=has_h0, HAS_INDICES=state_indices is not None,
         INVERSE=method == "inverse", LOWP_QK=lowp_qk, LOWP_S=lowp_s, SPLIT_S=split_s,
-        PRECISION=input_precision,
+        PRECISION=input_precision, N_ROUNDS=n_rounds, N_SQUARINGS=n_squarings,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return o, u, logp

@@ -1,0 +1,370 @@
+"""GDN tree verification, one layer: SGLang's serial tree verifier vs our closed form, side by side.
+
+Columns per (model, batch, tree size), all measured in the same process on the same GPU:
+    sglang_tree_us   SGLang 0.5.23 ``fused_recurrent_gated_delta_rule_update`` in tree mode (per-node
+                     fp32 snapshots in ``intermediate_states_buffer``), loaded from .peers/
+    torch_closed_us  bole.ops.gdn.gdn_tree_verify (naive torch closed form, Python loop per request);
+                     null above --torch-max-batch
+    bole_us          kernels.gdn_tree_verify, best of its ``configs`` (named in bole_config)
+    floor_us         bytes that must move / measured device-to-device copy bandwidth
+    snapshot_bytes   per request and layer, SGLang-style per-node states: T·HV·V·K·4
+    factor_bytes     per request and layer, what our commit needs: T·(HV·V·4 + HK·K·2 + HV·4)
+    rel_err          max|O_bole − O_ref| / max|O_ref|, ref = SGLang's O (else the torch closed form)
+
+Trees: EAGLE-like, depth ≤ 8, a different random tree per request, node 0 the only first-level node
+(SGLang's tree shape, see benchmarks/peers.py). Times are triton.testing.do_bench medians.
+
+    python benchmarks/gdn_verify.py                # full sweep on a GPU (~4 min on an H200)
+    python benchmarks/gdn_verify.py --quick        # bar rows and a few more
+    python benchmarks/gdn_verify.py --smoke        # CPU, TRITON_INTERPRET=1, tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {  # GDN heads (DESIGN.md §5)
+    "qwen3.5-9b": dict(HK=16, HV=32, K=128, V=128),
+    "qwen3.5-27b": dict(HK=16, HV=48, K=128, V=128),
+    "tiny": dict(HK=2, HV=4, K=16, V=16),  # --smoke only
+}
+TREE_SIZES, BATCHES, MAX_DEPTH = (8, 16, 32, 64, 128), (1, 4, 8, 16, 32), 8
+BAR_ROWS = [("qwen3.5-9b", 16, 64), ("qwen3.5-9b", 1, 64)]  # DESIGN.md §7, measured first
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None, help="JSON path (PNG beside it); default "
+                    "benchmarks/results/gdn_verify_h200.json, /tmp/gdn_verify_smoke.json with --smoke")
+    ap.add_argument("--quick", action="store_true", help="qwen3.5-9b, T in {16,64,128}, batch in {1,16}")
+    ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes")
+    ap.add_argument("--models", nargs="*", default=None, choices=[m for m in SHAPES if m != "tiny"])
+    ap.add_argument("--torch-max-batch", type=int, default=8, help="skip torch_closed_us above this batch")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new rows after this")
+    ap.add_argument("--sweep", choices=("auto", "full"), default="auto",
+                    help="kernel configurations per row (see BoleKernel)")
+    ap.add_argument("--compile-workers", type=int, default=min(14, max(1, (os.cpu_count() or 2) - 2)),
+                    help="processes that compile every kernel variant ahead of the timing loop (0: off)")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args()
+
+
+ARGS = parse_args() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.smoke:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+elif ARGS is not None and os.environ.pop("TRITON_INTERPRET", "0") == "1":
+    print("note: TRITON_INTERPRET=1 unset: interpreted timings mean nothing (use --smoke on CPU)")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+sys.path.insert(0, str(REPO_ROOT))
+from benchmarks.kernel_sweep import BoleKernel, precompile  # noqa: E402
+from benchmarks.peers import SGLangTreeVerifier, sglang_available, single_root_tree  # noqa: E402
+from bole.ops import gdn as gdn_ops  # noqa: E402
+from bole.spec.tree import PackedForest  # noqa: E402
+
+
+def bench_us(fn, smoke: bool, warmup_ms=2, rep_ms=10, graph=True) -> float:
+    """Median time of fn() in µs: do_bench on a GPU, a wall clock under the CPU interpreter.
+
+    With ``graph`` fn is captured once in a CUDA graph and do_bench times its replays: do_bench still
+    flushes L2 before each replay, and host-side launch overhead (Python argument checks, autograd
+    wrappers) no longer leaks into small-batch GPU times, as in a serving engine's graph replay.
+    """
+    if not smoke:
+        if graph:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            fn = g.replay
+        return 1e3 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    fn()
+    ts = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return 1e6 * sorted(ts)[len(ts) // 2]
+
+
+def copy_bandwidth(device, smoke: bool) -> dict:
+    """Device-to-device copy of a large buffer; bandwidth counts read + write bytes."""
+    nbytes = (64 if smoke else 2048) << 20
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    us = bench_us(lambda: dst.copy_(src), smoke, warmup_ms=20, rep_ms=200, graph=False)
+    return {"bytes_per_copy": nbytes, "copy_us": us, "gb_per_s": 2 * nbytes / us / 1e3}
+
+
+def load_bole_kernel():
+    """kernels.gdn_tree_verify, imported lazily: (BoleKernel, None), or (None, why) when it is absent."""
+    try:
+        from kernels import gdn_tree_verify as mod
+    except Exception as e:  # absent on a CPU smoke run, or broken: skip the column, say so
+        return None, f"kernels.gdn_tree_verify unavailable ({type(e).__name__}: {e}); bole_us skipped"
+    return BoleKernel(mod.gdn_tree_verify, mod), None
+
+
+def make_inputs(model, batch, T, device, seed):
+    s = SHAPES[model]
+    HK, HV, K, V = s["HK"], s["HV"], s["K"], s["V"]
+    gen = torch.Generator().manual_seed(seed)
+    trees = [single_root_tree(T, MAX_DEPTH, generator=gen) for _ in range(batch)]
+    forest = PackedForest.from_trees(trees, device=device, max_depth=MAX_DEPTH)  # fixed anc width
+    N = forest.num_nodes
+    rnd = lambda *shape: torch.randn(*shape, generator=gen)
+    bf16 = dict(dtype=torch.bfloat16, device=device)
+    q, k = rnd(1, N, HK, K).to(**bf16), rnd(1, N, HK, K).to(**bf16)
+    v = rnd(1, N, HV, V).to(**bf16)
+    # Qwen3.5 gates: g = -exp(A_log)·softplus(a + dt_bias) (small negatives), beta = sigmoid(b)
+    g = (-torch.exp(rnd(HV) * 0.5 - 2.0) * torch.nn.functional.softplus(rnd(1, N, HV))).to(device)
+    beta = torch.sigmoid(rnd(1, N, HV)).to(device)
+    slots = 2 * batch
+    pool = (0.05 * rnd(slots, HV, V, K)).to(device)  # fp32 state pool [slots, HV, V, K]
+    state_indices = torch.randperm(slots, generator=gen)[:batch].to(device=device, dtype=torch.int32)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, forest=forest, pool=pool, state_indices=state_indices)
+
+
+def floor_bytes(x) -> int:
+    """Bytes that must move: S_pre reads, q/k/v/g/beta reads, o (bf16) and u, logp (fp32) writes."""
+    B, HV, V, K = x["forest"].num_requests, *x["pool"].shape[1:]
+    N = x["forest"].num_nodes
+    reads = B * HV * V * K * x["pool"].element_size()
+    reads += sum(x[n].numel() * x[n].element_size() for n in ("q", "k", "v", "g", "beta"))
+    writes = N * HV * V * (x["v"].element_size() + 4) + N * HV * 4
+    return reads + writes
+
+
+REL_TOL = 1e-2  # bf16-input rounding (issue 2's bar for rel_err)
+
+
+def rel_err(o, ref) -> float | None:
+    """max|o − ref| / max|ref|; None (JSON null) when either holds a NaN/inf (see *_nonfinite)."""
+    o, ref = o.float(), ref.float()
+    err = float((o - ref).abs().max() / ref.abs().max())
+    return err if err == err and err != float("inf") else None
+
+
+def run_row(model, batch, T, device, args, bole, notes) -> dict:
+    s = SHAPES[model]
+    x = make_inputs(model, batch, T, device, seed=args.seed + 1000 * batch + T)
+    common = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["forest"], x["pool"], x["state_indices"])
+    row = dict(model=model, batch=batch, tree_nodes=T, depth=int(x["forest"].depth.max()),
+               sglang_tree_us=None, torch_closed_us=None, bole_us=None, bole_config=None,
+               floor_us=None, snapshot_bytes=T * s["HV"] * s["V"] * s["K"] * 4,
+               factor_bytes=T * (s["HV"] * s["V"] * 4 + s["HK"] * s["K"] * 2 + s["HV"] * 4),
+               rel_err=None, rel_err_ref=None, rel_err_u=None, rel_err_logp=None, bole_candidates=0,
+               bole_nonfinite=None, closed_nonfinite=None, bole_rejected=[])
+    row["floor_us"] = floor_bytes(x) / args.bandwidth_bps * 1e6
+    ref = closed_out = None
+    if sglang_available():
+        peer = SGLangTreeVerifier(*common, use_qk_l2norm=True)
+        ref = peer()
+        row["sglang_tree_us"] = bench_us(peer, args.smoke)
+        del peer
+    if batch <= args.torch_max_batch:
+        closed = lambda: gdn_ops.gdn_tree_verify(*common, use_qk_l2norm=True)
+        closed_out = closed()
+        o_closed = closed_out[0]
+        row["torch_closed_us"] = bench_us(closed, args.smoke, graph=False)  # host syncs inside
+        if ref is None:
+            ref, row["rel_err_ref"] = o_closed, "torch_closed"
+    if ref is not None and row["rel_err_ref"] is None:
+        row["rel_err_ref"] = "sglang"
+    if bole is not None:
+        N, HV, V = x["forest"].num_nodes, s["HV"], s["V"]
+        outs = dict(o_out=torch.empty_like(x["v"]),
+                    u_out=torch.empty(N, HV, V, dtype=torch.float32, device=device),
+                    logp_out=torch.empty(N, HV, dtype=torch.float32, device=device))
+        key = (model, T)
+        cands = bole.candidates(s, T, batch, args.sweep, key)
+        timed = []
+        for kw in cands[: 2 if args.smoke else None]:
+            if timed and time.time() > args.deadline:
+                notes.append(f"{model} b={batch} T={T}: time budget spent, sweep cut at {len(timed)}")
+                break
+            call = lambda kw=kw: bole.fn(*common, use_qk_l2norm=True, **outs, **kw)
+            try:
+                for t in outs.values():
+                    t.fill_(float("nan"))
+                o_c, u_c, _ = call()
+                # A candidate must be right before it may be fast: finite outputs within the bf16-input
+                # tolerance of the reference (SGLang's O, else the torch closed form).
+                err = rel_err(o_c, ref) if ref is not None else (0.0 if bool(o_c.isfinite().all()) else None)
+                if err is None or err > REL_TOL or not bool(u_c.isfinite().all()):
+                    row["bole_rejected"].append(f"{bole.label(kw)}: rel_err={err}")
+                    continue
+                us = bench_us(call, args.smoke, warmup_ms=1, rep_ms=4)  # quick sweep, re-timed below
+            except Exception as e:  # a config invalid for this shape: skip it, keep the note
+                notes.append(f"{model} b={batch} T={T} {bole.label(kw)}: {type(e).__name__}: {e}")
+                continue
+            timed.append((us, bole.label(kw), call))
+        timed.sort(key=lambda t: t[0])
+        if key not in bole.ranked:
+            bole.ranked[key] = [lab for _, lab, _ in timed]
+        row["bole_candidates"] = len(timed)
+        if timed:
+            _, label, call = timed[0]
+            for t in outs.values():
+                t.fill_(float("nan"))  # an element the kernel fails to write shows up in rel_err
+            o, u, logp = call()
+            row["bole_nonfinite"] = [int((~t.isfinite()).sum()) for t in (o, u, logp)]
+            row["bole_us"] = bench_us(call, args.smoke)
+            row["bole_config"] = label
+            if ref is not None:
+                row["rel_err"] = rel_err(o, ref)
+            if closed_out is not None:
+                row["rel_err_u"] = rel_err(u, closed_out[1])
+                row["rel_err_logp"] = rel_err(logp, closed_out[2])
+                row["closed_nonfinite"] = [int((~t.isfinite()).sum()) for t in closed_out]
+    del x, ref
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def grid(args):
+    if args.smoke:
+        return [("tiny", b, T) for b in (1, 2) for T in (8,)]
+    models = args.models or ["qwen3.5-9b", "qwen3.5-27b"]
+    if args.quick:
+        rows = [(m, b, T) for m in models[:1] for T in (16, 64, 128) for b in (1, 16)]
+    else:
+        rows = [(m, b, T) for m in models for T in TREE_SIZES for b in BATCHES]
+    first = [r for r in BAR_ROWS if r in rows]  # bar rows first, in case the budget runs out
+    return first + [r for r in rows if r not in first]
+
+
+def fmt(x, spec=".1f"):
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(rows):
+    head = (f"{'model':<12} {'B':>3} {'T':>4} {'d':>2} {'sglang':>10} {'torch':>10} {'bole':>9} "
+            f"{'floor':>8} {'xSGL':>6} {'/floor':>6} {'snap/fac':>8} {'rel_err':>8}  config")
+    print(head)
+    for r in rows:
+        sp = r["sglang_tree_us"] / r["bole_us"] if r["sglang_tree_us"] and r["bole_us"] else None
+        fl = r["bole_us"] / r["floor_us"] if r["bole_us"] and r["floor_us"] else None
+        print(f"{r['model']:<12} {r['batch']:>3} {r['tree_nodes']:>4} {r['depth']:>2} "
+              f"{fmt(r['sglang_tree_us']):>10} {fmt(r['torch_closed_us']):>10} {fmt(r['bole_us']):>9} "
+              f"{fmt(r['floor_us']):>8} {fmt(sp):>6} {fmt(fl, '.2f'):>6} "
+              f"{r['snapshot_bytes'] / r['factor_bytes']:>8.1f} {fmt(r['rel_err'], '.1e'):>8}  "
+              f"{r['bole_config'] or '-'}")
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        import matplotlib.ticker
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return None
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, m in zip(axes[0], models, strict=True):
+        for b in sorted({r["batch"] for r in rows if r["model"] == m}):
+            pts = sorted((r["tree_nodes"], r["sglang_tree_us"] / r["bole_us"]) for r in rows
+                         if r["model"] == m and r["batch"] == b and r["sglang_tree_us"] and r["bole_us"])
+            if pts:
+                ax.plot([t for t, _ in pts], [y for _, y in pts], marker="o", label=f"batch {b}")
+        ax.set(xscale="log", yscale="log", title=m, xlabel="tree nodes T",
+               ylabel="speedup over SGLang serial tree (×)")
+        ax.set_xticks(TREE_SIZES, [str(t) for t in TREE_SIZES])
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}×"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
+def main(args):
+    device = "cpu" if args.smoke else "cuda"
+    if not args.smoke and not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU (use --smoke on CPU)")
+    out = Path(args.out or ("/tmp/gdn_verify_smoke.json" if args.smoke
+                            else REPO_ROOT / "benchmarks/results/gdn_verify_h200.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    notes = []
+    if not sglang_available():
+        notes.append("SGLang peer absent (.peers/sglang/): run scripts/fetch_peers.sh; "
+                     "sglang_tree_us skipped")
+    bole, note = load_bole_kernel()
+    if note:
+        notes.append(note)
+    for n in notes:
+        print("note:", n)
+    bw = copy_bandwidth(device, args.smoke)
+    args.bandwidth_bps = bw["gb_per_s"] * 1e9
+    print(f"copy bandwidth (read+write): {bw['gb_per_s']:.0f} GB/s")
+    report = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu (TRITON_INTERPRET=1)",
+                  torch=torch.__version__, triton=triton.__version__,
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  command=shlex.join(["python", *sys.argv]), copy_bandwidth=bw,
+                  sglang=(REPO_ROOT / ".peers/sglang/SOURCE").read_text().split()[0]
+                  if sglang_available() else None,
+                  torch_closed_max_batch=args.torch_max_batch, sweep=args.sweep,
+                  timing="triton.testing.do_bench median (L2 flushed before each run) of CUDA-graph replays; "
+                         "torch_closed_us of plain calls (host syncs inside)",
+                  notes=notes, rows=[], skipped_rows=[])
+    t0 = time.time()
+    args.deadline = t0 + args.budget_s
+    rows = grid(args)
+    if bole is not None and not args.smoke and args.compile_workers > 0:
+        tasks, seen = [], set()
+        for model, batch, T in rows:
+            if sglang_available():
+                tasks.append(("sglang", model, batch, T, None))
+            for kw in bole.first_row(SHAPES[model], T, batch, args.sweep):
+                if (model, T, bole.label(kw)) not in seen:
+                    seen.add((model, T, bole.label(kw)))
+                    tasks.append(("bole", model, 1, T, kw))
+        dt = precompile(tasks, args.compile_workers, bole, notes, timeout_s=0.7 * args.budget_s)
+        print(f"precompiled {len(tasks)} kernel variants in {dt:.0f}s on {args.compile_workers} workers")
+        report["precompile_s"] = round(dt, 1)
+    for model, batch, T in rows:
+        if time.time() - t0 > args.budget_s:
+            report["skipped_rows"].append(dict(model=model, batch=batch, tree_nodes=T))
+            continue
+        row = run_row(model, batch, T, device, args, bole, notes)
+        report["rows"].append(row)
+        report["rows"].sort(key=lambda r: (r["model"], r["tree_nodes"], r["batch"]))
+        out.write_text(json.dumps(report, indent=1))  # after every row: a timeout keeps what ran
+        print(f"[{time.time() - t0:6.1f}s] {model} batch={batch} T={T}: sglang={fmt(row['sglang_tree_us'])} "
+              f"torch={fmt(row['torch_closed_us'])} bole={fmt(row['bole_us'])} us "
+              f"({row['bole_candidates']} tried; {row['bole_config']})", flush=True)
+    if report["skipped_rows"]:
+        notes.append(f"time budget {args.budget_s:.0f}s spent: {len(report['skipped_rows'])} rows skipped")
+    print_table(report["rows"])
+    report["plot"] = plot(report["rows"], out.with_suffix(".png"))
+    report["elapsed_s"] = round(time.time() - t0, 1)
+    out.write_text(json.dumps(report, indent=1))
+    for n in notes:
+        print("note:", n)
+    print(f"wrote {out}" + (f" and {report['plot']}" if report["plot"] else ""))
+    print(json.dumps({k: report[k] for k in ("gpu", "date", "elapsed_s")} | {"rows": len(report["rows"])}))
+
+
+if __name__ == "__main__":
+    main(ARGS)

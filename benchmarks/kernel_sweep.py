@@ -1,0 +1,157 @@
+"""Which launch configurations of kernels.gdn_tree_verify the benchmark tries, and compiling them ahead.
+
+Candidates come from the kernel module's ``configs_for(K, V, BT)``, else its ``configs`` / ``CONFIGS``
+list; an entry is a dict of keyword arguments or a config object passed as ``config=``. Every
+candidate is a fresh Triton compile per (model, T) (HV and the tree tile BT are constexprs, the batch
+is not), and big-tile compiles take tens of seconds, so ``--sweep auto`` keeps the sweep small:
+
+    first row of a (model, T): the kernel's ``default_config`` for that row and its neighbours (block_v
+        halved / doubled, the other num_warps), × every ``method``; the default also with tf32 dots.
+    later rows of that (model, T): the 4 fastest of the first row, plus the row's own default.
+``--sweep full`` tries every candidate × method × precision on every row.
+
+``precompile`` runs one launch of each candidate (and of SGLang's kernel per distinct total-token
+count, its NP2_T constexpr) in a pool of worker processes, which fills Triton's on-disk cache; the
+main process then loads the binaries instead of compiling them one after the other. A candidate that
+fails there (bad config, out of resources, a crash) is never launched in the main process.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import inspect
+import multiprocessing
+import time
+
+import triton
+
+
+def _fields(c) -> dict:
+    return {f: getattr(c, f) for f in getattr(c, "__dataclass_fields__", {})}
+
+
+class BoleKernel:
+    def __init__(self, fn, module=None, configs=None):
+        self.fn, self.module, self.configs = fn, module, configs
+        self.ranked: dict[tuple, list[str]] = {}  # (model, T) -> labels, fastest first
+        self.failed: set[tuple] = set()  # (model, T, label) that failed in a worker
+        self._known: dict[tuple, list[dict]] = {}  # (model, T) -> first-row candidates
+
+    @staticmethod
+    def label(kw: dict) -> str:
+        parts = []
+        for key, val in kw.items():
+            f = _fields(val)
+            parts += [f"{n}={x}" for n, x in f.items()] if f else [f"{key}={val}"]
+        return ",".join(parts) or "default"
+
+    def _accepts(self, name: str) -> bool:
+        return name in inspect.signature(self.fn).parameters
+
+    def _base(self, K, V, BT) -> list:
+        mod = self.module
+        if self.configs is not None:
+            return list(self.configs)
+        if hasattr(mod, "configs_for"):
+            return list(mod.configs_for(K, V, BT))
+        return list(getattr(mod, "configs", None) or getattr(mod, "CONFIGS", None) or [])
+
+    def first_row(self, s: dict, T: int, batch: int, mode: str) -> list[dict]:
+        """Candidates for the first row of a (model, T) (every row with ``mode == 'full'``)."""
+        K, V = s["K"], s["V"]
+        BT = max(16, triton.next_power_of_2(T))
+        base = self._base(K, V, BT)
+        default = None
+        if self.module is not None and hasattr(self.module, "default_config"):
+            default = self.module.default_config(K, V, BT, batch * s["HV"])
+        if default is not None and mode == "auto" and _fields(default):
+            d = _fields(default)
+
+            def near(c):
+                diff = {n for n, x in _fields(c).items() if d.get(n) != x}
+                return (diff == {"num_warps"} or diff == {"block_v"}
+                        and c.block_v in (default.block_v // 2, default.block_v * 2))
+
+            base = [c for c in base if not isinstance(c, dict) and near(c)]
+        if default is not None:
+            base = [default] + [c for c in base if c != default]
+        kws = [dict(c) if isinstance(c, dict) else {"config": c} for c in base] or [{}]
+        methods = list(getattr(self.module, "_METHODS", None) or []) if self._accepts("method") else []
+        if methods:
+            kws = [dict(kw, method=m) for kw in kws for m in methods]
+        if self._accepts("input_precision"):
+            # tf32 for every candidate; tf32x3 (about fp32-exact on tensor cores) for the default
+            n = max(1, len(methods))
+            kws += ([dict(kw, input_precision="tf32") for kw in kws]
+                    + [dict(kw, input_precision="tf32x3") for kw in kws[:n]])
+        return kws
+
+    def candidates(self, s: dict, T: int, batch: int, mode: str, key) -> list[dict]:
+        kws = self.first_row(s, T, batch, mode)
+        ranked = self.ranked.get(key)
+        if mode == "auto" and ranked:
+            own_default = kws[: max(1, len(getattr(self.module, "_METHODS", None) or []))]
+            known = {self.label(kw): kw for kw in self._known.get(key, [])}
+            keep = [known[lab] for lab in ranked[:4] if lab in known]
+            kws = keep + [kw for kw in own_default if self.label(kw) not in ranked[:4]]
+        else:
+            self._known.setdefault(key, []).extend(kws)
+        return [kw for kw in kws if (*key, self.label(kw)) not in self.failed]
+
+
+def _compile_task(kind, model, batch, T, kw):
+    """Worker: one launch at the row's shapes (fills Triton's disk cache). Returns an error or None."""
+    import torch
+
+    from benchmarks.gdn_verify import make_inputs
+    from benchmarks.peers import SGLangTreeVerifier
+
+    try:
+        x = make_inputs(model, batch, T, "cuda", seed=0)
+        common = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["forest"], x["pool"], x["state_indices"])
+        if kind == "sglang":
+            SGLangTreeVerifier(*common, use_qk_l2norm=True)()
+        else:
+            from kernels.gdn_tree_verify import gdn_tree_verify
+
+            gdn_tree_verify(*common, use_qk_l2norm=True, **kw)
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:  # reported back; the main process skips this candidate
+        return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def precompile(tasks, workers: int, bole: BoleKernel | None, notes: list, timeout_s: float) -> float:
+    """tasks: (kind, model, batch, T, kwargs). Returns the seconds spent.
+
+    Largest trees first (their compiles are the slow ones). After ``timeout_s`` the tasks not yet
+    started are dropped (the main process compiles those on demand); running ones finish.
+    """
+    t0 = time.time()
+    ctx = multiprocessing.get_context("spawn")
+    tasks = sorted(tasks, key=lambda t: -t[3])
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        futures = {pool.submit(_compile_task, *t): t for t in tasks}
+        try:
+            done = list(cf.as_completed(futures, timeout=timeout_s))
+        except cf.TimeoutError:
+            done = [f for f in futures if f.done()]
+            pool.shutdown(wait=True, cancel_futures=True)
+            notes.append(f"precompile cut after {timeout_s:.0f}s: {len(futures) - len(done)} variants "
+                         "left to compile on demand")
+        for fut in done:
+            kind, model, batch, T, kw = futures[fut]
+            try:
+                err = fut.result()
+            except cf.process.BrokenProcessPool:  # a worker died (a CUDA fault?): which one is unknown
+                notes.append("precompile pool broke: the rest compiles in the main process")
+                break
+            except Exception as e:  # not the kernel's fault (e.g. pickling): compile on demand
+                notes.append(f"precompile task failed: {type(e).__name__}: {e}")
+                continue
+            if err and kind == "bole" and bole is not None:
+                bole.failed.add((model, T, bole.label(kw)))
+                notes.append(f"precompile {model} T={T} {bole.label(kw)}: {err}")
+            elif err:
+                notes.append(f"precompile sglang {model} b={batch} T={T}: {err}")
+    return time.time() - t0
