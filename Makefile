@@ -3,7 +3,6 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
-export TRITON_INTERPRET ?= 1
 
 .PHONY: install test lint serve bench clean
 
@@ -23,6 +22,12 @@ test: install
 
 lint: install
 	$(BIN)/ruff check bole kernels tests benchmarks scripts
+
+# Serve the embedded model on a local Ray cluster: http://127.0.0.1:8000/v1 (prints an openai snippet).
+# SERVE_CONFIG=... picks another Serve config; SERVE_FLAGS=--no-ray serves in one process without Ray.
+SERVE_CONFIG ?= cluster_configs/local.yaml
+serve: install
+	$(BIN)/python -m deployments.launch $(SERVE_CONFIG) $(SERVE_FLAGS)
 
 bench: install
 	$(BIN)/python benchmarks/gdn_verify.py

@@ -89,6 +89,15 @@ class AsyncEngine:
         with self._lock:
             self.engine.calibration = table
 
+    def run_exclusive(self, fn):
+        """Run ``fn(engine)`` in the calling thread between two steps (the step loop waits meanwhile).
+
+        For maintenance that must not overlap a step, e.g. ``bole.calibrate.recalibrate``; blocking,
+        so call it from async code through ``asyncio.to_thread``.
+        """
+        with self._lock:
+            return fn(self.engine)
+
     def shutdown(self, timeout: float = 5.0) -> None:
         with self._work:
             self._stopped = True

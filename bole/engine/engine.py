@@ -32,6 +32,7 @@ from bole.engine.metrics import EngineMetrics, StepStats
 from bole.engine.runner import ModelRunner
 from bole.engine.scheduler import Scheduler
 from bole.engine.sequence import Request, RequestStatus
+from bole.hardware import resolve_calibration
 from bole.sampling_params import SamplingParams
 from bole.spec.budget import CalibrationTable, select_nodes
 from bole.spec.drafter import compact, tree_size
@@ -65,7 +66,10 @@ class LLMEngine:
         V = model.config.vocab_size
         self.max_draft_nodes = tree_size(V, spec.depth, spec.topk, spec.beam) if self.mode != "ar" else 0
         self.lookahead = 1 + self.max_draft_nodes
-        self.calibration = calibration or CalibrationTable.load(config.calibration_table)
+        # "auto" picks a table for (hardware class, model shapes) with fallbacks (bole.hardware);
+        # bole.calibrate.recalibrate swaps this attribute between steps.
+        self.calibration = calibration or resolve_calibration(config.calibration_table, model.config,
+                                                              config.device, config.dtype)
         self.runner = ModelRunner(model, config.cache.num_blocks, config.cache.block_size,
                                   config.max_num_seqs + 1, self.lookahead, config.max_num_seqs * self.lookahead,
                                   config.torch_dtype, config.device,

@@ -1,0 +1,180 @@
+"""Serve application builders that YAML names (``import_path: deployments.app:build_app``).
+
+``build_app(args)`` validates ``args`` as an ``AppConfig`` and returns one Serve application:
+
+    OpenAIIngress (FastAPI, deployments.ingress)  --handles-->  one BoleReplica deployment per group
+
+A *group* is one hardware class: its own resources (accelerator type or custom resource), replica
+count or autoscaling, calibration table (pushed through ``user_config`` so it can be swapped with
+``reconfigure`` / ``serve deploy`` without restarts), and the ``BoleRequestRouter`` with the group's
+routing thresholds. The ingress is shared; with several groups it picks the group with the same
+policy over the whole fleet view (``deployments.replica.ServeEngineClient``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from bole.config import CacheConfig
+from deployments.routing_policy import RouterPolicyConfig
+
+ROUTER_CLASS = "deployments.router:BoleRequestRouter"
+
+
+class RouterOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    match_rate_threshold: float = Field(RouterPolicyConfig.match_rate_threshold, gt=0, le=1,
+                                        description="Least fraction of the prompt's blocks a replica must "
+                                                    "hold for prefix affinity to apply.")
+    imbalance_threshold: int = Field(RouterPolicyConfig.imbalance_threshold, ge=0,
+                                     description="Max - min ongoing requests beyond which affinity is "
+                                                 "ignored for a power-of-two choice.")
+    affinity_load_slack: int = Field(RouterPolicyConfig.affinity_load_slack, ge=0,
+                                     description="How many more ongoing requests than the least loaded "
+                                                 "replica an affinity replica may carry.")
+    comparable_load_slack: int = Field(RouterPolicyConfig.comparable_load_slack, ge=0,
+                                       description="Replicas within this load of the least loaded are "
+                                                   "compared by verification budget per request.")
+    routed_memory_blocks: int = Field(4096, ge=1, description="Recently routed block hashes remembered "
+                                                              "per replica (between stats reports).")
+    stats_period_s: float = Field(1.0, gt=0, description="How often replicas report routing stats.")
+
+
+class GroupConfig(BaseModel):
+    """One hardware group: a replica deployment."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(..., description="Deployment name, e.g. 'bole-a100'.")
+    hardware: str = Field("auto", description="Hardware class reported for routing and metrics "
+                                              "('auto': detect, bole.hardware).")
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel degree (GPUs per replica).")
+    engine_options: dict[str, Any] = Field(default_factory=dict,
+                                           description="EngineConfig options (mode, device, dtype, depth, "
+                                                       "topk, beam, num_blocks, block_size, "
+                                                       "max_num_seqs, ...).")
+    calibration_table: str = Field("auto", description="Calibration table path, or 'auto' (by hardware "
+                                                       "class and model shapes).")
+    num_replicas: Union[int, Literal["auto"]] = Field(1, description="Replica count, or 'auto' to autoscale.")
+    autoscaling_config: dict[str, Any] | None = Field(
+        None, description="Serve autoscaling (min_replicas, max_replicas, target_ongoing_requests, ...).")
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1},
+                                              description="Resources of a replica actor (num_gpus, "
+                                                          "accelerator_type, resources: {gb10: 1}, ...).")
+    placement_group_bundles: list[dict[str, float]] | None = Field(
+        None, description="One bundle per TP rank (the first also hosts the replica actor).")
+    placement_group_strategy: str = Field("STRICT_PACK", description="Placement of the TP bundles.")
+    max_ongoing_requests: int = Field(32, ge=1, description="Requests a replica holds at once (Serve).")
+    max_pending: int | None = Field(None, ge=1,
+                                    description="Engine admission limit (default 4 x max_num_seqs).")
+    graceful_shutdown_timeout_s: float = Field(60.0, gt=0, description="Drain time on shutdown / downscale.")
+    router: RouterOptions = Field(default_factory=RouterOptions, description="Routing thresholds.")
+
+    @property
+    def block_size(self) -> int:
+        return int(self.engine_options.get("block_size", CacheConfig.block_size))
+
+
+class AppConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(..., description="Checkpoint folder (config.json, model.safetensors, tokenizer).")
+    served_model_name: str | None = Field(None, description="Model id clients send (default: folder name).")
+    groups: list[GroupConfig] = Field(..., min_length=1,
+                                      description="Replica deployments, one per hardware class.")
+    ingress_replicas: int = Field(1, ge=1, description="Ingress (HTTP) replicas.")
+    api_key_env: str = Field("BOLE_API_KEY", description="Env var holding the bearer key (unset: no auth).")
+    default_max_tokens: int | None = Field(None, ge=1, description="Chat max_tokens if a request has none.")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Larger HTTP bodies get 413.")
+
+    @field_validator("groups")
+    @classmethod
+    def _unique_names(cls, groups):
+        names = [g.name for g in groups]
+        if len(set(names)) != len(names):
+            raise ValueError(f"group names must be unique, got {names}")
+        return groups
+
+    @model_validator(mode="after")
+    def _same_block_size(self):
+        sizes = {g.block_size for g in self.groups}
+        if len(sizes) != 1:
+            raise ValueError(f"all groups must use one KV block_size (routing hashes blocks), "
+                             f"got {sorted(sizes)}")
+        return self
+
+
+def replica_deployment(group: GroupConfig, model: str):
+    """The bound Serve deployment of one group."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from deployments.replica import BoleReplica
+
+    router_kwargs = group.router.model_dump(exclude={"stats_period_s"})
+    options: dict[str, Any] = dict(
+        name=group.name, max_ongoing_requests=group.max_ongoing_requests,
+        ray_actor_options=group.ray_actor_options,
+        user_config={"calibration_table": group.calibration_table},
+        graceful_shutdown_timeout_s=group.graceful_shutdown_timeout_s,
+        request_router_config=RequestRouterConfig(
+            request_router_class=ROUTER_CLASS,
+            request_router_kwargs={"block_size": group.block_size, **router_kwargs},
+            request_routing_stats_period_s=group.router.stats_period_s,
+            request_routing_stats_timeout_s=max(5.0, 5 * group.router.stats_period_s)))
+    if group.autoscaling_config is not None:
+        options["autoscaling_config"] = group.autoscaling_config
+    else:
+        options["num_replicas"] = group.num_replicas
+    if group.placement_group_bundles:
+        options["placement_group_bundles"] = group.placement_group_bundles
+        options["placement_group_strategy"] = group.placement_group_strategy
+    # the table travels only in user_config: swapping it later is a reconfigure, not a restart
+    engine_options = {k: v for k, v in group.engine_options.items() if k != "calibration_table"}
+    return serve.deployment(BoleReplica).options(**options).bind(
+        model, engine_options, hardware=group.hardware, tp_size=group.tp_size, max_pending=group.max_pending,
+        drain_timeout_s=group.graceful_shutdown_timeout_s)
+
+
+def _ingress_class():
+    from ray import serve
+
+    @serve.ingress()
+    class OpenAIIngress:
+        def __init__(self, replicas: dict, config: dict):
+            from deployments.replica import ServeEngineClient, model_tokenizer
+
+            self.config = cfg = AppConfig(**config)
+            g = cfg.groups[0]
+            thresholds = g.router.model_dump(exclude={"stats_period_s", "routed_memory_blocks"})
+            policy = RouterPolicyConfig(block_size=g.block_size, **thresholds)
+            self.client = ServeEngineClient(replicas, model_tokenizer(cfg.model), policy)
+
+        def __serve_build_asgi_app__(self):
+            from deployments.ingress import build_app as build_http_app
+
+            cfg = self.config
+            return build_http_app(self.client, served_name(cfg), api_key=os.environ.get(cfg.api_key_env, ""),
+                                  max_body_bytes=cfg.max_body_bytes,
+                                  default_max_tokens=cfg.default_max_tokens)
+
+    return OpenAIIngress
+
+
+def served_name(cfg: AppConfig) -> str:
+    return cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model))
+
+
+def build_app(args: dict):
+    """Serve application for ``args`` (an ``AppConfig`` mapping, e.g. the YAML ``args``)."""
+    from ray import serve
+
+    cfg = AppConfig(**args)
+    replicas = {g.name: replica_deployment(g, cfg.model) for g in cfg.groups}
+    ingress = serve.deployment(_ingress_class()).options(
+        name="openai-ingress", num_replicas=cfg.ingress_replicas, ray_actor_options={"num_cpus": 0})
+    return ingress.bind(replicas, cfg.model_dump())

@@ -1,0 +1,81 @@
+"""OpenAI request / response schemas (the subset Bole serves), as pydantic models.
+
+Fields the engine does not implement are still declared, so a request using their default passes
+and one asking for them gets a clear 400 (``unsupported``) rather than being silently ignored.
+Unknown extra fields are ignored, as the OpenAI API does.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = Field(False, description="Send a last chunk with the token usage of the request.")
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(..., description="The served model name (GET /v1/models lists it).")
+    max_tokens: int | None = Field(None, ge=1, description="The most tokens to generate.")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, ge=-1, description="Keep the k most likely tokens (-1 or 0: off). vLLM extension.")
+    min_tokens: int = Field(0, ge=0, description="No EOS / stop tokens before this many. vLLM extension.")
+    n: int = Field(1, ge=1, le=16, description="Completions to generate per prompt.")
+    stop: Union[str, list[str], None] = Field(None, description="Up to 4 strings that end generation.")
+    stop_token_ids: list[int] | None = Field(None, description="Token ids ending generation. vLLM extension.")
+    ignore_eos: bool = Field(False, description="Keep generating past EOS. vLLM extension.")
+    seed: int | None = Field(None, description="Seed for reproducible sampling (choice i uses seed + i).")
+    stream: bool = Field(False, description="Stream deltas as server-sent events ending in `data: [DONE]`.")
+    stream_options: StreamOptions | None = Field(None, description="Streaming options (include_usage).")
+    user: str | None = Field(None, description="End-user id (accepted, unused).")
+    presence_penalty: float = Field(0.0, description="Not supported: must be 0.")
+    frequency_penalty: float = Field(0.0, description="Not supported: must be 0.")
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported: must be empty.")
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[Union[int, str, list[int]]]] = Field(
+        ..., description="A string, token ids, or a list of prompts (strings or token-id lists).")
+    max_tokens: int | None = Field(16, ge=1, description="The most tokens to generate (OpenAI default 16).")
+    echo: bool = Field(False, description="Not supported: must be false.")
+    logprobs: int | None = Field(None, description="Not supported: must be null.")
+    best_of: int | None = Field(None, description="Not supported: must be null or equal to n.")
+    suffix: str | None = Field(None, description="Not supported: must be null.")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"] = Field(..., description="Author role.")
+    content: Union[str, list[dict[str, Any]], None] = Field(
+        None, description="Text, or a list of content parts of type `text`.")
+    name: str | None = Field(None, description="Optional author name (accepted, unused).")
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1, description="The conversation so far.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="Newer OpenAI name of max_tokens.")
+    logprobs: bool = Field(False, description="Not supported: must be false.")
+    tools: list[dict[str, Any]] | None = Field(None, description="Not supported: must be absent.")
+    response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'} is supported.")
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = Field(0, description="Tokens in the prompt(s).")
+    completion_tokens: int = Field(0, description="Tokens generated over all choices.")
+    total_tokens: int = Field(0, description="prompt_tokens + completion_tokens.")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())

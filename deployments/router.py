@@ -1,0 +1,120 @@
+"""Ray Serve request router for Bole replicas: ``BoleRequestRouter`` wraps the pure policy of
+``deployments.routing_policy`` (prefix affinity, imbalance guard, hardware-aware budget tie-break).
+
+Configure it on the replica deployment (YAML ``request_router_config``)::
+
+    request_router_config:
+      request_router_class: deployments.router:BoleRequestRouter
+      request_router_kwargs: {block_size: 16, match_rate_threshold: 0.5, imbalance_threshold: 8,
+                              affinity_load_slack: 4, comparable_load_slack: 1, routed_memory_blocks: 4096}
+      request_routing_stats_period_s: 1.0
+
+The kwargs are ``RouterPolicyConfig``'s fields plus ``routed_memory_blocks``. A replica's view is
+built from its ``record_routing_stats`` dict (``deployments.replica``: hardware class, calibration
+table id, bucket, B_ver, b_ver_per_request, queue, running batch, prefix_blocks) and from Ray's
+queue-length cache (fresher than the periodic stats). Because stats are periodic, the router also
+remembers the block hashes it has just sent to each replica (``on_request_routed``), so a burst of
+requests sharing a prefix sticks to one replica before its next stats report.
+
+The router instance lives in the caller's process (the ingress replica). It publishes every
+replica's stats into ``routing_policy.FLEET``, the one fleet view of that process: the ingress
+reads it to pick a deployment (hardware class) in a mixed fleet with the same policy, and to export /metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from deployments import routing_policy
+from deployments.routing_policy import (
+    PrefixSummary,
+    ReplicaView,
+    RouterPolicyConfig,
+    choose_replicas,
+    prefix_block_hashes,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def prompt_token_ids(pending_request: PendingRequest | None) -> list[int] | None:
+    """The prompt of a ``generate(prompt_token_ids, params, request_id)`` call, if it is one."""
+    if pending_request is None:
+        return None
+    ids = pending_request.kwargs.get("prompt_token_ids")
+    if ids is None and pending_request.args:
+        ids = pending_request.args[0]
+    return ids if isinstance(ids, list) and all(isinstance(t, int) for t in ids[:4]) else None
+
+
+def view_from_stats(replica_id: str, stats: dict, load: int | None, cached) -> ReplicaView:
+    if load is None:
+        load = int(stats.get("running", 0)) + int(stats.get("waiting", 0))
+    return ReplicaView(replica_id, load, float(stats.get("b_ver_per_request", 0.0)),
+                       str(stats.get("hardware_class", "unknown")), cached)
+
+
+class _Cached:
+    """Chain hashes a replica holds: its reported summary plus what was routed to it since."""
+
+    def __init__(self, reported: set, routed: PrefixSummary):
+        self.reported, self.routed = reported, routed
+
+    def __contains__(self, h) -> bool:
+        return h in self.reported or h in self.routed
+
+
+class BoleRequestRouter(RequestRouter):
+    def initialize_state(self, routed_memory_blocks: int = 4096, **policy_kwargs: Any) -> None:
+        """``request_router_kwargs``: ``RouterPolicyConfig`` fields + ``routed_memory_blocks`` (how many
+        recently routed block hashes to remember per replica)."""
+        self.policy = RouterPolicyConfig(**policy_kwargs)
+        self.routed_memory_blocks = routed_memory_blocks
+        self._routed: dict[str, PrefixSummary] = {}
+        self._reported: dict[str, tuple[int, set]] = {}   # replica -> (id of the stats list, its set)
+        self.decisions: dict[str, int] = {}
+
+    # -- views ------------------------------------------------------------------------------------
+    def _cached(self, rid: str, stats: dict) -> _Cached:
+        blocks = stats.get("prefix_blocks") or []
+        key = id(blocks)
+        if rid not in self._reported or self._reported[rid][0] != key:
+            self._reported[rid] = (key, set(blocks))
+        routed = self._routed.setdefault(rid, PrefixSummary(self.routed_memory_blocks))
+        return _Cached(self._reported[rid][1], routed)
+
+    def _view(self, r: RunningReplica) -> ReplicaView:
+        rid = r.replica_id.unique_id
+        stats = r.routing_stats or {}
+        load = self.replica_queue_len_cache.get(r.replica_id)
+        return view_from_stats(rid, stats, load, self._cached(rid, stats))
+
+    # -- RequestRouter API -------------------------------------------------------------------------
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        ids = prompt_token_ids(pending_request)
+        hashes = prefix_block_hashes(ids, self.policy.block_size) if ids else []
+        decision = choose_replicas(hashes, [self._view(r) for r in candidate_replicas], self.policy)
+        self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        return [[by_id[i] for i in rank] for rank in decision.ranks]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        ids = prompt_token_ids(pending_request)
+        if ids:
+            summary = self._routed.setdefault(replica_id.unique_id, PrefixSummary(self.routed_memory_blocks))
+            summary.add(prefix_block_hashes(ids, self.policy.block_size))
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = {r.replica_id.unique_id for r in replicas}
+        for table in (self._routed, self._reported):
+            for rid in list(table):
+                if rid not in live:
+                    del table[rid]
+        # through the module: Serve pickles this class by value, a module reference stays shared
+        routing_policy.FLEET.publish(self._deployment_id.name,
+                      {r.replica_id.unique_id: dict(r.routing_stats or {}) for r in replicas})

@@ -1,0 +1,56 @@
+"""cluster_configs/*.yaml are valid Serve configs whose args build a Bole application."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import yaml
+
+from bole.llm import REPO_ROOT
+from deployments.app import AppConfig, build_app
+from deployments.launch import check_model
+
+CONFIGS = ("local.yaml", "mixed.yaml")
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_cluster_config_validates_and_builds(name):
+    from ray.serve.schema import ServeDeploySchema
+
+    with open(os.path.join(REPO_ROOT, "cluster_configs", name)) as f:
+        cfg = yaml.safe_load(f)
+    ServeDeploySchema.model_validate(cfg)
+    app = cfg["applications"][0]
+    assert app["import_path"] == "deployments.app:build_app"
+    parsed = AppConfig(**app["args"])
+    for g in parsed.groups:
+        if g.calibration_table != "auto":
+            assert os.path.exists(os.path.join(REPO_ROOT, g.calibration_table)), g.calibration_table
+    assert build_app(app["args"]) is not None   # binds the deployments (no cluster needed)
+
+
+def test_mixed_fleet_has_one_group_per_hardware_class():
+    with open(os.path.join(REPO_ROOT, "cluster_configs", "mixed.yaml")) as f:
+        groups = AppConfig(**yaml.safe_load(f)["applications"][0]["args"]).groups
+    assert {g.hardware for g in groups} == {"a100", "gb10"}
+    assert {g.calibration_table for g in groups} == {"calibration_tables/a100-qwen3.5-9b.yaml",
+                                                     "calibration_tables/gb10-qwen3.5-9b.yaml"}
+    assert all(g.autoscaling_config for g in groups)
+    assert [g.tp_size for g in groups if g.hardware == "a100"] == [2]
+
+
+def test_bad_app_configs_are_rejected():
+    base = {"model": "m", "groups": [{"name": "a"}]}
+    AppConfig(**base)
+    with pytest.raises(ValueError):
+        AppConfig(**{**base, "groups": [{"name": "a"}, {"name": "a"}]})
+    with pytest.raises(ValueError):
+        AppConfig(**{**base, "groups": [{"name": "a", "engine_options": {"block_size": 16}},
+                                        {"name": "b", "engine_options": {"block_size": 32}}]})
+    with pytest.raises(ValueError):
+        AppConfig(**{**base, "groups": [{"name": "a", "typo": 1}]})
+
+
+def test_make_serve_explains_missing_weights(tmp_path):
+    assert "no weights" in check_model(str(tmp_path))
