@@ -253,20 +253,29 @@ class CacheConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     mode: str = "bole"
-    device: str = "cpu"
+    device: str = "auto"   # "auto": the GPU when torch sees one, else the CPU (resolved on construction)
     dtype: str = "float32"
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 1024
     calibration_table: str = DEFAULT_CALIBRATION_TABLE
     eos_token_ids: tuple[int, ...] = ()
+    tp_size: int = 1  # tensor-parallel ranks; each runs an identical engine (bole.parallel)
     spec: SpecConfig = SpecConfig()
     cache: CacheConfig = CacheConfig()
 
     def __post_init__(self):
+        if self.device == "auto":
+            import torch
+
+            object.__setattr__(self, "device", "cuda" if torch.cuda.is_available() else "cpu")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.mode not in ENGINE_MODES:
             raise ValueError(f"mode must be one of {ENGINE_MODES}, got {self.mode!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
+            raise ValueError(f"tp_size must be an int >= 1, got {self.tp_size!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} and max_num_batched_tokens="
                              f"{self.max_num_batched_tokens} must be >= 1")
