@@ -240,14 +240,33 @@ class SpecConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache for full-attention layers (the GDN state pool has max_num_seqs + 1 slots)."""
+    """Paged KV cache for full-attention layers (the GDN state pool has max_num_seqs + 1 slots).
+
+    enable_prefix_cache: share full KV blocks of common prefixes between requests
+        (``bole.cache.prefix_cache``); GDN layers restore from state checkpoints.
+    checkpoint_interval_blocks: GDN checkpoints are taken every this many KV blocks (a restore
+        point is a multiple of ``checkpoint_interval_blocks * block_size`` tokens).
+    num_checkpoint_slots: the checkpoint pool (ssm + conv of every GDN layer per slot), a budget
+        separate from the KV blocks.
+    """
 
     block_size: int = 16
     num_blocks: int = 512
+    enable_prefix_cache: bool = True
+    checkpoint_interval_blocks: int = 1
+    num_checkpoint_slots: int = 32
 
     def __post_init__(self):
         if self.block_size < 1 or self.num_blocks < 1:
             raise ValueError(f"block_size={self.block_size} and num_blocks={self.num_blocks} must be >= 1")
+        if self.checkpoint_interval_blocks < 1 or self.num_checkpoint_slots < 1:
+            raise ValueError(f"checkpoint_interval_blocks={self.checkpoint_interval_blocks} and "
+                             f"num_checkpoint_slots={self.num_checkpoint_slots} must be >= 1")
+
+    @property
+    def checkpoint_interval(self) -> int:
+        """Tokens between GDN checkpoints."""
+        return self.checkpoint_interval_blocks * self.block_size
 
 
 @dataclass(frozen=True)

@@ -29,13 +29,30 @@ def resolve_repo_path(path: str) -> str:
     return os.path.join(REPO_ROOT, path)
 
 
-def build_engine(model_path: str, tokenizer: bool = True, **options) -> LLMEngine:
-    """Load a checkpoint folder and build an engine from flat options (see ``EngineConfig``)."""
+def build_engine(model_path: str, tokenizer: bool = True, tp_rank: int = 0, tp_group=None,
+                 **options) -> LLMEngine:
+    """Load a checkpoint folder and build an engine from flat options (see ``EngineConfig``).
+
+    Tensor parallel (``tp_size`` > 1 in the options): this process is rank ``tp_rank`` and loads its
+    weight slice; ``tp_group`` is its torch.distributed group (None: the default group, which must
+    be initialised, e.g. by ``bole.parallel.init_tp_group``). Every rank must then be driven with the
+    same requests and steps (SPMD engines, ``bole.parallel``).
+    """
     from bole.models.loader import load_model
+    from bole.parallel import make_tp_reduce
 
     cfg = EngineConfig.from_options(**options)
     cfg = EngineConfig(**{**cfg.__dict__, "calibration_table": resolve_repo_path(cfg.calibration_table)})
-    model = load_model(resolve_repo_path(model_path), dtype=cfg.dtype, device=cfg.device)
+    tp_reduce = None
+    if cfg.tp_size > 1:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise ValueError(f"tp_size={cfg.tp_size} needs an initialised process group "
+                             "(bole.parallel.init_tp_group) in every rank's process")
+        tp_reduce = make_tp_reduce(tp_group)
+    model = load_model(resolve_repo_path(model_path), dtype=cfg.dtype, device=cfg.device, tp_rank=tp_rank,
+                       tp_size=cfg.tp_size, tp_reduce=tp_reduce)
     tok = None
     if tokenizer and os.path.exists(os.path.join(resolve_repo_path(model_path), "tokenizer.json")):
         from transformers import AutoTokenizer

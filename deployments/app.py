@@ -22,6 +22,7 @@ from bole.config import CacheConfig
 from deployments.routing_policy import RouterPolicyConfig
 
 ROUTER_CLASS = "deployments.router:BoleRequestRouter"
+INGRESS_NAME = "openai-ingress"
 
 
 class RouterOptions(BaseModel):
@@ -66,13 +67,27 @@ class GroupConfig(BaseModel):
                                               description="Resources of a replica actor (num_gpus, "
                                                           "accelerator_type, resources: {gb10: 1}, ...).")
     placement_group_bundles: list[dict[str, float]] | None = Field(
-        None, description="One bundle per TP rank (the first also hosts the replica actor).")
+        None, description="One bundle per TP rank, each holding that rank's worker actor; the first "
+                          "also hosts the replica actor (ray_actor_options). Without it a TP replica "
+                          "creates its own STRICT_PACK group of tp_size bundles.")
+    tp_worker_options: dict[str, Any] = Field(
+        default_factory=dict, description="Ray resources of each TP worker actor (num_cpus, num_gpus); "
+                                          "default 1 CPU, plus 1 GPU when the device is cuda.")
     placement_group_strategy: str = Field("STRICT_PACK", description="Placement of the TP bundles.")
     max_ongoing_requests: int = Field(32, ge=1, description="Requests a replica holds at once (Serve).")
     max_pending: int | None = Field(None, ge=1,
                                     description="Engine admission limit (default 4 x max_num_seqs).")
     graceful_shutdown_timeout_s: float = Field(60.0, gt=0, description="Drain time on shutdown / downscale.")
     router: RouterOptions = Field(default_factory=RouterOptions, description="Routing thresholds.")
+
+    @model_validator(mode="after")
+    def _tp_bundles(self):
+        if self.placement_group_bundles is not None and self.tp_size > 1 \
+                and len(self.placement_group_bundles) != self.tp_size:
+            n = len(self.placement_group_bundles)
+            raise ValueError(f"group {self.name}: {n} placement_group_bundles for tp_size={self.tp_size}: "
+                             "give one bundle per TP rank")
+        return self
 
     @property
     def block_size(self) -> int:
@@ -137,7 +152,7 @@ def replica_deployment(group: GroupConfig, model: str):
     engine_options = {k: v for k, v in group.engine_options.items() if k != "calibration_table"}
     return serve.deployment(BoleReplica).options(**options).bind(
         model, engine_options, hardware=group.hardware, tp_size=group.tp_size, max_pending=group.max_pending,
-        drain_timeout_s=group.graceful_shutdown_timeout_s)
+        drain_timeout_s=group.graceful_shutdown_timeout_s, tp_worker_options=group.tp_worker_options or None)
 
 
 def _ingress_class():
@@ -176,5 +191,5 @@ def build_app(args: dict):
     cfg = AppConfig(**args)
     replicas = {g.name: replica_deployment(g, cfg.model) for g in cfg.groups}
     ingress = serve.deployment(_ingress_class()).options(
-        name="openai-ingress", num_replicas=cfg.ingress_replicas, ray_actor_options={"num_cpus": 0})
+        name=INGRESS_NAME, num_replicas=cfg.ingress_replicas, ray_actor_options={"num_cpus": 0})
     return ingress.bind(replicas, cfg.model_dump())

@@ -11,17 +11,27 @@ options of its hardware group (resources, autoscaling, ``request_router_config``
                           replica computed (a bounded LRU; ``routing_policy.PrefixSummary``)
   reconfigure(user_config)  ``{"calibration_table": path | mapping}`` swaps the table between
                             engine steps, no restart (rolling recalibration pushes tables this way)
-  drain(timeout) / resume()  stop admitting (new requests get 503 and Serve retries elsewhere is
-                             the caller's job), wait for in-flight ones; resume admits again
-  __del__                 graceful shutdown: drain, then stop the engine loop
+  drain(timeout) / resume()  stop admitting (reported as ``accepting: False`` in the routing stats,
+                             so routers route around the replica; a request that still arrives gets
+                             ``EngineUnavailable`` before any token and the ingress retries it
+                             elsewhere), wait for in-flight ones; resume admits again
+  recalibrate(quick)      re-sweep the calibration table on this replica's engine between steps
+                          (``AsyncEngine.run_exclusive``); the rolling job (deployments.recalibrate)
+                          calls it on a drained replica
+  set_calibration(table)  install a table (mapping) without a redeploy
+  __del__                 graceful shutdown: drain, then stop the engine loop (and the TP workers)
+
+Control calls aimed at one replica (the rolling job) pass ``target_replica=<replica unique id>``:
+``BoleRequestRouter`` routes such calls to exactly that replica, and the replica checks the id.
 
 Note: the engine has no prefix cache yet (the prompt is recomputed on every replica), so today
 ``prefix_blocks`` says where a prefix *was* computed; affinity routing turns into cache hits once
 the engine keeps those blocks. The summary's format does not change then.
 
-Tensor parallelism (``tp_size > 1``) is not implemented: the model has the slicing hooks
-(``load_model(path, tp_rank, tp_size)``) but no all-reduce forward yet; a replica with
-``tp_size > 1`` refuses to start rather than silently running TP=1.
+Tensor parallelism (``tp_size > 1``): the engine is a ``deployments.tp.TPEngine`` driving one worker
+actor per rank in a STRICT_PACK placement group (the deployment's ``placement_group_bundles``, or one
+the replica creates); everything above works the same on it. ``tp_size == 1`` keeps the engine in
+the replica's process.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 
 from bole.engine.async_engine import AsyncEngine
 from bole.hardware import resolve_calibration
@@ -49,19 +60,27 @@ logger = logging.getLogger(__name__)
 class BoleReplica:
     def __init__(self, model_path: str, engine_options: dict | None = None, hardware: str = "auto",
                  tp_size: int = 1, max_pending: int | None = None, prefix_summary_blocks: int = 4096,
-                 drain_timeout_s: float = 60.0):
-        if tp_size != 1:
-            raise NotImplementedError("tensor parallelism (tp_size > 1) is not implemented yet: the model "
-                                      "has no all-reduce forward; deploy this group with tp_size: 1")
+                 drain_timeout_s: float = 60.0, tp_worker_options: dict | None = None):
         options = dict(engine_options or {})
-        engine = build_engine(model_path, **options)
+        if tp_size > 1:
+            from deployments.tp import TPEngine
+
+            engine = TPEngine(model_path, options, tp_size, tp_worker_options)
+            engine.tokenizer = model_tokenizer(model_path)
+        else:
+            engine = build_engine(model_path, **options)
         self.hardware_class = hardware_class(engine.config.device) if hardware == "auto" else hardware
         self.client = LocalEngineClient(AsyncEngine(engine), max_pending, self.hardware_class)
         self.block_size = engine.config.cache.block_size
         self.prefix = PrefixSummary(prefix_summary_blocks)
-        self.model_path, self.drain_timeout_s = model_path, drain_timeout_s
-        logger.info("replica up: %s on %s, table %s", model_path, self.hardware_class,
-                    engine.calibration.table_id)
+        self.model_path, self.drain_timeout_s, self.tp_size = model_path, drain_timeout_s, tp_size
+        self.replica_id = _replica_id()
+        logger.info("replica %s up: %s on %s (tp %d), table %s", self.replica_id, model_path,
+                    self.hardware_class, tp_size, engine.calibration.table_id)
+
+    def _check_target(self, target_replica: str | None) -> None:
+        if target_replica is not None and target_replica != self.replica_id:
+            raise RuntimeError(f"a call for replica {target_replica} reached {self.replica_id}")
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str):
         if self.client.accepting:
@@ -72,7 +91,8 @@ class BoleReplica:
     def info(self) -> dict:
         max_model_len, vocab_size = engine_limits(self.client.async_engine.engine)
         return {"max_model_len": max_model_len, "vocab_size": vocab_size, "block_size": self.block_size,
-                "hardware_class": self.hardware_class, "model_path": self.model_path}
+                "hardware_class": self.hardware_class, "model_path": self.model_path,
+                "replica_id": self.replica_id, "tp_size": self.tp_size}
 
     def stats(self) -> dict:
         return self.client.stats()
@@ -82,6 +102,7 @@ class BoleReplica:
         stats["block_size"] = self.block_size
         stats["prefix_blocks"] = self.prefix.to_list()
         stats["num_prefix_blocks"] = len(self.prefix)
+        stats["replica_id"] = self.replica_id
         return stats
 
     async def is_ready(self) -> bool:
@@ -101,11 +122,47 @@ class BoleReplica:
         self.client.async_engine.set_calibration(loaded)
         logger.info("calibration table swapped to %s", loaded.table_id)
 
-    async def drain(self, timeout_s: float | None = None) -> bool:
+    async def drain(self, timeout_s: float | None = None, target_replica: str | None = None) -> bool:
+        self._check_target(target_replica)
         return await self.client.drain(self.drain_timeout_s if timeout_s is None else timeout_s)
 
-    def resume(self) -> None:
+    def resume(self, target_replica: str | None = None) -> None:
+        self._check_target(target_replica)
         self.client.accepting = True
+
+    def calibration_info(self, target_replica: str | None = None) -> dict:
+        self._check_target(target_replica)
+        table = self.client.async_engine.engine.calibration
+        return {"replica_id": self.replica_id, "table_id": table.table_id,
+                "accepting": self.client.accepting, "pending": self.client.num_pending,
+                "hardware_class": self.hardware_class}
+
+    async def recalibrate(self, quick: bool = True, monotone_tolerance: float = 0.25,
+                          target_replica: str | None = None) -> dict:
+        """Re-sweep this replica's table between engine steps; the new table (mapping) and both ids.
+
+        Raises ``RecalibrationError`` (the old table stays) if the sweep's checks refuse it.
+        """
+        from bole.calibrate import recalibrate
+
+        self._check_target(target_replica)
+        old = self.client.async_engine.engine.calibration
+
+        def run(engine):
+            if self.tp_size > 1:
+                return engine.recalibrate(quick, monotone_tolerance=monotone_tolerance)
+            return recalibrate(engine, quick=quick, monotone_tolerance=monotone_tolerance)
+
+        new = await asyncio.to_thread(self.client.async_engine.run_exclusive, run)
+        logger.info("recalibrated %s: %s -> %s", self.replica_id, old.table_id, new.table_id)
+        return {"replica_id": self.replica_id, "old_table_id": old.table_id, "table_id": new.table_id,
+                "table": new.to_dict(), "old_table": old.to_dict()}
+
+    def set_calibration(self, table: dict, target_replica: str | None = None) -> str:
+        self._check_target(target_replica)
+        loaded = CalibrationTable.from_dict(table)
+        self.client.async_engine.set_calibration(loaded)
+        return loaded.table_id
 
     async def check_health(self) -> None:
         if not await self.client.is_alive():
@@ -114,6 +171,19 @@ class BoleReplica:
     async def __del__(self):
         await self.client.drain(self.drain_timeout_s)
         self.client.async_engine.shutdown()
+        engine = self.client.async_engine.engine
+        if hasattr(engine, "shutdown"):  # TP workers and their placement group
+            engine.shutdown()
+
+
+def _replica_id() -> str:
+    """This Serve replica's unique id (routers see it as ``replica_id.unique_id``); "local" outside Serve."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - not running inside a Serve replica
+        return "local"
 
 
 class ServeEngineClient:
@@ -125,9 +195,10 @@ class ServeEngineClient:
     group with the fewest requests in flight from here is used.
     """
 
-    def __init__(self, handles: dict, tokenizer, policy=None):
+    def __init__(self, handles: dict, tokenizer, policy=None, retry_unavailable_s: float = 30.0):
         from deployments.routing_policy import RouterPolicyConfig
 
+        self.retry_unavailable_s = retry_unavailable_s
         self.handles = handles
         self.tokenizer = tokenizer
         self.policy = policy or RouterPolicyConfig()
@@ -161,20 +232,35 @@ class ServeEngineClient:
         return min(self.handles, key=lambda d: self.in_flight[d])
 
     async def generate(self, prompt_token_ids, params, request_id):
+        """Stream from a replica of the chosen group. A replica that refuses the request before any
+        token because it is draining (``EngineUnavailable``) is skipped: the request is sent again
+        (routers route around draining replicas once their stats say so), for up to
+        ``retry_unavailable_s``; nothing was generated, so nothing is lost or repeated."""
         if not self.max_model_len:
             raise EngineUnavailable("the ingress has not reached the replicas yet")
-        name = self._pick(prompt_token_ids)
-        self.in_flight[name] += 1
-        stream = self.handles[name].options(stream=True).generate.remote(prompt_token_ids, params, request_id)
-        finished = False
-        try:
-            async for out in stream:
-                finished = out.finished
-                yield out
-        finally:
-            self.in_flight[name] -= 1
-            if not finished:
-                stream.cancel()   # the replica's generator is cancelled and aborts the engine request
+        deadline = time.monotonic() + self.retry_unavailable_s
+        attempt = 0
+        while True:
+            name = self._pick(prompt_token_ids)
+            self.in_flight[name] += 1
+            stream = self.handles[name].options(stream=True).generate.remote(prompt_token_ids, params,
+                                                                             request_id)
+            started = finished = False
+            try:
+                async for out in stream:
+                    started, finished = True, out.finished
+                    yield out
+                return
+            except EngineUnavailable:
+                if started or time.monotonic() > deadline:
+                    raise
+                logger.info("request %s refused by a draining replica; sending it again", request_id)
+            finally:
+                self.in_flight[name] -= 1
+                if not finished:
+                    stream.cancel()   # the replica's generator is cancelled and aborts the engine request
+            attempt += 1
+            await asyncio.sleep(min(0.05 * 2 ** attempt, 0.5))
 
     async def is_alive(self) -> bool:
         return bool(self.max_model_len)

@@ -16,6 +16,10 @@ queue-length cache (fresher than the periodic stats). Because stats are periodic
 remembers the block hashes it has just sent to each replica (``on_request_routed``), so a burst of
 requests sharing a prefix sticks to one replica before its next stats report.
 
+Draining replicas (``accepting: False`` in their stats: being drained for recalibration or shutdown)
+are routed around while any other replica is available. Control calls that name a replica
+(``target_replica=<unique id>`` keyword, used by ``deployments.recalibrate``) go to exactly that replica.
+
 The router instance lives in the caller's process (the ingress replica). It publishes every
 replica's stats into ``routing_policy.FLEET``, the one fleet view of that process: the ingress
 reads it to pick a deployment (hardware class) in a mixed fleet with the same policy, and to export /metrics.
@@ -95,6 +99,11 @@ class BoleRequestRouter(RequestRouter):
     # -- RequestRouter API -------------------------------------------------------------------------
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        target = pending_request.kwargs.get("target_replica") if pending_request is not None else None
+        if target is not None:  # a control call for one replica; none listed yet: back off, retry
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
+        accepting = [r for r in candidate_replicas if (r.routing_stats or {}).get("accepting", True)]
+        candidate_replicas = accepting or candidate_replicas
         ids = prompt_token_ids(pending_request)
         hashes = prefix_block_hashes(ids, self.policy.block_size) if ids else []
         decision = choose_replicas(hashes, [self._view(r) for r in candidate_replicas], self.policy)

@@ -28,12 +28,15 @@ def hf_classes(kind: str):
     raise ValueError(f"unknown checkpoint kind {kind!r}")
 
 
-def make_checkpoint(path, kind: str = "dense", vocab_size: int = 16, seed: int = 0, mtp_scale: float = 0.1):
-    """Write the checkpoint to ``path``; returns the transformers model (eval mode, fp32)."""
+def make_checkpoint(path, kind: str = "dense", vocab_size: int = 16, seed: int = 0, mtp_scale: float = 0.1,
+                    **overrides):
+    """Write the checkpoint to ``path``; returns the transformers model (eval mode, fp32).
+
+    ``overrides`` replace ``BASE`` shapes (e.g. ``num_key_value_heads=1``)."""
     Config, Model, Layer, extra = hf_classes(kind)
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    cfg = Config(vocab_size=vocab_size, **BASE, **extra)
+    cfg = Config(vocab_size=vocab_size, **{**BASE, **extra, **overrides})
     hf = Model(cfg).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():

@@ -35,6 +35,18 @@ class StatePool:
                          cfg.linear_value_head_dim, cfg.linear_key_head_dim, cfg.conv_dim // tp_size,
                          cfg.linear_conv_kernel_dim, ssm_dtype, conv_dtype, device)
 
+    @staticmethod
+    def like(pool: "StatePool", num_slots: int) -> "StatePool":
+        """An empty pool with ``pool``'s per-slot shapes, dtypes and device (e.g. a checkpoint pool)."""
+        L, _, HV, V, K = pool.ssm.shape
+        return StatePool(L, num_slots, HV, V, K, pool.conv.shape[2], pool.conv.shape[3] + 1, pool.ssm.dtype,
+                         pool.conv.dtype, pool.ssm.device)
+
+    def copy_slot(self, src: int, dst_pool: "StatePool", dst: int) -> None:
+        """Copy slot ``src`` (ssm and conv, every layer) into ``dst_pool``'s slot ``dst``."""
+        dst_pool.ssm[:, dst].copy_(self.ssm[:, src])
+        dst_pool.conv[:, dst].copy_(self.conv[:, src])
+
     @property
     def num_free(self) -> int:
         return len(self._free)
@@ -42,14 +54,16 @@ class StatePool:
     def can_allocate(self, n: int = 1) -> bool:
         return 0 <= n <= len(self._free)
 
-    def allocate(self) -> int:
-        """Take a free slot and zero its ssm and conv state in every layer."""
+    def allocate(self, zero: bool = True) -> int:
+        """Take a free slot and zero its ssm and conv state in every layer (unless it is about to be
+        overwritten: ``zero=False``)."""
         if not self._free:
             raise ValueError(f"no free state slot (all {self.num_slots} in use)")
         slot = self._free.pop()
         self._used.add(slot)
-        self.ssm[:, slot].zero_()
-        self.conv[:, slot].zero_()
+        if zero:
+            self.ssm[:, slot].zero_()
+            self.conv[:, slot].zero_()
         return slot
 
     def free(self, slot: int) -> None:

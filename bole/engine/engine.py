@@ -12,6 +12,11 @@ One ``step()``:
                     the accepted node's snapshot (the SGLang-style baseline).
   4. Emitted tokens are appended with stop / length checks; finished requests free their memory.
 
+With the prefix cache on, every forward is followed (before emission, which may free the request) by
+``_cache_committed``: newly committed full blocks join the cache and GDN checkpoints are taken at
+block boundaries (speculative commits that jump over a boundary are checkpointed along the accepted
+path first, ``_checkpoint_paths``).
+
 Sampling randomness is keyed by (request seed, token index): the token at index i of a request
 is always drawn with the uniform U(seed, i), whichever mode produced it, so greedy AND seeded
 stochastic outputs are identical across modes.
@@ -27,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bole.cache.prefix_cache import PrefixCache
 from bole.config import EngineConfig
 from bole.engine.metrics import EngineMetrics, StepStats
 from bole.engine.runner import ModelRunner
@@ -74,8 +80,12 @@ class LLMEngine:
                                   config.max_num_seqs + 1, self.lookahead, config.max_num_seqs * self.lookahead,
                                   config.torch_dtype, config.device,
                                   snapshot_verify=self.mode == "serial_tree")
+        cc = config.cache
+        self.prefix_cache = PrefixCache(self.runner.allocator, self.runner.state_pool, cc.block_size,
+                                        cc.checkpoint_interval_blocks, cc.num_checkpoint_slots,
+                                        track_mtp=self.mode != "ar") if cc.enable_prefix_cache else None
         self.scheduler = Scheduler(self.runner.allocator, self.runner.state_pool, config.cache.block_size,
-                                   config.max_num_seqs, config.max_num_batched_tokens)
+                                   config.max_num_seqs, config.max_num_batched_tokens, self.prefix_cache)
         self.capacity_tokens = config.cache.num_blocks * config.cache.block_size
         self.metrics = EngineMetrics()
         self.requests: dict[str, Request] = {}
@@ -114,6 +124,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def cached_prefix_hashes(self, limit: int | None = None) -> list[int]:
+        """Chain hashes (``deployments.routing_policy.prefix_block_hashes``) of the prefix blocks this
+        engine has cached, least recently used first; [] without a prefix cache. For routing stats."""
+        return self.prefix_cache.summary(limit) if self.prefix_cache is not None else []
+
     # -- sampling helpers ------------------------------------------------------------------------
     def _param_tensors(self, reqs: list[Request]):
         dev = self.runner.device
@@ -137,6 +152,7 @@ class LLMEngine:
         spec = self.mode != "ar"
         if sched.prefill:
             last = self.runner.prefill(sched.prefill, keep_hidden=spec)
+            self._cache_committed([r for r, _ in sched.prefill])
             done = [r for r, _ in sched.prefill if r.request_id in last]
             for r in done:
                 r.prefilled = True
@@ -150,6 +166,7 @@ class LLMEngine:
             t0 = time.perf_counter()
             if self.mode == "ar":
                 logits = self.runner.decode(decode, keep_hidden=False)
+                self._cache_committed(decode)
                 toks = self._sample_next(decode, logits)
                 emitted = [[t] for t in toks]
                 stats.tree_nodes = len(decode)
@@ -185,12 +202,45 @@ class LLMEngine:
         acc = accept_tree(batch.tokens, batch.parents, uniforms, logits=res.logits.float(), temperature=temp,
                           top_k=top_k, top_p=top_p, max_depth=D)
         accepted = acc.accepted_node.tolist()
+        num, toks = acc.num_emitted.tolist(), acc.tokens.tolist()
+        emitted = [toks[b][: num[b]] for b in range(len(reqs))]
+        pending = self._checkpoint_paths(reqs, res, accepted) if self.prefix_cache is not None else None
         self.runner.commit(reqs, res, accepted, keep_hidden=True)
-        num = acc.num_emitted.tolist()
-        toks = acc.tokens.tolist()
+        self._cache_committed(reqs, pending, emitted)
         stats.tree_nodes = int(batch.num_nodes.sum()) + len(reqs)
         stats.b_ver = int(b_ver)
-        return [toks[b][: num[b]] for b in range(len(reqs))]
+        return emitted
+
+    # -- prefix cache ----------------------------------------------------------------------------
+    def _checkpoint_paths(self, reqs: list[Request], res, accepted: list[int]) -> list | None:
+        """Before a commit: checkpoint the block boundary each accepted path jumps over (if any), by
+        materialising the path cut there into a checkpoint slot; [(length, slot) | None] per request."""
+        cache = self.prefix_cache
+        depth, cu = res.forest.depth.tolist(), res.ctx.cu_host
+        # a path of depth(node) nodes commits [num_computed, num_computed + depth)
+        cuts = [cache.path_cut(r.num_computed, depth[cu[b] + a + 1])
+                for b, (r, a) in enumerate(zip(reqs, accepted, strict=True))]
+        slots = [cache.new_checkpoint(r.state_slot) if c else None for r, c in zip(reqs, cuts, strict=True)]
+        if all(s is None for s in slots):
+            return None
+        keep = [c if s is not None else 0 for c, s in zip(cuts, slots, strict=True)]
+        self.runner.commit_path_prefix(res, accepted, keep, cache.checkpoints, [s or 0 for s in slots])
+        return [None if s is None else (r.num_computed + c, s)
+                for r, c, s in zip(reqs, keep, slots, strict=True)]
+
+    def _cache_committed(self, reqs: list[Request], pending: list | None = None,
+                         emitted: list[list[int]] | None = None) -> None:
+        """After a forward: publish newly committed full blocks, then attach / take GDN checkpoints.
+
+        ``emitted``: a speculative step's tokens, not yet appended (its accepted drafts are committed)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        for i, r in enumerate(reqs):
+            cache.publish(r, None if emitted is None else r.all_token_ids + emitted[i])
+            if pending is not None and pending[i] is not None:
+                cache.attach(r, *pending[i])
+            cache.checkpoint(r)
 
     # -- emission --------------------------------------------------------------------------------
     def _emit(self, req: Request, tokens: list[int]) -> RequestOutput:
@@ -219,6 +269,10 @@ class LLMEngine:
                     full, reason = full[:hit], "stop"
             new_text, req.output_text = full[len(req.output_text):], full
         if reason is not None:
+            if self.prefix_cache is not None and self.mode != "ar":
+                # complete the drafter KV of its cached blocks so speculative matches can use them
+                self.runner.catch_up_drafter([req])
+                self.prefix_cache.mark_drafted(req)
             req.metrics.finish_time = time.monotonic()
             self.scheduler.finish(req, reason)
             self.metrics.record_finish(req)

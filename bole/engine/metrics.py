@@ -83,6 +83,8 @@ class EngineMetrics:
             # draft nodes verified / B_ver, over speculative steps (roots are not budgeted)
             "budget_used": (self.tree_nodes - self.request_steps) / self.b_ver_sum if self.b_ver_sum else 0.0,
             "prefix_hit_rate": self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "prompt_tokens": self.prompt_tokens,
             "verify_time_share": self.verify_time / self.step_time if self.step_time else 0.0,
             "mean_ttft_s": self.ttft_sum / self.finished if self.finished else 0.0,
             "mean_tpot_s": self.tpot_sum / self.tpot_count if self.tpot_count else 0.0,

@@ -20,6 +20,7 @@ target's verify mode: every node attends to the committed prefix, its ancestors 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +50,7 @@ def _empty_factors(num_nodes: int, device) -> TreeFactors:
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, num_state_slots: int, max_tree_nodes: int,
                  max_batch_nodes: int, kv_dtype: torch.dtype, device, snapshot_verify: bool = False):
-        cfg = model.config
+        cfg = getattr(model, "local_config", model.config)  # this TP rank's head counts (bole.parallel)
         self.model, self.cfg, self.device = model, cfg, torch.device(device)
         self.block_size = block_size
         self.kv_cache = PagedKVCache(cfg.num_attn_layers, num_blocks, block_size, cfg.num_key_value_heads,
@@ -143,7 +144,31 @@ class ModelRunner:
             r.num_computed += lengths[b]
         return lengths
 
+    @torch.inference_mode()
+    def commit_path_prefix(self, res: VerifyResult, accepted_node: list[int], keep: list[int],
+                           pool: StatePool, slots: list[int]) -> None:
+        """Materialise the first ``keep[b]`` nodes of each accepted path (root first) into ``pool`` slot
+        ``slots[b]``, GDN state and conv window only; the slot must hold the request's committed state.
+
+        ``keep[b] == 0`` leaves request b alone. Call before ``commit`` (which overwrites S_pre): the
+        prefix cache checkpoints a block boundary that a commit jumps over this way.
+        """
+        paths = res.forest.accepted_path_nodes([a + 1 for a in accepted_node]).cpu()
+        cut = [int(paths[b, k - 1]) - res.ctx.cu_host[b] if k else -1 for b, k in enumerate(keep)]
+        ctx = dataclasses.replace(res.ctx, kv_cache=None, state_pool=pool,
+                                  state_slots=torch.tensor(slots, dtype=torch.long, device=self.device))
+        self.model.commit(ctx, cut)
+
     # -- drafting ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def catch_up_drafter(self, reqs: list[Request]) -> None:
+        """Fill the drafter KV of every committed position whose next token is known (a finishing
+        request's cached blocks then carry complete drafter entries)."""
+        reqs = [r for r in reqs
+                if r.mtp_computed < r.num_computed < r.num_tokens and r.pending_hidden is not None]
+        if reqs:
+            self._mtp_catch_up(reqs)
+
     def _mtp_catch_up(self, reqs: list[Request]) -> torch.Tensor:
         """Feed the MTP the committed positions it has not seen; return its hidden at the last one [B, H].
 

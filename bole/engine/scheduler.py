@@ -14,6 +14,11 @@ Each engine step asks ``schedule(lookahead)`` for a ``SchedulerOutput``:
 
 No starvation: admission is strictly FIFO (a request that does not fit blocks those behind it), and
 preempted requests are re-admitted before new ones.
+
+With a ``PrefixCache``: an admitted request first takes the longest restorable cached chain (shared
+blocks + GDN checkpoint) and prefills only the rest; a preempted request usually finds its own
+blocks there. Cached blocks nobody uses are evicted (LRU) before anything is preempted or refused,
+and prefill chunks end at GDN checkpoint boundaries (``PrefixCache.align_chunk``).
 """
 
 from __future__ import annotations
@@ -38,12 +43,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, state_pool, block_size: int,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048):
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, prefix_cache=None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} and max_num_batched_tokens="
                              f"{max_num_batched_tokens} must be >= 1")
         self.allocator, self.state_pool, self.block_size = allocator, state_pool, block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -59,13 +65,18 @@ class Scheduler:
         need = blocks_needed(num_positions, self.block_size) - len(req.block_table)
         if need <= 0:
             return True
+        short = need - self.allocator.num_free
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(short)
         if not self.allocator.can_allocate(need):
             return False
         req.block_table.extend(self.allocator.allocate(need))
         return True
 
     def _release(self, req: Request) -> None:
-        if req.block_table:
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(req)
+        elif req.block_table:
             self.allocator.free(req.block_table)
         if req.state_slot is not None:
             self.state_pool.free(req.state_slot)
@@ -116,6 +127,8 @@ class Scheduler:
             nonlocal budget
             remaining = req.num_tokens - req.num_computed
             chunk = min(remaining, budget)
+            if chunk > 0 and self.prefix_cache is not None:
+                chunk = self.prefix_cache.align_chunk(req.num_computed, chunk)
             if chunk <= 0 or not self._grow(req, req.num_computed + chunk):
                 return False
             out.prefill.append((req, chunk))
@@ -129,10 +142,20 @@ class Scheduler:
             req = self.waiting[0]
             if not self.state_pool.can_allocate(1):
                 break
+            cache = self.prefix_cache
+            if cache is not None:
+                cache.share(req, cache.match(req.all_token_ids))
             if not take_chunk(req):
+                if cache is not None:
+                    cache.release(req)
+                    req.num_computed = req.mtp_computed = 0
                 break
             self.waiting.popleft()
-            req.state_slot = self.state_pool.allocate()
+            req.state_slot = self.state_pool.allocate(zero=not req.prefix_nodes)
+            if cache is not None:
+                cache.restore(req)
+            if req.metrics.num_preemptions == 0:
+                req.metrics.prefix_hit_tokens = min(req.num_computed, len(req.prompt_token_ids))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
         return out

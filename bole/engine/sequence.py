@@ -10,6 +10,10 @@ token and samples the next one, so a request preempted by recompute resumes exac
 The MTP drafter keeps its own KV (same block ids, same positions): position p of the drafter holds
 (target hidden at p, token p+1), so it lags the target by one position; ``mtp_computed`` counts its
 filled positions and ``pending_hidden`` holds the target hiddens it has not consumed yet.
+
+With the prefix cache (``bole.cache.prefix_cache``) a request may start with num_computed > 0: its
+block table then begins with shared, immutable cached blocks (``prefix_nodes``) and its GDN state
+slot holds a copy of the checkpoint at their end.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class Request:
     num_computed: int = 0
     state_slot: int | None = None
     block_table: list[int] = field(default_factory=list)
+    prefix_nodes: list = field(default_factory=list)   # cached blocks it shares: block_table[:len]
     prefilled: bool = False
     mtp_computed: int = 0
     pending_hidden: torch.Tensor | None = None   # [num_computed - mtp_computed, H]
@@ -92,4 +97,5 @@ class Request:
         self.pending_hidden = None
         self.state_slot = None
         self.block_table = []
+        self.prefix_nodes = []
         self.metrics.num_preemptions += 1

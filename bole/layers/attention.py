@@ -11,7 +11,8 @@ prefill/decode, or prefix + ancestor mask (M⁺) for verify. This is the torch r
 SDPA call per request; a paged attention kernel can replace the loop without changing the layout.
 
 Tensor parallel: q_proj / k_proj / v_proj column parallel by heads (q_proj's per-head [q, gate]
-blocks are contiguous rows, so a head slice keeps them together), o_proj row parallel.
+blocks are contiguous rows, so a head slice keeps them together), o_proj row parallel. With fewer KV
+heads than ranks each rank holds one replicated KV head (``bole.parallel.head_range``).
 """
 
 from __future__ import annotations
@@ -22,17 +23,15 @@ from torch import nn
 
 from bole.layers.norm import RMSNorm
 from bole.layers.rotary import RotaryEmbedding
+from bole.parallel import local_heads, split_heads
 
 
 class GatedAttention(nn.Module):
     def __init__(self, cfg, cache_index: int, tp_size: int = 1):
         super().__init__()
-        if cfg.num_attention_heads % tp_size or cfg.num_key_value_heads % tp_size:
-            raise ValueError(f"attention heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} "
-                             f"do not divide over tp_size={tp_size}")
         self.cache_index = cache_index
-        self.num_heads = cfg.num_attention_heads // tp_size
-        self.num_kv_heads = cfg.num_key_value_heads // tp_size
+        self.num_heads = split_heads(cfg.num_attention_heads, tp_size, "attention")
+        self.num_kv_heads = local_heads(cfg.num_key_value_heads, tp_size)
         self.head_dim = D = cfg.head_dim
         H, bias = cfg.hidden_size, cfg.attention_bias
         self.q_proj = nn.Linear(H, self.num_heads * D * 2, bias=bias)

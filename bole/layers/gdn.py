@@ -14,6 +14,8 @@ Modes (``ctx.mode``):
 
 Tensor parallel: the q/k/v segments of in_proj_qkv (and the conv channels with them), in_proj_z,
 in_proj_b, in_proj_a, A_log, dt_bias are split by heads (column parallel), out_proj is row parallel.
+Value heads must divide over the ranks; with fewer key heads than ranks each rank holds the one
+(replicated) key head its value heads read (``bole.parallel.head_range``).
 """
 
 from __future__ import annotations
@@ -24,17 +26,15 @@ from torch import nn
 
 from bole.layers.norm import GatedRMSNorm
 from bole.ops.conv import causal_conv1d, causal_conv1d_tree
+from bole.parallel import local_heads, split_heads
 
 
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg, gdn_index: int, backend, tp_size: int = 1):
         super().__init__()
-        if cfg.linear_num_key_heads % tp_size or cfg.linear_num_value_heads % tp_size:
-            raise ValueError(f"GDN heads {cfg.linear_num_key_heads}/{cfg.linear_num_value_heads} do not "
-                             f"divide over tp_size={tp_size}")
         self.gdn_index, self.backend = gdn_index, backend
-        self.num_k_heads = cfg.linear_num_key_heads // tp_size
-        self.num_v_heads = cfg.linear_num_value_heads // tp_size
+        self.num_k_heads = local_heads(cfg.linear_num_key_heads, tp_size)
+        self.num_v_heads = split_heads(cfg.linear_num_value_heads, tp_size, "GDN value")
         self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim

@@ -14,7 +14,10 @@
 * Missing or unexpected tensors (all names listed), shape mismatches and unsupported model types
   raise ``ValueError``.
 
-Tensor parallelism (``tp_rank`` of ``tp_size``): each rank loads only its slice (``tp_slice``):
+Tensor parallelism (``tp_rank`` of ``tp_size``): each rank loads only its slice (``tp_slice``);
+``tp_reduce`` (``bole.parallel.make_tp_reduce``) is the all-reduce after row-parallel projections.
+Head slices follow ``bole.parallel.head_range``: KV heads and GDN key heads fewer than the ranks are
+replicated (each rank takes the one its query / value heads read).
     column parallel (output rows split by heads / intermediate units):
         self_attn.{q,k,v}_proj, mlp.{gate,up}_proj, shared_expert.{gate,up}_proj,
         experts.gate_up_proj (gate and up halves split separately), linear_attn.in_proj_qkv and
@@ -23,6 +26,7 @@ Tensor parallelism (``tp_rank`` of ``tp_size``): each rank loads only its slice 
     row parallel (input columns split): self_attn.o_proj, mlp.down_proj, shared_expert.down_proj,
         experts.down_proj, linear_attn.out_proj
     replicated: embeddings, lm_head, all norms, router gate, shared_expert_gate, mtp.fc
+    o_proj.bias (attention_bias checkpoints): rank 0 holds it, the others zeros (it is summed)
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from safetensors import safe_open
 
 from bole.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from bole.models.qwen3_5 import HybridForCausalLM
+from bole.parallel import head_range
 
 logger = logging.getLogger(__name__)
 
@@ -217,6 +222,16 @@ def _chunk(t: torch.Tensor, dim: int, rank: int, size: int, what: str) -> torch.
     return t.chunk(size, dim=dim)[rank]
 
 
+def _heads(t: torch.Tensor, num_heads: int, rank: int, size: int, what: str) -> torch.Tensor:
+    """Rows of rank's heads (``head_range``: split, or one replicated head) of [num_heads * d, ...]."""
+    try:
+        start, count = head_range(num_heads, size, rank)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+    d = t.shape[0] // num_heads
+    return t[start * d:(start + count) * d]
+
+
 def tp_slice(name: str, t: torch.Tensor, cfg: ModelConfig, rank: int, size: int) -> torch.Tensor:
     """The slice of full tensor ``name`` (model naming) that rank ``rank`` of ``size`` holds."""
     if size == 1:
@@ -225,14 +240,17 @@ def tp_slice(name: str, t: torch.Tensor, cfg: ModelConfig, rank: int, size: int)
     last2 = ".".join(leaf[-2:])
     if ".linear_attn." in name and (last2 in ("in_proj_qkv.weight", "conv1d.weight")):
         kd, vd = cfg.linear_key_dim, cfg.linear_value_dim
-        segs = t.split([kd, kd, vd], dim=0)
-        return torch.cat([_chunk(s, 0, rank, size, name) for s in segs])
+        q, k, v = t.split([kd, kd, vd], dim=0)
+        HK = cfg.linear_num_key_heads
+        return torch.cat([_heads(q, HK, rank, size, name), _heads(k, HK, rank, size, name),
+                          _chunk(v, 0, rank, size, name)])
+    if last2 in ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias"):
+        return _heads(t, cfg.num_key_value_heads, rank, size, name)
     if ".linear_attn." in name and last2 in ("in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"):
         return _chunk(t, 0, rank, size, name)
     if ".linear_attn." in name and leaf[-1] in ("A_log", "dt_bias"):
         return _chunk(t, 0, rank, size, name)
-    if last2 in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias",
-                 "v_proj.bias", "gate_proj.weight", "up_proj.weight"):
+    if last2 in ("q_proj.weight", "q_proj.bias", "gate_proj.weight", "up_proj.weight"):
         return _chunk(t, 0, rank, size, name)
     if last2 in ("o_proj.weight", "out_proj.weight") or (last2 == "down_proj.weight"):
         return _chunk(t, 1, rank, size, name)
@@ -242,7 +260,9 @@ def tp_slice(name: str, t: torch.Tensor, cfg: ModelConfig, rank: int, size: int)
         return torch.cat([_chunk(gate, 1, rank, size, name), _chunk(up, 1, rank, size, name)], dim=1)
     if name.endswith("experts.down_proj"):
         return _chunk(t, 2, rank, size, name)
-    return t  # replicated (norms, embeddings, lm_head, router, shared_expert_gate, mtp.fc, o_proj.bias)
+    if last2 == "o_proj.bias":  # added after the all-reduce sums the ranks: rank 0 carries it
+        return t if rank == 0 else torch.zeros_like(t)
+    return t  # replicated (norms, embeddings, lm_head, router, shared_expert_gate, mtp.fc)
 
 
 # ---------------------------------------------------------------------------------------- load
@@ -253,7 +273,7 @@ def _listing(names, limit: int = 50) -> str:
 
 
 def load_model(path: str, dtype="auto", device="cpu", tp_rank: int = 0, tp_size: int = 1,
-               backend="auto", load_mtp: bool = True) -> HybridForCausalLM:
+               backend="auto", load_mtp: bool = True, tp_reduce: Callable | None = None) -> HybridForCausalLM:
     """Build the model for ``path`` and load its (rank's) weights. See the module docstring."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank={tp_rank} is not in [0, tp_size={tp_size})")
@@ -272,7 +292,7 @@ def load_model(path: str, dtype="auto", device="cpu", tp_rank: int = 0, tp_size:
 
     with torch.device("meta"):
         model = HybridForCausalLM(cfg, backend=backend, num_mtp_layers=num_mtp, tp_size=tp_size,
-                                  device=device)
+                                  tp_reduce=tp_reduce, device=device)
     params = dict(model.named_parameters())  # tied lm_head appears once, under the embedding
     expected = set(params)
     missing = sorted(expected - set(producers)) + _expert_gaps(sources, cfg)

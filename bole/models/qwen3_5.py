@@ -27,8 +27,10 @@ The caller then advances each request's committed length by the returned path le
 nodes' K/V slots are simply overwritten later.
 
 Tensor parallelism: built with ``tp_size`` > 1 the layers hold their rank's slices (see the
-loader); ``tp_reduce`` (identity by default) is where a later issue plugs the all-reduce after
-row-parallel projections. Embedding and lm_head are replicated.
+loader) and ``tp_reduce`` sums each row-parallel output (mixer and MLP) over the TP group
+(``bole.parallel.make_tp_reduce``: an all-reduce; identity by default). Embedding, lm_head, norms
+and mtp.fc are replicated, so hidden states between layers and the logits are full on every rank.
+``local_config`` is the config with this rank's head counts (what caches are sized with).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from bole.layers.mlp import MLP
 from bole.layers.moe import SparseMoE
 from bole.layers.norm import RMSNorm
 from bole.ops.conv import conv_state_commit
+from bole.parallel import local_model_config
 
 
 class DecoderLayer(nn.Module):
@@ -145,6 +148,7 @@ class HybridForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp_size = tp_size
+        self.local_config = local_model_config(cfg, tp_size)  # per-rank heads, for cache sizing
         self.backend = backend if isinstance(backend, GDNBackend) else resolve_backend(backend, device)
         self.model = HybridModel(cfg, self.backend, tp_size, tp_reduce)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -45,6 +45,16 @@ def _table():
     return resolve_repo_path("calibration_tables/default.yaml")
 
 
+def drop_prefix_cache(eng: LLMEngine) -> None:
+    """No request holds a cached block any more; evict them all (pools then return to full)."""
+    cache = eng.prefix_cache
+    if cache is not None:
+        assert cache.stats()["referenced_blocks"] == 0
+        cache.clear()
+        assert cache.num_cached_blocks == 0
+        assert cache.checkpoints.num_free == cache.checkpoints.num_slots
+
+
 def run_staggered(eng: LLMEngine, prompts, params_list, arrive_every=2):
     """Add requests over time (one every ``arrive_every`` steps) and step to completion."""
     pending = list(zip(prompts, params_list))
@@ -128,7 +138,7 @@ def test_stochastic_distribution_matches_target(ckpt):
 def test_state_after_every_commit_equals_autoregressive(ckpt):
     path, _ = ckpt("dense")
     eng = engine(path, "bole")
-    ref = engine(path, "ar")
+    ref = engine(path, "ar", enable_prefix_cache=False)  # a plain full prefill is the reference
     rid = eng.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
     checked = 0
     while eng.has_unfinished():
@@ -161,6 +171,7 @@ def test_preemption_and_pressure_keep_outputs_and_free_everything(ckpt, mode):
     got = run_staggered(tight, PROMPTS, params, arrive_every=1)
     assert got == roomy
     assert tight.metrics.preemptions > 0
+    drop_prefix_cache(tight)
     assert tight.runner.allocator.num_free == blocks
     assert tight.runner.state_pool.num_free == tight.runner.state_pool.num_slots
 
@@ -177,6 +188,7 @@ def test_abort_frees_everything_and_others_continue(ckpt):
     while eng.has_unfinished():
         eng.step()
     assert len(eng.pop_finished(keep).output_token_ids) == 10
+    drop_prefix_cache(eng)
     assert eng.runner.allocator.num_free == eng.config.cache.num_blocks
     assert eng.runner.state_pool.num_free == eng.runner.state_pool.num_slots
 
@@ -227,5 +239,6 @@ def test_async_engine_streams_and_aborts(ckpt):
         aeng.shutdown()
     assert len(full) == 9 and len(other) == 6 and first.new_token_ids
     eng = aeng.engine
+    drop_prefix_cache(eng)
     assert eng.runner.allocator.num_free == eng.config.cache.num_blocks
     assert not eng.requests

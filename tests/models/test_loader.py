@@ -165,10 +165,26 @@ def test_tp_slices_concatenate_to_full_tensors(checkpoints, kind):
 
 def test_tp_indivisible_raises(dense):
     ck, _ = dense
-    with pytest.raises(ValueError, match="tp_size=4"):
-        load_model(ck.path, dtype="float32", backend="torch", tp_rank=0, tp_size=4)
+    with pytest.raises(ValueError, match="tp_size=3"):  # 4 / 2 heads: neither split nor replicated
+        load_model(ck.path, dtype="float32", backend="torch", tp_rank=0, tp_size=3)
     with pytest.raises(ValueError, match="tp_rank"):
         load_model(ck.path, tp_rank=2, tp_size=2)
+
+
+def test_tp4_replicates_kv_and_gdn_key_heads(dense):
+    """2 KV heads / 2 GDN key heads over 4 ranks: rank r holds head r // 2 of each (vLLM-style)."""
+    ck, _ = dense
+    full = load_model(ck.path, dtype="float32", backend="torch")
+    m = load_model(ck.path, dtype="float32", backend="torch", tp_rank=3, tp_size=4)
+    attn, gdn = m.model.layers[3].self_attn, m.model.layers[0].linear_attn
+    assert (attn.num_heads, attn.num_kv_heads, gdn.num_k_heads, gdn.num_v_heads) == (1, 1, 1, 1)
+    D = full.config.head_dim
+    k_full = full.model.layers[3].self_attn.k_proj.weight
+    assert torch.equal(attn.k_proj.weight, k_full[D:2 * D])
+    kd, dk = full.config.linear_key_dim, full.config.linear_key_head_dim
+    qkv = full.model.layers[0].linear_attn.in_proj_qkv.weight
+    assert torch.equal(gdn.in_proj_qkv.weight[dk:2 * dk], qkv[kd + dk:kd + 2 * dk])  # k head 1
+    assert m.local_config.conv_dim == gdn.conv_dim
 
 
 def test_tp_slice_replicates_norms(dense):

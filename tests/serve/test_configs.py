@@ -52,5 +52,14 @@ def test_bad_app_configs_are_rejected():
         AppConfig(**{**base, "groups": [{"name": "a", "typo": 1}]})
 
 
+def test_tp_groups_need_one_bundle_per_rank():
+    base = {"model": "m", "groups": [{"name": "a", "tp_size": 2}]}
+    AppConfig(**base)   # no bundles: the replica creates its own placement group
+    tp2 = {"name": "a", "tp_size": 2}
+    AppConfig(**{**base, "groups": [{**tp2, "placement_group_bundles": [{"CPU": 1}] * 2}]})
+    with pytest.raises(ValueError, match="one bundle per TP rank"):
+        AppConfig(**{**base, "groups": [{**tp2, "placement_group_bundles": [{"CPU": 1}]}]})
+
+
 def test_make_serve_explains_missing_weights(tmp_path):
     assert "no weights" in check_model(str(tmp_path))

@@ -1,0 +1,168 @@
+"""PrefixCache on its own (no model): matching, restore points, reference counts, LRU eviction of
+KV blocks and of checkpoints with separate budgets, MTP completeness, the router's chain hashes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bole.cache.kv_cache import BlockAllocator, blocks_needed
+from bole.cache.prefix_cache import PrefixCache
+from bole.cache.state_pool import StatePool
+from bole.engine.sequence import Request
+from bole.sampling_params import SamplingParams
+from deployments.routing_policy import prefix_block_hashes
+
+B = 4
+
+
+class Harness:
+    """A cache over small pools and a fake 'model' whose GDN state after n tokens is the value n."""
+
+    def __init__(self, num_blocks=16, num_slots=4, num_ckpts=3, interval=1, track_mtp=False):
+        self.alloc = BlockAllocator(num_blocks)
+        self.pool = StatePool(2, num_slots, 2, 3, 3, 5, 4, conv_dtype=torch.float32)
+        self.cache = PrefixCache(self.alloc, self.pool, B, interval, num_ckpts, track_mtp)
+        self.ids = 0
+
+    def admit(self, tokens) -> Request:
+        self.ids += 1
+        req = Request(f"r{self.ids}", list(tokens), SamplingParams(), seed=0)
+        self.cache.share(req, self.cache.match(tokens))
+        req.state_slot = self.pool.allocate()
+        self.cache.restore(req)
+        return req
+
+    def compute(self, req: Request, upto: int, step: int = 1) -> None:
+        """Advance req to ``upto`` committed tokens, ``step`` at a time, as the engine would."""
+        while req.num_computed < upto:
+            n = min(step, upto - req.num_computed)
+            need = blocks_needed(req.num_computed + n, B) - len(req.block_table)
+            if need > 0:
+                if self.alloc.num_free < need:
+                    self.cache.evict(need - self.alloc.num_free)
+                req.block_table += self.alloc.allocate(need)
+            req.num_computed += n
+            self.pool.ssm[:, req.state_slot] = float(req.num_computed)
+            self.cache.publish(req)
+            self.cache.checkpoint(req)
+
+    def finish(self, req: Request) -> None:
+        self.cache.release(req)
+        self.pool.free(req.state_slot)
+
+    def assert_accounted(self, private: int = 0) -> None:
+        c = self.cache
+        assert self.alloc.num_free + c.num_cached_blocks + private == self.alloc.num_blocks
+        assert c.checkpoints.num_free + c.num_checkpoints == c.checkpoints.num_slots
+
+
+def test_chain_hashes_are_the_routers():
+    h = Harness()
+    tokens = [5, 1, 2, 9, 4, 4, 6, 1, 0, 3, 2, 2, 8]
+    h.compute(h.admit(tokens), len(tokens))
+    assert h.cache.summary() == prefix_block_hashes(tokens, B)
+    assert h.cache.summary(limit=2) == prefix_block_hashes(tokens, B)[-2:]
+
+
+def test_match_restores_the_deepest_checkpoint_and_leaves_a_token():
+    h = Harness(interval=2)                      # checkpoints every 8 tokens
+    a = h.admit(list(range(14)))
+    h.compute(a, 14)
+    assert h.cache.num_cached_blocks == 3 and h.cache.num_checkpoints == 1
+    h.finish(a)
+    for tokens, restored in ((list(range(14)), 8), (list(range(8)), 0), (list(range(9)), 8),
+                             (list(range(7)) + [99] * 5, 0)):
+        r = h.admit(tokens)
+        assert r.num_computed == restored and len(r.block_table) == restored // B
+        assert float(h.pool.ssm[0, r.state_slot, 0, 0, 0]) == float(restored)  # the state at `restored`
+        h.finish(r)
+    h.assert_accounted()
+
+
+def test_running_requests_are_never_evicted_and_refcounts_return_to_zero():
+    h = Harness(num_blocks=8)
+    a = h.admit(list(range(12)))
+    h.compute(a, 12)
+    b = h.admit(list(range(12)) + [7, 7, 7])     # shares a's three blocks
+    assert b.num_computed == 12 and b.block_table == a.block_table
+    assert [n.ref for n in b.prefix_nodes] == [2, 2, 2]
+    h.compute(b, 15)
+    h.finish(a)
+    assert h.cache.evict(100) == 0               # b still uses all of them
+    assert h.alloc.num_free == 8 - 3 - 1         # b's private tail block
+    h.assert_accounted(private=1)
+    h.finish(b)
+    assert all(n.ref == 0 for n in h.cache._nodes)
+    assert h.cache.clear() == 3
+    assert h.alloc.num_free == 8 and h.cache.checkpoints.num_free == 3
+    h.assert_accounted()
+
+
+def test_eviction_is_lru_over_leaves_and_takes_unrestorable_leaves_first():
+    h = Harness(num_blocks=12, num_ckpts=8, interval=2)
+    old = h.admit([1] * 8)
+    h.compute(old, 8)                            # two blocks, checkpoint at the leaf
+    h.finish(old)
+    new = h.admit([2] * 12)
+    h.compute(new, 12)                           # three blocks, the leaf has no checkpoint
+    h.finish(new)
+    assert h.cache.evict(1) == 1                 # the newer but unrestorable leaf goes first
+    r = h.admit([2] * 9)
+    assert r.num_computed == 8                   # ... and [2] * 8 is now the most recently used
+    h.finish(r)
+    assert h.cache.evict(1) == 1                 # so [1] * 8's leaf goes next
+    assert h.admit([1] * 9).num_computed == 0
+    assert h.admit([2] * 9).num_computed == 8
+    h.assert_accounted()
+
+
+def test_checkpoint_budget_is_separate_and_lru():
+    h = Harness(num_blocks=32, num_ckpts=2)
+    reqs = []
+    for k in range(3):                           # 3 chains of one block: 3 checkpoints wanted
+        r = h.admit([k] * 4 + [0])
+        h.compute(r, 4)
+        reqs.append(r)
+    assert h.cache.num_checkpoints == 2 and h.cache.evicted_checkpoints == 1
+    assert h.cache.num_cached_blocks == 3        # KV blocks are not evicted with checkpoints
+    for r in reqs:
+        h.finish(r)
+    assert [h.admit([k] * 4 + [0]).num_computed for k in range(3)] == [0, 4, 4]
+    h.assert_accounted()
+
+
+def test_concurrent_copies_of_a_block_are_deduplicated():
+    h = Harness()
+    a, b = h.admit(list(range(9))), h.admit(list(range(9)))
+    h.compute(a, 8)
+    h.compute(b, 8)                              # same blocks computed twice: b adopts a's
+    assert b.block_table == a.block_table and h.cache.num_cached_blocks == 2
+    assert [n.ref for n in a.prefix_nodes] == [2, 2]
+    h.finish(a)
+    h.finish(b)
+    h.cache.clear()
+    assert h.alloc.num_free == h.alloc.num_blocks
+
+
+def test_speculative_matches_need_complete_drafter_entries():
+    h = Harness(track_mtp=True)
+    a = h.admit(list(range(13)))
+    h.compute(a, 12)
+    a.mtp_computed = 5                           # the drafter has seen positions < 5 only
+    h.cache.mark_drafted(a)
+    assert [n.mtp_complete for n in a.prefix_nodes] == [True, False, False]
+    assert h.admit(list(range(13))).num_computed == 4
+    a.mtp_computed = 12
+    h.cache.mark_drafted(a)
+    assert h.admit(list(range(13))).num_computed == 12
+
+
+def test_chunk_alignment_and_path_cuts():
+    c = Harness(interval=2).cache                # boundaries every 8 tokens
+    assert c.align_chunk(0, 16) == 16 and c.align_chunk(0, 19) == 16 and c.align_chunk(3, 6) == 5
+    assert c.align_chunk(8, 5) == 5              # no boundary inside: the chunk is kept
+    assert c.path_cut(6, 4) == 2 and c.path_cut(6, 2) == 0 and c.path_cut(8, 4) == 0
+    assert c.path_cut(15, 2) == 1                # [15, 17) jumps over 16
+    with pytest.raises(ValueError):
+        PrefixCache(BlockAllocator(2), StatePool(1, 1, 1, 1, 1, 1, 2), 0)
