@@ -137,8 +137,28 @@ class LLMEngine:
                 torch.tensor([r.params.top_p for r in reqs], device=dev),
                 torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=dev))
 
+    def _mask_early_stops(self, reqs: list[Request], logits: torch.Tensor, out_index: torch.Tensor) -> torch.Tensor:
+        """min_tokens: forbid EOS / stop tokens for rows that would emit output token < min_tokens.
+
+        logits [B, R, V]; out_index [B, R]: the output index (0-based) row r would sample. Applied to
+        the target logits before sampling, in every mode alike, so exactness across modes holds.
+        """
+        if not any(r.params.min_tokens for r in reqs):
+            return logits
+        V = logits.shape[-1]
+        stop = torch.zeros(len(reqs), V, dtype=torch.bool, device=logits.device)
+        for b, r in enumerate(reqs):
+            ids = [t for t in (() if r.params.ignore_eos else r.eos_token_ids) + tuple(r.params.stop_token_ids)
+                   if 0 <= t < V]
+            stop[b, ids] = True
+        min_tok = torch.tensor([r.params.min_tokens for r in reqs], device=logits.device)
+        early = out_index < min_tok[:, None]  # [B, R]
+        return logits.masked_fill(early[..., None] & stop[:, None, :], float("-inf"))
+
     def _sample_next(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
         """One token per request from logits [B, V] (the token at index num_tokens)."""
+        out_index = torch.tensor([[len(r.output_token_ids)] for r in reqs], device=logits.device)
+        logits = self._mask_early_stops(reqs, logits[:, None], out_index)[:, 0]
         temp, top_k, top_p, seed = self._param_tensors(reqs)
         offset = torch.tensor([r.num_tokens for r in reqs], device=seed.device)
         u = counter_uniforms(seed, offset, 1)[:, 0]
@@ -199,7 +219,10 @@ class LLMEngine:
         u_by_depth = counter_uniforms(seed, n + 1, D + 1)  # [B, D+1]
         row_depth = torch.cat([torch.zeros_like(batch.depth[:, :1]), batch.depth], 1).clamp(max=D)
         uniforms = u_by_depth.gather(1, row_depth)
-        acc = accept_tree(batch.tokens, batch.parents, uniforms, logits=res.logits.float(), temperature=temp,
+        # row r samples output index len(output) + depth(r) (the root x_n is the last output so far)
+        n_out = torch.tensor([len(r.output_token_ids) for r in reqs], device=seed.device)
+        logits = self._mask_early_stops(reqs, res.logits, n_out[:, None] + row_depth.to(seed.device))
+        acc = accept_tree(batch.tokens, batch.parents, uniforms, logits=logits.float(), temperature=temp,
                           top_k=top_k, top_p=top_p, max_depth=D)
         accepted = acc.accepted_node.tolist()
         num, toks = acc.num_emitted.tolist(), acc.tokens.tolist()

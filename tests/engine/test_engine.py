@@ -242,3 +242,18 @@ def test_async_engine_streams_and_aborts(ckpt):
     drop_prefix_cache(eng)
     assert eng.runner.allocator.num_free == eng.config.cache.num_blocks
     assert not eng.requests
+
+
+def test_min_tokens_suppresses_stop_tokens_in_every_mode(ckpt):
+    path, _ = ckpt("dense")
+    free = run_staggered(engine(path, "ar"), PROMPTS[:2], [SamplingParams(temperature=0, max_tokens=12,
+                                                                          ignore_eos=True)] * 2)
+    stop = free[0][1]  # a token greedy decoding emits early for prompt 0
+    plain = [SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop])] * 2
+    held = [SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop], min_tokens=6)] * 2
+    outs = {m: (run_staggered(engine(path, m), PROMPTS[:2], plain),
+                run_staggered(engine(path, m), PROMPTS[:2], held)) for m in MODES}
+    assert outs["ar"] == outs["serial_tree"] == outs["bole"]
+    short, long = outs["ar"]
+    assert short[0] == free[0][:2]                 # stops at the stop token without min_tokens
+    assert len(long[0]) >= 6 and all(stop not in o[:6] for o in long)
