@@ -1,0 +1,79 @@
+"""Offline throughput and MAT of the engine's modes (ar / serial_tree / bole) on one workload.
+
+Same prompts, same greedy sampling, every mode in one process (STYLE 12). With ``--model PATH`` it
+runs a checkpoint folder; with ``--random-tiny`` it writes a tiny random Qwen3.5 checkpoint (vocab
+16, the tests' factory) so the harness runs anywhere: its MAT reflects a random drafter, and CPU
+times are for the record only.
+
+    python benchmarks/engine_modes.py --random-tiny --out benchmarks/results/engine_modes_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--random-tiny", action="store_true")
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 4])
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--topk", type=int, default=3)
+    ap.add_argument("--beam", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    from bole import LLM, SamplingParams
+
+    path = a.model
+    if a.random_tiny:
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
+        from checkpoints import make_checkpoint
+
+        path = tempfile.mkdtemp(prefix="bole_tiny_")
+        make_checkpoint(path, "dense", 16)
+    if path is None:
+        ap.error("pass --model PATH or --random-tiny")
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [3] * 11, [5, 1], [2, 9, 4, 4, 6, 1, 0, 3]] * 4
+    rows = []
+    for mode in ("ar", "serial_tree", "bole"):
+        for bs in a.batches:
+            llm = LLM(path, mode=mode, depth=a.depth, topk=a.topk, beam=a.beam,
+                      calibration_table="calibration_tables/default.yaml")
+            sp = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
+            llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+            llm.engine.metrics.__init__()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts[:bs], sp)
+            dt = time.perf_counter() - t0
+            n = sum(len(o.token_ids) for o in outs)
+            m = llm.engine.metrics.snapshot()
+            rows.append(dict(mode=mode, batch=bs, tokens_per_s=round(n / dt, 1), mat=round(m["mat"], 3),
+                             mean_tree_nodes=round(m["mean_tree_nodes"], 1)))
+            print(json.dumps(rows[-1]), flush=True)
+    result = dict(device=("cuda:" + torch.cuda.get_device_name()) if torch.cuda.is_available()
+                  else f"cpu ({platform.processor() or platform.machine()}, {a.threads} thread)",
+                  torch=torch.__version__, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                  command=" ".join(sys.argv), model=a.model or "random tiny (vocab 16)", rows=rows)
+    if a.out:
+        json.dump(result, open(a.out, "w"), indent=1)
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
+
+
+if __name__ == "__main__":
+    main()
