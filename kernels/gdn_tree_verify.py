@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bole.ops.gdn import check_gdn_inputs
 from bole.spec.tree import PackedForest
 
 MAX_NODES = 128
@@ -327,19 +328,7 @@ def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state
         if not isinstance(t, torch.Tensor) or t.dtype not in _FLOAT_INPUTS:
             raise ValueError(f"{name} must be a float32/float16/bfloat16 tensor, got "
                              f"{getattr(t, 'dtype', type(t))}")
-    if q.dim() != 4 or q.shape[0] != 1:
-        raise ValueError(f"q must be [1, N, HK, K], got {tuple(q.shape)}")
-    if k.shape != q.shape:
-        raise ValueError(f"k shape {tuple(k.shape)} != q shape {tuple(q.shape)}")
-    _, N, HK, K = q.shape
-    if v.dim() != 4 or tuple(v.shape[:2]) != (1, N):
-        raise ValueError(f"v must be [1, {N}, HV, V], got {tuple(v.shape)}")
-    HV, V = v.shape[2], v.shape[3]
-    if HV % HK != 0:
-        raise ValueError(f"value heads HV={HV} must be a multiple of key heads HK={HK}")
-    for name, t in (("g", g), ("beta", beta)):
-        if tuple(t.shape) != (1, N, HV):
-            raise ValueError(f"{name} must be [1, {N}, {HV}], got {tuple(t.shape)}")
+    N, HK, HV, K, V = check_gdn_inputs(q, k, v, g, beta)  # the twin's shape rules
     if K > 256 or V > 256:
         raise ValueError(f"head dims K={K}, V={V} exceed 256")
     if not isinstance(forest, PackedForest):
