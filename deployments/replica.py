@@ -7,8 +7,8 @@ options of its hardware group (resources, autoscaling, ``request_router_config``
                                                   call (client gone) aborts the engine request
   record_routing_stats()  hardware class, calibration table id, current bucket and B_ver, the
                           B_ver per request with one more request, queue, running batch, MAT, and
-                          ``prefix_blocks``: the chain hashes of the most recent prompt blocks this
-                          replica computed (a bounded LRU; ``routing_policy.PrefixSummary``)
+                          ``prefix_blocks``: the chain hashes of the prefix blocks this replica's
+                          engine has cached (see below)
   reconfigure(user_config)  ``{"calibration_table": path | mapping}`` swaps the table between
                             engine steps, no restart (rolling recalibration pushes tables this way)
   drain(timeout) / resume()  stop admitting (reported as ``accepting: False`` in the routing stats,
@@ -24,9 +24,9 @@ options of its hardware group (resources, autoscaling, ``request_router_config``
 Control calls aimed at one replica (the rolling job) pass ``target_replica=<replica unique id>``:
 ``BoleRequestRouter`` routes such calls to exactly that replica, and the replica checks the id.
 
-Note: the engine has no prefix cache yet (the prompt is recomputed on every replica), so today
-``prefix_blocks`` says where a prefix *was* computed; affinity routing turns into cache hits once
-the engine keeps those blocks. The summary's format does not change then.
+``prefix_blocks`` comes from the engine's prefix cache (``LLMEngine.cached_prefix_hashes``: the
+blocks it can actually reuse) when it has one; otherwise (cache disabled, TP driver) it falls back to
+the chain hashes of prompts this replica recently computed. ``prefix_source`` says which.
 
 Tensor parallelism (``tp_size > 1``): the engine is a ``deployments.tp.TPEngine`` driving one worker
 actor per rank in a STRICT_PACK placement group (the deployment's ``placement_group_bundles``, or one
@@ -97,11 +97,22 @@ class BoleReplica:
     def stats(self) -> dict:
         return self.client.stats()
 
+    def _cached_prefix_blocks(self) -> list[int]:
+        """The engine prefix cache's block chain hashes (same hashing as the router), read between
+        steps; [] when the engine has no prefix cache (or is a TP driver, which does not expose it)."""
+        aeng = self.client.async_engine
+        if not hasattr(aeng.engine, "cached_prefix_hashes"):
+            return []
+        return aeng.run_exclusive(lambda e: e.cached_prefix_hashes(self.prefix.capacity))
+
     def record_routing_stats(self) -> dict:
         stats = self.client.stats()
         stats["block_size"] = self.block_size
-        stats["prefix_blocks"] = self.prefix.to_list()
-        stats["num_prefix_blocks"] = len(self.prefix)
+        # What the engine really holds; else where prompts were recently computed (a bounded LRU).
+        cached = self._cached_prefix_blocks()
+        stats["prefix_blocks"] = cached or self.prefix.to_list()
+        stats["prefix_source"] = "engine_cache" if cached else "recent_prompts"
+        stats["num_prefix_blocks"] = len(stats["prefix_blocks"])
         stats["replica_id"] = self.replica_id
         return stats
 

@@ -1,0 +1,29 @@
+"""The replica's routing stats report the engine prefix cache's real block hashes (no Ray needed)."""
+
+import asyncio
+
+from conftest import ENGINE_OPTIONS
+
+from bole.sampling_params import SamplingParams
+from deployments.replica import BoleReplica
+from deployments.routing_policy import prefix_block_hashes
+
+
+def test_routing_stats_carry_the_engine_prefix_cache(tiny_model):
+    replica = BoleReplica(tiny_model, dict(ENGINE_OPTIONS), hardware="cpu")
+    try:
+        stats = replica.record_routing_stats()
+        assert stats["prefix_blocks"] == [] and stats["prefix_source"] == "recent_prompts"
+        prompt = list(range(3, 3 + 4 * 5))  # five full blocks of 4
+
+        async def run():
+            async for _ in replica.generate(prompt, SamplingParams(temperature=0, max_tokens=3), "r1"):
+                pass
+        asyncio.run(run())
+        stats = replica.record_routing_stats()
+        assert stats["prefix_source"] == "engine_cache"
+        cached = set(stats["prefix_blocks"])
+        assert prefix_block_hashes(prompt, replica.block_size)[0] in cached
+        assert stats["num_prefix_blocks"] == len(stats["prefix_blocks"]) >= 4
+    finally:
+        replica.client.async_engine.shutdown()
