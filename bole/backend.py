@@ -14,7 +14,8 @@ transposed [.., V, K]):
 
 Registered backends:
     "torch":  bole.ops twins; chunked WY prefill (bole.ops.gdn_chunk), batched single-step decode.
-    "triton": kernels.gdn_tree_verify / kernels.gdn_commit; prefill with flash-linear-attention's
+    "triton": kernels.gdn_tree_verify / kernels.gdn_commit (and kernels.gdn_tree_serial for the
+              serial_tree baseline); prefill with flash-linear-attention's
               chunk_gated_delta_rule when importable (else the torch chunk); decode as "torch".
     "auto":   "triton" on CUDA when the kernels import, else "torch". Resolved once, logged.
 """
@@ -89,6 +90,7 @@ def _fla_prefill():
 @register_backend("triton")
 def _triton_backend() -> GDNBackend:
     from kernels.gdn_commit import gdn_commit as triton_commit
+    from kernels.gdn_tree_serial import gdn_tree_serial as triton_serial
     from kernels.gdn_tree_verify import gdn_tree_verify as triton_verify
 
     try:
@@ -98,7 +100,7 @@ def _triton_backend() -> GDNBackend:
         prefill, prefill_name = gdn_chunk, "torch chunk"
     logger.info("GDN triton backend: prefill via %s", prefill_name)
     return GDNBackend("triton", prefill=prefill, decode=gdn_chunk, tree_verify=triton_verify,
-                      commit=triton_commit)
+                      commit=triton_commit, tree_serial=triton_serial)
 
 
 def resolve_backend(name: str = "auto", device: torch.device | str | None = None) -> GDNBackend:

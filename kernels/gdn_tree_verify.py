@@ -314,7 +314,7 @@ def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state
             never written; None means zero states.
         state_indices: int [B] pool slot of each request (default: request b reads slot b).
         scale: q scale (default K ** -0.5). use_qk_l2norm: L2-normalise q and k in the kernel.
-        num_rounds: Neumann terms (default: each request's depth, exact). Neumann method only.
+        num_rounds: Neumann terms (default: the forest's depth, exact for every tree). Neumann only.
         u_out, logp_out, o_out: optional preallocated outputs (e.g. slices of the all-layer factor
             buffer [L, N, HV, V] / [L, N, HV]); they must be contiguous with the shapes below.
         block_v: value tile BV (power of two); default: see `default_config`.

@@ -257,3 +257,15 @@ def test_min_tokens_suppresses_stop_tokens_in_every_mode(ckpt):
     short, long = outs["ar"]
     assert short[0] == free[0][:2]                 # stops at the stop token without min_tokens
     assert len(long[0]) >= 6 and all(stop not in o[:6] for o in long)
+
+
+@pytest.mark.parametrize("mode", ["serial_tree", "bole"])
+def test_triton_backend_matches_torch_backend(ckpt, mode):
+    """The engine on the Triton kernels (interpreted on CPU) emits what it emits on the torch twins."""
+    path, _ = ckpt("dense")
+    cfg = EngineConfig.from_options(mode=mode, calibration_table=_table(), num_blocks=64, block_size=4,
+                                    depth=2, topk=2, beam=2, max_num_seqs=2)
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * 2
+    outs = [run_staggered(LLMEngine(load_model(path, dtype="float32", backend=b), cfg), PROMPTS[:2], params)
+            for b in ("torch", "triton")]
+    assert outs[0] == outs[1]
