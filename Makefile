@@ -21,7 +21,7 @@ test: install
 	$(BIN)/python -m pytest
 
 lint: install
-	$(BIN)/ruff check bole kernels tests benchmarks scripts
+	$(BIN)/ruff check bole kernels deployments tests benchmarks scripts
 
 # Serve the embedded model on a local Ray cluster: http://127.0.0.1:8000/v1 (prints an openai snippet).
 # SERVE_CONFIG=... picks another Serve config; SERVE_FLAGS=--no-ray serves in one process without Ray.

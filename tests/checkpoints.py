@@ -45,7 +45,7 @@ def make_checkpoint(path, kind: str = "dense", vocab_size: int = 16, seed: int =
     hf.save_pretrained(path)
     layer = Layer(cfg, cfg.layer_types.index("full_attention")).eval()
     with torch.no_grad():
-        for name, p in layer.named_parameters():
+        for p in layer.parameters():
             p.copy_(mtp_scale * torch.randn(p.shape, generator=gen) if p.dim() >= 2 else
                     p + 0.2 * torch.randn(p.shape, generator=gen))
     H = cfg.hidden_size
@@ -68,7 +68,7 @@ def save_char_tokenizer(path, vocab_size: int) -> None:
     Ids 0..2 are <|endoftext|>, <|im_start|>, <|im_end|>; the rest are printable characters (unknown
     characters map to the last id). Lets CLI / server tests use text with a tiny-vocabulary model.
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
