@@ -269,3 +269,17 @@ def test_triton_backend_matches_torch_backend(ckpt, mode):
     outs = [run_staggered(LLMEngine(load_model(path, dtype="float32", backend=b), cfg), PROMPTS[:2], params)
             for b in ("torch", "triton")]
     assert outs[0] == outs[1]
+
+
+@pytest.mark.gpu
+def test_engine_on_cuda_matches_cpu(ckpt):
+    """On a GPU (Triton kernels through the "auto" backend): every mode emits the CPU's greedy tokens."""
+    path, _ = ckpt("dense")
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 5, 9, 14, 7)]
+    ref = run_staggered(engine(path, "ar", device="cpu"), PROMPTS, params)
+    for mode in MODES:
+        cfg = EngineConfig.from_options(mode=mode, calibration_table=_table(), num_blocks=96, block_size=4,
+                                        depth=3, topk=3, beam=3, max_num_seqs=4, max_num_batched_tokens=16,
+                                        device="cuda")
+        eng = LLMEngine(load_model(path, dtype="float32", device="cuda"), cfg)
+        assert run_staggered(eng, PROMPTS, params) == ref, mode
