@@ -210,7 +210,7 @@ class LLMEngine:
         kv_len = max(r.num_computed for r in reqs)
         _, b_ver = self.calibration.lookup(len(reqs), kv_len, spec.depth + 1)
         keep = select_nodes(cand.rho, cand.parents, cand.valid, cand.depth, b_ver)
-        batch = compact(cand, keep)
+        batch = compact(cand, keep).trimmed()
         res = self.runner.verify(reqs, batch)
         temp, top_k, top_p, seed = self._param_tensors(reqs)
         # Row 0 draws token index n+1 (n = num_computed), row i+1 draws index n+1+depth(i).

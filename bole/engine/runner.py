@@ -30,7 +30,7 @@ from bole.cache.state_pool import StatePool
 from bole.engine.sequence import Request
 from bole.models.context import ForwardContext, TreeFactors
 from bole.spec.drafter import DraftBatch, Frontier, expand_tree, tree_size
-from bole.spec.tree import DraftTree, PackedForest
+from bole.spec.tree import PackedForest
 
 
 @dataclass
@@ -108,27 +108,24 @@ class ModelRunner:
     @torch.inference_mode()
     def verify(self, reqs: list[Request], batch: DraftBatch) -> VerifyResult:
         """Target forward over every request's tree: root (pending token) + kept drafts."""
-        counts = (batch.num_nodes + 1).tolist()
-        parents = batch.parents.tolist()
-        tokens = batch.tokens.tolist()
-        trees, ids = [], []
-        for b, r in enumerate(reqs):
-            n = counts[b] - 1
-            trees.append(DraftTree([-1] + [p + 1 for p in parents[b][:n]], max_depth=self.max_tree_nodes))
-            ids.append(r.all_token_ids[r.num_computed])
-            ids.extend(tokens[b][:n])
-        forest = PackedForest.from_trees(trees, device=self.device)
+        # Each tree: node 0 = the pending root token, the kept drafts below it (draft depth d -> d + 1).
+        B, T = batch.tokens.shape
+        dev = batch.tokens.device
+        roots = torch.tensor([r.all_token_ids[r.num_computed] for r in reqs], device=dev)
+        tokens = torch.cat([roots[:, None], batch.tokens], 1)                        # [B, 1 + T]
+        parents = torch.cat([torch.full_like(roots[:, None], -1), batch.parents + 1], 1)
+        counts = batch.num_nodes + 1
+        valid = torch.arange(T + 1, device=dev)[None] < counts[:, None]
+        depth = int(batch.depth.max()) + 1 if T else 1
+        forest = PackedForest.from_padded(parents, counts, depth).to(self.device)
         ctx = ForwardContext.build("verify", None, [r.num_computed for r in reqs], [r.state_slot for r in reqs],
                                    [r.block_table for r in reqs], self.kv_cache, self.state_pool,
                                    forest=forest, factors=self.factors.narrow(forest.num_nodes),
                                    device=self.device)
-        hidden = self.model(torch.tensor(ids, device=self.device), ctx)
+        hidden = self.model(tokens[valid].to(self.device), ctx)
         flat = self.model.compute_logits(hidden)
-        T1 = batch.tokens.shape[1] + 1
-        logits = flat.new_zeros(len(reqs), T1, flat.shape[-1])
-        for b in range(len(reqs)):
-            s, e = ctx.cu_host[b], ctx.cu_host[b + 1]
-            logits[b, : e - s] = flat[s:e]
+        logits = flat.new_zeros(B, T + 1, flat.shape[-1])
+        logits[valid.to(flat.device)] = flat
         return VerifyResult(logits=logits, ctx=ctx, hidden=hidden, forest=forest)
 
     @torch.inference_mode()
@@ -218,7 +215,7 @@ class ModelRunner:
             in_hidden = torch.where((par >= 0)[..., None],
                                     out_hidden.gather(1, par_ids[..., None].expand(-1, -1, H)),
                                     h_root[:, None, :])
-            forest = PackedForest.from_trees([DraftTree(p, max_depth=depth) for p in par.tolist()], device=dev)
+            forest = PackedForest.from_padded(par, torch.full((B,), par.shape[1], device=dev), fr.depth)
             ctx = ForwardContext.build("verify", None, [r.num_computed for r in reqs], [0] * B,
                                        [r.block_table for r in reqs], self.mtp_cache, None, forest=forest,
                                        factors=_empty_factors(forest.num_nodes, dev), device=dev)

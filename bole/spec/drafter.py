@@ -89,6 +89,12 @@ class DraftBatch:
     source_index: torch.Tensor
     num_nodes: torch.Tensor
 
+    def trimmed(self) -> "DraftBatch":
+        """The same batch padded only to its widest tree (one host sync): kernels tile by the width."""
+        T = int(self.num_nodes.max()) if self.num_nodes.numel() else 0
+        return DraftBatch(*(t[:, :T] for t in (self.tokens, self.parents, self.depth, self.rho,
+                                               self.source_index)), num_nodes=self.num_nodes)
+
 
 def tree_size(vocab_size: int, depth: int, topk: int, beam: int) -> int:
     """T_max of ``expand_tree`` for these settings (a Python int: buffers can be sized up front)."""

@@ -170,6 +170,49 @@ class PackedForest:
             max_depth=depth_cap,
         )
 
+    @staticmethod
+    def from_padded(parents: torch.Tensor, num_nodes: torch.Tensor, max_depth: int) -> "PackedForest":
+        """The forest of padded per-request parent lists, built with tensor ops on their device.
+
+        The engine's fast path (``from_trees`` walks Python lists): parents int [B, T], local parent
+        of each node (-1 = root), entries past ``num_nodes[b]`` ignored; max_depth: a bound on every
+        tree's depth (it sizes ``anc`` and is what the kernels take as the series length). One host
+        sync (the total node count). Raises ``ValueError`` if a parent does not precede its child
+        or a depth exceeds max_depth.
+        """
+        B, T = parents.shape
+        dev = parents.device
+        D = int(max_depth)
+        idx = torch.arange(T, device=dev)
+        valid = idx[None] < num_nodes.to(dev).long()[:, None]
+        par = torch.where(valid, parents.long(), -1)
+        if bool(((par >= idx[None]) | (par < -1)).any()):
+            raise ValueError("from_padded: a parent does not precede its child")
+        # chain[k] = k-th ancestor of each node (0: itself), -1 past the root
+        chain = [torch.where(valid, idx[None].expand(B, T), -1)]
+        for _ in range(D):
+            prev = chain[-1]
+            chain.append(torch.where(prev >= 0, par.gather(1, prev.clamp(min=0)), -1))
+        if bool((chain[D] >= 0).any()):
+            raise ValueError(f"from_padded: a tree is deeper than max_depth={D}")
+        chains = torch.stack(chain[:D], -1)                                  # [B, T, D]
+        depth = (chains >= 0).sum(-1)                                        # [B, T]
+        lvl = torch.arange(D, device=dev)
+        back = (depth[..., None] - 1 - lvl).clamp(min=0)                     # anc[l] = chain[depth-1-l]
+        anc = torch.where(lvl < depth[..., None], chains.gather(2, back), -1)
+        W = (T + 63) // 64
+        member = torch.zeros(B, T, W * 64, dtype=torch.int64, device=dev)
+        member.scatter_add_(2, anc.clamp(min=0), (anc >= 0).long())  # -1 entries add 0
+        weights = torch.ones(64, dtype=torch.int64, device=dev) << torch.arange(64, device=dev)
+        bits = (member.view(B, T, W, 64) * weights).sum(-1)                  # distinct powers: an OR
+        counts = valid.sum(1)
+        cu = torch.zeros(B + 1, dtype=torch.int32, device=dev)
+        cu[1:] = counts.cumsum(0)
+        rid = torch.arange(B, device=dev)[:, None].expand(B, T)
+        i32 = lambda t: t[valid].to(torch.int32)
+        return PackedForest(cu_seqlens=cu, parents=i32(par), depth=i32(depth), anc=anc[valid].to(torch.int32),
+                            anc_bits=bits[valid], request_ids=i32(rid), max_nodes=T, max_depth=D)
+
     @property
     def num_requests(self) -> int:
         return self.cu_seqlens.numel() - 1

@@ -73,3 +73,25 @@ def test_random_tree_respects_limits():
         t = random_tree(n, 8, g)
         assert t.num_nodes == n and t.depth <= 8
     assert random_tree(64, 8, torch.Generator().manual_seed(3)).depth >= 4
+
+
+def test_from_padded_equals_from_trees():
+    g = torch.Generator().manual_seed(7)
+    for sizes, D in (((1, 7, 13, 70), 6), ((5,), 3), ((64, 2, 128), 8)):
+        trees = [random_tree(n, D, g) for n in sizes]
+        T = max(sizes)
+        par = torch.full((len(trees), T), -5, dtype=torch.long)  # garbage past each tree
+        for b, t in enumerate(trees):
+            par[b, : t.num_nodes] = torch.tensor(t.parents)
+        a = PackedForest.from_padded(par, torch.tensor(sizes), D)
+        ref = PackedForest.from_trees(trees, max_depth=D)
+        for f in ("cu_seqlens", "parents", "depth", "anc", "anc_bits", "request_ids"):
+            assert torch.equal(getattr(a, f), getattr(ref, f)), f
+        assert a.max_depth == D and a.max_nodes == T
+
+
+def test_from_padded_rejects_bad_trees():
+    with pytest.raises(ValueError, match="precede"):
+        PackedForest.from_padded(torch.tensor([[-1, 1]]), torch.tensor([2]), 4)
+    with pytest.raises(ValueError, match="deeper than max_depth=2"):
+        PackedForest.from_padded(torch.tensor([[-1, 0, 1]]), torch.tensor([3]), 2)
