@@ -229,7 +229,7 @@ def measure(model, plan: SweepPlan, device, dtype: torch.dtype, progress: bool =
     device = torch.device(device)
     max_b, max_n, bs = max(plan.batch_points), max(plan.capture_set), 16
     per_req = blocks_needed(max(plan.kv_points) + max_n + 3, bs)
-    runner = ModelRunner(model, max_b * per_req, bs, max_b, max_n + 1, max_n + max_b, dtype, device)
+    runner = ModelRunner(model, max_b * per_req, bs, max_b, max_n + max_b, dtype, device)
     gen = torch.Generator().manual_seed(plan.seed)
     with torch.no_grad():
         runner.kv_cache.kv.normal_(0.0, 1.0)

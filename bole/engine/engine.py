@@ -77,7 +77,7 @@ class LLMEngine:
         self.calibration = calibration or resolve_calibration(config.calibration_table, model.config,
                                                               config.device, config.dtype)
         self.runner = ModelRunner(model, config.cache.num_blocks, config.cache.block_size,
-                                  config.max_num_seqs + 1, self.lookahead, config.max_num_seqs * self.lookahead,
+                                  config.max_num_seqs + 1, config.max_num_seqs * self.lookahead,
                                   config.torch_dtype, config.device,
                                   snapshot_verify=self.mode == "serial_tree")
         cc = config.cache

@@ -48,7 +48,7 @@ def _empty_factors(num_nodes: int, device) -> TreeFactors:
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, num_state_slots: int, max_tree_nodes: int,
+    def __init__(self, model, num_blocks: int, block_size: int, num_state_slots: int,
                  max_batch_nodes: int, kv_dtype: torch.dtype, device, snapshot_verify: bool = False):
         cfg = getattr(model, "local_config", model.config)  # this TP rank's head counts (bole.parallel)
         self.model, self.cfg, self.device = model, cfg, torch.device(device)
@@ -64,7 +64,6 @@ class ModelRunner:
         # one factor buffer for every GDN layer and every node of a step's forest
         self.factors = TreeFactors.allocate(cfg, max_batch_nodes, dtype=kv_dtype, device=device,
                                             snapshots=snapshot_verify)
-        self.max_tree_nodes = max_tree_nodes
 
     @property
     def allocator(self):
