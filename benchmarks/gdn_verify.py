@@ -6,6 +6,8 @@ Columns per (model, batch, tree size), all measured in the same process on the s
     torch_closed_us  bole.ops.gdn.gdn_tree_verify (naive torch closed form, Python loop per request);
                      null above --torch-max-batch
     bole_us          kernels.gdn_tree_verify, best of its ``configs`` (named in bole_config)
+    bole_by_method   per ``method`` (neumann / inverse / two_pass): its fastest validated config, its
+                     time (re-timed like bole_us) and errors; the table prints one column per method
     floor_us         bytes that must move / measured device-to-device copy bandwidth
     snapshot_bytes   per request and layer, SGLang-style per-node states: T·HV·V·K·4
     factor_bytes     per request and layer, what our commit needs: T·(HV·V·4 + HK·K·2 + HV·4)
@@ -17,6 +19,11 @@ Trees: EAGLE-like, depth ≤ 8, a different random tree per request, node 0 the 
     python benchmarks/gdn_verify.py                # full sweep on a GPU (~4 min on an H200)
     python benchmarks/gdn_verify.py --quick        # bar rows and a few more
     python benchmarks/gdn_verify.py --smoke        # CPU, TRITON_INTERPRET=1, tiny shapes
+    python benchmarks/gdn_verify.py --models qwen3.5-9b --trees 64 --batches 1 16   # the bar rows only
+
+A candidate is validated before it is timed: finite O within REL_TOL of the reference O (SGLang's, else
+the torch closed form) and finite U within REL_TOL of the torch closed form's U (computed untimed above
+--torch-max-batch).
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ def parse_args():
     ap.add_argument("--quick", action="store_true", help="qwen3.5-9b, T in {16,64,128}, batch in {1,16}")
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes")
     ap.add_argument("--models", nargs="*", default=None, choices=[m for m in SHAPES if m != "tiny"])
+    ap.add_argument("--trees", type=int, nargs="*", default=None, help="only these tree sizes")
+    ap.add_argument("--batches", type=int, nargs="*", default=None, help="only these batch sizes")
     ap.add_argument("--torch-max-batch", type=int, default=8, help="skip torch_closed_us above this batch")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new rows after this")
     ap.add_argument("--sweep", choices=("auto", "full"), default="auto",
@@ -168,7 +177,7 @@ def run_row(model, batch, T, device, args, bole, notes) -> dict:
                floor_us=None, snapshot_bytes=T * s["HV"] * s["V"] * s["K"] * 4,
                factor_bytes=T * (s["HV"] * s["V"] * 4 + s["HK"] * s["K"] * 2 + s["HV"] * 4),
                rel_err=None, rel_err_ref=None, rel_err_u=None, rel_err_logp=None, bole_candidates=0,
-               bole_nonfinite=None, closed_nonfinite=None, bole_rejected=[])
+               bole_nonfinite=None, closed_nonfinite=None, bole_rejected=[], bole_by_method=None)
     row["floor_us"] = floor_bytes(x) / args.bandwidth_bps * 1e6
     ref = closed_out = None
     if sglang_available():
@@ -176,11 +185,13 @@ def run_row(model, batch, T, device, args, bole, notes) -> dict:
         ref = peer()
         row["sglang_tree_us"] = bench_us(peer, args.smoke)
         del peer
-    if batch <= args.torch_max_batch:
+    if batch <= args.torch_max_batch or bole is not None:
+        # the torch closed form: timed up to --torch-max-batch, always the reference for U and logP
         closed = lambda: gdn_ops.gdn_tree_verify(*common, use_qk_l2norm=True)
         closed_out = closed()
         o_closed = closed_out[0]
-        row["torch_closed_us"] = bench_us(closed, args.smoke, graph=False)  # host syncs inside
+        if batch <= args.torch_max_batch:
+            row["torch_closed_us"] = bench_us(closed, args.smoke, graph=False)  # host syncs inside
         if ref is None:
             ref, row["rel_err_ref"] = o_closed, "torch_closed"
     if ref is not None and row["rel_err_ref"] is None:
@@ -193,7 +204,10 @@ def run_row(model, batch, T, device, args, bole, notes) -> dict:
         key = (model, T)
         cands = bole.candidates(s, T, batch, args.sweep, key)
         timed = []
-        for kw in cands[: 2 if args.smoke else None]:
+        if args.smoke:  # the interpreter is slow: the first two candidates of each method
+            cands = [kw for i, kw in enumerate(cands)
+                     if sum(bole.method_of(c) == bole.method_of(kw) for c in cands[:i]) < 2]
+        for kw in cands:
             if timed and time.time() > args.deadline:
                 notes.append(f"{model} b={batch} T={T}: time budget spent, sweep cut at {len(timed)}")
                 break
@@ -203,33 +217,45 @@ def run_row(model, batch, T, device, args, bole, notes) -> dict:
                     t.fill_(float("nan"))
                 o_c, u_c, _ = call()
                 # A candidate must be right before it may be fast: finite outputs within the bf16-input
-                # tolerance of the reference (SGLang's O, else the torch closed form).
+                # tolerance of the reference (SGLang's O, else the torch closed form), U likewise against
+                # the torch closed form (the commit consumes U).
                 err = rel_err(o_c, ref) if ref is not None else (0.0 if bool(o_c.isfinite().all()) else None)
-                if err is None or err > REL_TOL or not bool(u_c.isfinite().all()):
-                    row["bole_rejected"].append(f"{bole.label(kw)}: rel_err={err}")
+                err_u = (rel_err(u_c, closed_out[1]) if closed_out is not None
+                         else (0.0 if bool(u_c.isfinite().all()) else None))
+                if err is None or err > REL_TOL or err_u is None or err_u > REL_TOL:
+                    row["bole_rejected"].append(f"{bole.label(kw)}: rel_err={err} rel_err_u={err_u}")
                     continue
                 us = bench_us(call, args.smoke, warmup_ms=1, rep_ms=4)  # quick sweep, re-timed below
             except Exception as e:  # a config invalid for this shape: skip it, keep the note
                 notes.append(f"{model} b={batch} T={T} {bole.label(kw)}: {type(e).__name__}: {e}")
                 continue
-            timed.append((us, bole.label(kw), call))
+            timed.append((us, bole.label(kw), call, bole.method_of(kw) or "default"))
         timed.sort(key=lambda t: t[0])
         if key not in bole.ranked:
-            bole.ranked[key] = [lab for _, lab, _ in timed]
+            bole.ranked[key] = [lab for _, lab, _, _ in timed]
         row["bole_candidates"] = len(timed)
-        if timed:
-            _, label, call = timed[0]
+        best = {}  # method -> its fastest candidate in the quick sweep
+        for _, label, call, method in timed:
+            best.setdefault(method, (label, call))
+        by_method = {}
+        for method, (label, call) in best.items():
             for t in outs.values():
                 t.fill_(float("nan"))  # an element the kernel fails to write shows up in rel_err
             o, u, logp = call()
-            row["bole_nonfinite"] = [int((~t.isfinite()).sum()) for t in (o, u, logp)]
-            row["bole_us"] = bench_us(call, args.smoke)
-            row["bole_config"] = label
-            if ref is not None:
-                row["rel_err"] = rel_err(o, ref)
+            e = dict(us=None, config=label, rel_err=rel_err(o, ref) if ref is not None else None,
+                     rel_err_u=None, rel_err_logp=None,
+                     nonfinite=[int((~t.isfinite()).sum()) for t in (o, u, logp)])
             if closed_out is not None:
-                row["rel_err_u"] = rel_err(u, closed_out[1])
-                row["rel_err_logp"] = rel_err(logp, closed_out[2])
+                e["rel_err_u"] = rel_err(u, closed_out[1])
+                e["rel_err_logp"] = rel_err(logp, closed_out[2])
+            e["us"] = bench_us(call, args.smoke)
+            by_method[method] = e
+        row["bole_by_method"] = by_method
+        if by_method:
+            e = min(by_method.values(), key=lambda e: e["us"])
+            row.update(bole_us=e["us"], bole_config=e["config"], rel_err=e["rel_err"], rel_err_u=e["rel_err_u"],
+                       rel_err_logp=e["rel_err_logp"], bole_nonfinite=e["nonfinite"])
+            if closed_out is not None:
                 row["closed_nonfinite"] = [int((~t.isfinite()).sum()) for t in closed_out]
     del x, ref
     if device == "cuda":
@@ -245,6 +271,8 @@ def grid(args):
         rows = [(m, b, T) for m in models[:1] for T in (16, 64, 128) for b in (1, 16)]
     else:
         rows = [(m, b, T) for m in models for T in TREE_SIZES for b in BATCHES]
+    trees, batches = getattr(args, "trees", None), getattr(args, "batches", None)
+    rows = [(m, b, T) for m, b, T in rows if (not trees or T in trees) and (not batches or b in batches)]
     first = [r for r in BAR_ROWS if r in rows]  # bar rows first, in case the budget runs out
     return first + [r for r in rows if r not in first]
 
@@ -254,17 +282,27 @@ def fmt(x, spec=".1f"):
 
 
 def print_table(rows):
+    methods = list(dict.fromkeys(m for r in rows for m in r.get("bole_by_method") or {}))
     head = (f"{'model':<12} {'B':>3} {'T':>4} {'d':>2} {'sglang':>10} {'torch':>10} {'bole':>9} "
-            f"{'floor':>8} {'xSGL':>6} {'/floor':>6} {'snap/fac':>8} {'rel_err':>8}  config")
+            + "".join(f"{m[:9]:>10}" for m in methods)
+            + f" {'floor':>8} {'xSGL':>6} {'/floor':>6} {'snap/fac':>8} {'rel_err':>8}  config")
     print(head)
     for r in rows:
         sp = r["sglang_tree_us"] / r["bole_us"] if r["sglang_tree_us"] and r["bole_us"] else None
         fl = r["bole_us"] / r["floor_us"] if r["bole_us"] and r["floor_us"] else None
+        per = r.get("bole_by_method") or {}
         print(f"{r['model']:<12} {r['batch']:>3} {r['tree_nodes']:>4} {r['depth']:>2} "
               f"{fmt(r['sglang_tree_us']):>10} {fmt(r['torch_closed_us']):>10} {fmt(r['bole_us']):>9} "
-              f"{fmt(r['floor_us']):>8} {fmt(sp):>6} {fmt(fl, '.2f'):>6} "
+              + "".join(f"{fmt(per[m]['us'] if m in per else None):>10}" for m in methods)
+              + f" {fmt(r['floor_us']):>8} {fmt(sp):>6} {fmt(fl, '.2f'):>6} "
               f"{r['snapshot_bytes'] / r['factor_bytes']:>8.1f} {fmt(r['rel_err'], '.1e'):>8}  "
               f"{r['bole_config'] or '-'}")
+    if methods:
+        print("fastest validated config per method:")
+        for r in rows:
+            for m, e in (r.get("bole_by_method") or {}).items():
+                print(f"  {r['model']} B={r['batch']} T={r['tree_nodes']} {m}: {fmt(e['us'])} us "
+                      f"rel_err={fmt(e['rel_err'], '.1e')} rel_err_u={fmt(e['rel_err_u'], '.1e')}  {e['config']}")
 
 
 def plot(rows, path):
@@ -332,15 +370,22 @@ def main(args):
     args.deadline = t0 + args.budget_s
     rows = grid(args)
     if bole is not None and not args.smoke and args.compile_workers > 0:
-        tasks, seen = [], set()
+        tasks, seen, firsts = [], set(), set()
         for model, batch, T in rows:
             if sglang_available():
                 tasks.append(("sglang", model, batch, T, None))
-            for kw in bole.first_row(SHAPES[model], T, batch, args.sweep):
+            # what run_row will time: the first row of a (model, T) sweeps, later rows add their defaults
+            if args.sweep == "full" or (model, T) not in firsts:
+                firsts.add((model, T))
+                kws = bole.first_row(SHAPES[model], T, batch, args.sweep)
+            else:
+                kws = bole.row_defaults(SHAPES[model], T, batch)
+            for kw in kws:
                 if (model, T, bole.label(kw)) not in seen:
                     seen.add((model, T, bole.label(kw)))
                     tasks.append(("bole", model, 1, T, kw))
-        dt = precompile(tasks, args.compile_workers, bole, notes, timeout_s=0.7 * args.budget_s)
+        dt = precompile(tasks, args.compile_workers, bole, notes, timeout_s=0.7 * args.budget_s,
+                        first_trees={T for _, _, T in BAR_ROWS})
         print(f"precompiled {len(tasks)} kernel variants in {dt:.0f}s on {args.compile_workers} workers")
         report["precompile_s"] = round(dt, 1)
     for model, batch, T in rows:
@@ -351,8 +396,9 @@ def main(args):
         report["rows"].append(row)
         report["rows"].sort(key=lambda r: (r["model"], r["tree_nodes"], r["batch"]))
         out.write_text(json.dumps(report, indent=1))  # after every row: a timeout keeps what ran
+        per = " ".join(f"{m}={fmt(e['us'])}" for m, e in (row.get("bole_by_method") or {}).items())
         print(f"[{time.time() - t0:6.1f}s] {model} batch={batch} T={T}: sglang={fmt(row['sglang_tree_us'])} "
-              f"torch={fmt(row['torch_closed_us'])} bole={fmt(row['bole_us'])} us "
+              f"torch={fmt(row['torch_closed_us'])} bole={fmt(row['bole_us'])} us [{per}] "
               f"({row['bole_candidates']} tried; {row['bole_config']})", flush=True)
     if report["skipped_rows"]:
         notes.append(f"time budget {args.budget_s:.0f}s spent: {len(report['skipped_rows'])} rows skipped")

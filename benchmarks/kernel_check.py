@@ -6,7 +6,9 @@ q/k/v, fp32 pool) with NaN-poisoned outputs and is compared with the torch close
 one object per variant and prints the failures: a configuration that is fast but wrong must never be
 a default or a benchmark's pick.
 
-    python benchmarks/kernel_check.py --out results.json [--trees 16 32 64]
+    python benchmarks/kernel_check.py --out results.json [--trees 16 32 64] [--methods two_pass]
+
+Block_k defaults to each method's own default for the tree tile (``_defaults(BT, method)``).
 """
 
 from __future__ import annotations
@@ -53,22 +55,25 @@ def main():
     ap.add_argument("--trees", type=int, nargs="*", default=[16, 32, 64])
     ap.add_argument("--workers", type=int, default=14)
     ap.add_argument("--stages", type=int, nargs="*", default=[2])
-    ap.add_argument("--block-k", type=int, nargs="*", default=None, help="default: the kernel's per-BT default")
+    ap.add_argument("--block-k", type=int, nargs="*", default=None,
+                    help="default: the kernel's per-BT default of each method")
+    ap.add_argument("--methods", nargs="*", default=None, help="default: every method of the kernel")
+    ap.add_argument("--precisions", nargs="*", default=["ieee", "tf32"])
     a = ap.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
     import triton
 
-    from kernels.gdn_tree_verify import _defaults
+    from kernels.gdn_tree_verify import _METHODS, _defaults
 
     tasks = []
     for T in a.trees:
         BT = max(16, triton.next_power_of_2(T))
-        for bk in a.block_k or [_defaults(BT)[0]]:
-            for st in a.stages:
-                for bv in (16, 32, 64, 128):
-                    for w in (4, 8):
-                        for method in ("neumann", "inverse"):
-                            for prec in ("ieee", "tf32"):
+        for method in a.methods or _METHODS:
+            for bk in a.block_k or [_defaults(BT, method)[0]]:
+                for st in a.stages:
+                    for bv in (16, 32, 64, 128):
+                        for w in (4, 8):
+                            for prec in a.precisions:
                                 tasks.append((T, dict(block_k=bk, block_v=bv, num_warps=w, num_stages=st),
                                               method, prec))
     t0 = time.time()

@@ -5,10 +5,13 @@ list; an entry is a dict of keyword arguments or a config object passed as ``con
 candidate is a fresh Triton compile per (model, T) (HV and the tree tile BT are constexprs, the batch
 is not), and big-tile compiles take tens of seconds, so ``--sweep auto`` keeps the sweep small:
 
-    first row of a (model, T): the kernel's ``default_config`` for that row and its neighbours (block_v
-        halved / doubled, the other num_warps), × every ``method``; the default also with tf32 dots.
-    later rows of that (model, T): the 4 fastest of the first row, plus the row's own default.
+    first row of a (model, T), per ``method``: the kernel's ``default_config`` for that row and method
+        (``default_config(..., method=m)`` when it takes one) and its neighbours (block_v halved /
+        doubled, the other num_warps); all of them also with tf32 dots, the default also with tf32x3.
+    later rows of that (model, T): per method the 2 fastest of the first row, plus the row's own
+        default per method (without methods: the 4 fastest overall plus the default).
 ``--sweep full`` tries every candidate × method × precision on every row.
+``row_defaults`` lists a later row's own defaults, so that ``precompile`` compiles only what is timed.
 
 ``precompile`` runs one launch of each candidate (and of SGLang's kernel per distinct total-token
 count, its NP2_T constexpr) in a pool of worker processes, which fills Triton's on-disk cache; the
@@ -56,45 +59,74 @@ class BoleKernel:
             return list(mod.configs_for(K, V, BT))
         return list(getattr(mod, "configs", None) or getattr(mod, "CONFIGS", None) or [])
 
-    def first_row(self, s: dict, T: int, batch: int, mode: str) -> list[dict]:
-        """Candidates for the first row of a (model, T) (every row with ``mode == 'full'``)."""
+    def methods(self) -> list:
+        """The kernel's methods (``_METHODS``) when it takes ``method=``, else [None]."""
+        ms = list(getattr(self.module, "_METHODS", None) or []) if self._accepts("method") else []
+        return ms or [None]
+
+    def _default(self, K, V, BT, heads_x_requests, method):
+        mod = self.module
+        if mod is None or not hasattr(mod, "default_config"):
+            return None
+        if method is not None and "method" in inspect.signature(mod.default_config).parameters:
+            return mod.default_config(K, V, BT, heads_x_requests, method=method)
+        return mod.default_config(K, V, BT, heads_x_requests)
+
+    def _per_method(self, s: dict, T: int, batch: int, mode: str) -> list[tuple]:
+        """[(method, [kwargs, default first])] before the precision variants."""
         K, V = s["K"], s["V"]
         BT = max(16, triton.next_power_of_2(T))
-        base = self._base(K, V, BT)
-        default = None
-        if self.module is not None and hasattr(self.module, "default_config"):
-            default = self.module.default_config(K, V, BT, batch * s["HV"])
-        if default is not None and mode == "auto" and _fields(default):
-            d = _fields(default)
+        out = []
+        for m in self.methods():
+            base = self._base(K, V, BT)
+            default = self._default(K, V, BT, batch * s["HV"], m)
+            if default is not None and mode == "auto" and _fields(default):
+                d = _fields(default)
 
-            def near(c):
-                diff = {n for n, x in _fields(c).items() if d.get(n) != x}
-                return (diff == {"num_warps"} or diff == {"block_v"}
-                        and c.block_v in (default.block_v // 2, default.block_v * 2))
+                def near(c, d=d, default=default):
+                    diff = {n for n, x in _fields(c).items() if d.get(n) != x}
+                    return (diff == {"num_warps"} or diff == {"block_v"}
+                            and c.block_v in (default.block_v // 2, default.block_v * 2))
 
-            base = [c for c in base if not isinstance(c, dict) and near(c)]
-        if default is not None:
-            base = [default] + [c for c in base if c != default]
-        kws = [dict(c) if isinstance(c, dict) else {"config": c} for c in base] or [{}]
-        methods = list(getattr(self.module, "_METHODS", None) or []) if self._accepts("method") else []
-        if methods:
-            kws = [dict(kw, method=m) for kw in kws for m in methods]
+                base = [c for c in base if not isinstance(c, dict) and near(c)]
+            if default is not None:
+                base = [default] + [c for c in base if c != default]
+            kws = [dict(c) if isinstance(c, dict) else {"config": c} for c in base] or [{}]
+            out.append((m, [kws_ if m is None else dict(kws_, method=m) for kws_ in kws]))
+        return out
+
+    def first_row(self, s: dict, T: int, batch: int, mode: str) -> list[dict]:
+        """Candidates for the first row of a (model, T) (every row with ``mode == 'full'``)."""
+        per = self._per_method(s, T, batch, mode)
+        kws = [kw for _, mk in per for kw in mk]
         if self._accepts("input_precision"):
-            # tf32 for every candidate; tf32x3 (about fp32-exact on tensor cores) for the default
-            n = max(1, len(methods))
+            # tf32 for every candidate; tf32x3 (about fp32-exact on tensor cores) for each default
             kws += ([dict(kw, input_precision="tf32") for kw in kws]
-                    + [dict(kw, input_precision="tf32x3") for kw in kws[:n]])
+                    + [dict(mk[0], input_precision="tf32x3") for _, mk in per])
         return kws
 
+    def row_defaults(self, s: dict, T: int, batch: int) -> list[dict]:
+        """A later row's own defaults, one per method."""
+        return [mk[0] for _, mk in self._per_method(s, T, batch, "auto")]
+
+    @staticmethod
+    def method_of(kw: dict):
+        return kw.get("method")
+
     def candidates(self, s: dict, T: int, batch: int, mode: str, key) -> list[dict]:
-        kws = self.first_row(s, T, batch, mode)
         ranked = self.ranked.get(key)
         if mode == "auto" and ranked:
-            own_default = kws[: max(1, len(getattr(self.module, "_METHODS", None) or []))]
             known = {self.label(kw): kw for kw in self._known.get(key, [])}
-            keep = [known[lab] for lab in ranked[:4] if lab in known]
-            kws = keep + [kw for kw in own_default if self.label(kw) not in ranked[:4]]
+            ms = self.methods()
+            per_method = 4 if ms == [None] else 2
+            keep = []
+            for m in ms:
+                keep += [known[lab] for lab in ranked if lab in known
+                         and self.method_of(known[lab]) == m][:per_method]
+            labels = {self.label(kw) for kw in keep}
+            kws = keep + [kw for kw in self.row_defaults(s, T, batch) if self.label(kw) not in labels]
         else:
+            kws = self.first_row(s, T, batch, mode)
             self._known.setdefault(key, []).extend(kws)
         return [kw for kw in kws if (*key, self.label(kw)) not in self.failed]
 
@@ -121,15 +153,17 @@ def _compile_task(kind, model, batch, T, kw):
         return f"{type(e).__name__}: {str(e)[:300]}"
 
 
-def precompile(tasks, workers: int, bole: BoleKernel | None, notes: list, timeout_s: float) -> float:
+def precompile(tasks, workers: int, bole: BoleKernel | None, notes: list, timeout_s: float,
+               first_trees=()) -> float:
     """tasks: (kind, model, batch, T, kwargs). Returns the seconds spent.
 
-    Largest trees first (their compiles are the slow ones). After ``timeout_s`` the tasks not yet
-    started are dropped (the main process compiles those on demand); running ones finish.
+    Trees in ``first_trees`` (the bar rows') first, then largest trees first (their compiles are the
+    slow ones). After ``timeout_s`` the tasks not yet started are dropped (the main process compiles
+    those on demand); running ones finish.
     """
     t0 = time.time()
     ctx = multiprocessing.get_context("spawn")
-    tasks = sorted(tasks, key=lambda t: -t[3])
+    tasks = sorted(tasks, key=lambda t: (t[3] not in first_trees, -t[3]))
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         futures = {pool.submit(_compile_task, *t): t for t in tasks}
         try:

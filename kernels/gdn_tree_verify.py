@@ -12,6 +12,8 @@ the tree, Q/K and the gates is built on chip from the packed forest:
 ``method="neumann"`` evaluates U by Horner's rule (U ← R − G U, d−1 times; d = the request's depth).
 ``method="inverse"`` forms W = (I+G)⁻¹ = Π_k (I + (−G)^{2^k}) in ⌈log₂ d⌉ squarings and C W once per
 program, then U = W R and O = D_P Q S_pre + (C W) R: fewer T×T×BV products when BV is large.
+``method="two_pass"`` (kernels/gdn_tree_verify_2pass.py) forms W and C W once per (request, head) in a
+first kernel and applies them per value tile in a second: no T×T work is repeated per tile.
 
 With ``block_v == V`` there is one program per (request, head), so G and C are formed once per head,
 as the design asks; with BV < V they are recomputed per tile (Q Kᵀ and K Kᵀ on tensor cores for
@@ -34,14 +36,15 @@ import triton
 import triton.language as tl
 
 from bole.ops.gdn import check_gdn_inputs
-from bole.spec.tree import PackedForest
+from bole.spec.tree import MAX_TREE_NODES, PackedForest
+from kernels.gdn_tree_verify_2pass import launch_two_pass, workspace_numel
 
-MAX_NODES = 128
+MAX_NODES = MAX_TREE_NODES
 L2NORM_EPS = 1e-6
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _PRECISIONS = ("ieee", "tf32", "tf32x3")
-_METHODS = ("neumann", "inverse")
+_METHODS = ("neumann", "inverse", "two_pass")
 
 
 @triton.jit
@@ -207,11 +210,17 @@ CONFIGS = [VerifyConfig(bk, bv, w, s) for bk in (32, 64, 128) for bv in (16, 32,
 # spills ~300 B, BV=64 ~600 B, BV=128 ~1.9 KB (the fp32 FMA dots hold whole K strips of their
 # operands in registers). BK=32 spills least. BT=32 with BV=64 and 8 warps spills 16 B.
 _DEFAULTS = {16: (64, 64, 4), 32: (64, 64, 8), 64: (32, 64, 8), 128: (32, 32, 8)}
+# method="two_pass", pass 2 (pass 1 is fixed by `factor_launch_params`): a program holds Q S_pre, K S_pre
+# [BT, BV] fp32, a K chunk of q/k and S (plus S's 3 bf16 parts), then W', M' [BT, BT] fp32 and X, U, O.
+# ptxas -v on sm_90a at BT=64, BK=64, 8 warps (bf16 q/k, fp32 pool): ieee (split S) spills 0 / 56 / 680 /
+# 3400 B at BV = 16 / 32 / 64 / 128; tf32 0 / 0 / 0 / 176 B; tf32x3 0 / 0 / 60 / 460 B. 4 warps spill
+# from BV=16 (ieee 36 B, BV=64 3.7 KB). BK=32 spills about the same.
+_DEFAULTS_TWO_PASS = {16: (64, 64, 4), 32: (64, 64, 4), 64: (64, 64, 8), 128: (32, 32, 8)}
 _SMEM_BUDGET = 160 * 1024  # bytes of pipelined K-chunk operands per program (H200: 228 KB/SM)
 
 
-def _defaults(BT: int) -> tuple[int, int, int]:
-    return _DEFAULTS[BT]
+def _defaults(BT: int, method: str = "neumann") -> tuple[int, int, int]:
+    return (_DEFAULTS_TWO_PASS if method == "two_pass" else _DEFAULTS)[BT]
 
 
 def configs_for(K: int, V: int, BT: int) -> list[VerifyConfig]:
@@ -230,8 +239,8 @@ def configs_for(K: int, V: int, BT: int) -> list[VerifyConfig]:
 
 
 def default_config(K: int, V: int, BT: int, num_heads_x_requests: int | None = None,
-                   block_v: int | None = None) -> VerifyConfig:
-    """Pick a launch configuration (see `_DEFAULTS` for the register reasoning).
+                   block_v: int | None = None, method: str = "neumann") -> VerifyConfig:
+    """Pick a launch configuration (see `_DEFAULTS` / `_DEFAULTS_TWO_PASS` for the register reasoning).
 
     block_v: explicit value tile. By default the table's widest tile (64 at BT=64: G and C are then
     formed once per two value tiles at Qwen3.5 shapes), halved down to 16 while the grid would have
@@ -240,7 +249,7 @@ def default_config(K: int, V: int, BT: int, num_heads_x_requests: int | None = N
     """
     vmax = triton.next_power_of_2(V)
     kmax = max(16, triton.next_power_of_2(K))
-    bk, bv_max, num_warps = _defaults(BT)
+    bk, bv_max, num_warps = _defaults(BT, method)
     if block_v is None:
         block_v = max(16, min(vmax, bv_max))
         if num_heads_x_requests is not None and torch.cuda.is_available():
@@ -257,7 +266,7 @@ def _interpreting() -> bool:
 
 def launch_gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state_indices, scale,
                            use_qk_l2norm, num_rounds, o, u, logp, config: VerifyConfig,
-                           input_precision: str, method: str):
+                           input_precision: str, method: str, workspace=None):
     """Launcher: contiguous [N, H, D] views, grid (B, HV, V / BV). Outputs are preallocated."""
     _, N, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -276,6 +285,12 @@ def launch_gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state
     n_squarings, terms = 0, 2
     while terms < n_rounds:
         terms, n_squarings = terms * 2, n_squarings + 1
+    if method == "two_pass":
+        return launch_two_pass(q, k, v, g, beta, forest, initial_state, state_indices, scale, use_qk_l2norm,
+                               o, u, logp, BT=BT, block_k=BK, block_v=BV, num_warps=config.num_warps,
+                               num_stages=config.num_stages, input_precision=input_precision,
+                               n_squarings=n_squarings, lowp_qk=lowp_qk, lowp_s=lowp_s, split_s=split_s,
+                               workspace=workspace)
     gdn_tree_verify_kernel[grid](
         q[0].contiguous(), k[0].contiguous(), v[0].contiguous(), g[0].contiguous(), beta[0].contiguous(),
         initial_state if has_h0 else q, state_indices if state_indices is not None else forest.cu_seqlens,
@@ -304,7 +319,8 @@ def _check_out(name, t, shape, dtype, device):
 def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state_indices=None,
                     scale=None, use_qk_l2norm=False, num_rounds=None, u_out=None, logp_out=None,
                     o_out=None, *, block_v: int | None = None, config: VerifyConfig | None = None,
-                    input_precision: str = "ieee", method: str = "neumann"):
+                    input_precision: str = "ieee", method: str = "neumann",
+                    workspace: torch.Tensor | None = None):
     """Closed-form parallel GDN tree verification (Theorem 1, eq. 2); twin: `bole.ops.gdn.gdn_tree_verify`.
 
     Args:
@@ -320,7 +336,11 @@ def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state
         block_v: value tile BV (power of two); default: see `default_config`.
         config: a `VerifyConfig` (overrides the default; `block_v` still overrides its tile).
         input_precision: fp32 tl.dot precision, "ieee" (exact, default), "tf32" or "tf32x3" (GPU only).
-        method: "neumann" (Horner on the finite series) or "inverse" (product-form (I+G)⁻¹).
+        method: "neumann" (Horner on the finite series), "inverse" (product-form (I+G)⁻¹ per program)
+            or "two_pass" (W' = (I+G)⁻¹ D_β and M' = C W' once per (request, head), then applied per
+            value tile; `config` is the second pass's).
+        workspace: two_pass only, optional fp32 scratch of at least `two_pass_workspace_numel(B, HV, max_nodes)`
+            elements; allocated per call if None.
     Returns:
         o [1, N, HV, V] in v's dtype, u [N, HV, V] fp32 and logp [N, HV] fp32 (the commit's factors).
     """
@@ -365,14 +385,16 @@ def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state
         raise ValueError(f"input_precision must be one of {_PRECISIONS}, got {input_precision!r}")
     if method not in _METHODS:
         raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
-    if method == "inverse" and num_rounds is not None:
+    if method != "neumann" and num_rounds is not None:
         raise ValueError("num_rounds applies to method='neumann' only")
+    if workspace is not None and method != "two_pass":
+        raise ValueError("workspace applies to method='two_pass' only")
     if num_rounds is not None and int(num_rounds) < 1:
         raise ValueError(f"num_rounds must be >= 1, got {num_rounds}")
 
     BT = max(16, triton.next_power_of_2(forest.max_nodes))
     if config is None:
-        config = default_config(K, V, BT, B * HV, block_v)
+        config = default_config(K, V, BT, B * HV, block_v, method)
     elif block_v is not None:
         config = VerifyConfig(config.block_k, block_v, config.num_warps, config.num_stages)
     if config.block_v < 16 or config.block_v & (config.block_v - 1):
@@ -385,4 +407,10 @@ def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state
     logp = _check_out("logp_out", logp_out, (N, HV), torch.float32, dev)
     scale = K ** -0.5 if scale is None else float(scale)
     return launch_gdn_tree_verify(q, k, v, g, beta, forest, initial_state, state_indices, scale,
-                                  use_qk_l2norm, num_rounds, o, u, logp, config, input_precision, method)
+                                  use_qk_l2norm, num_rounds, o, u, logp, config, input_precision, method,
+                                  workspace)
+
+
+def two_pass_workspace_numel(num_requests: int, HV: int, max_nodes: int) -> int:
+    """fp32 elements `gdn_tree_verify(..., method="two_pass", workspace=...)` needs."""
+    return workspace_numel(num_requests, HV, max(16, triton.next_power_of_2(max_nodes)))
