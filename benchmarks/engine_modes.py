@@ -6,6 +6,8 @@ runs a checkpoint folder; with ``--random-tiny`` it writes a tiny random Qwen3.5
 times are for the record only.
 
     python benchmarks/engine_modes.py --random-tiny --out benchmarks/results/engine_modes_cpu.json
+
+``run_mode`` (one mode at one batch size) is what ``benchmarks/e2e.py`` reuses for its throughput section.
 """
 
 from __future__ import annotations
@@ -25,6 +27,39 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
+MODES = ("ar", "serial_tree", "bole")
+
+
+def run_mode(path: str, mode: str, batch: int, prompts, max_tokens: int = 48, depth: int = 4, topk: int = 3,
+             beam: int = 3, **engine_opts) -> tuple[dict, list[list[int]]]:
+    """One (mode, batch) point: a fresh engine, a short warm-up (4 tokens of the same prompts; CUDA
+    graphs captured beforehand), then ``prompts[:batch]`` run together,
+    greedy; returns (row: mode, batch, tokens_per_s, mat, mean_tree_nodes; the output token lists).
+
+    ``engine_opts`` go to ``bole.LLM`` (device, dtype, enable_cuda_graphs, ...); the calibration table
+    defaults to the repository's default one.
+    """
+    from bole import LLM, SamplingParams
+
+    opts = {"calibration_table": "calibration_tables/default.yaml", **engine_opts}
+    llm = LLM(path, mode=mode, depth=depth, topk=topk, beam=beam, **opts)
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    graphs = llm.engine.runner.graphs
+    if graphs is not None:  # CUDA-graph decode: capture every graph the run can need before timing it
+        longest = max(len(llm._encode(p)) for p in prompts[:batch]) + max_tokens + 1
+        graphs.capture_all(batch, longest)
+    llm.generate(prompts[:batch], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    llm.engine.metrics.__init__()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts[:batch], sp)
+    dt = time.perf_counter() - t0
+    n = sum(len(o.token_ids) for o in outs)
+    m = llm.engine.metrics.snapshot()
+    row = dict(mode=mode, batch=batch, tokens_per_s=round(n / dt, 1), mat=round(m["mat"], 3),
+               mean_tree_nodes=round(m["mean_tree_nodes"], 1))
+    return row, [o.token_ids for o in outs]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
@@ -38,7 +73,6 @@ def main():
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    from bole import LLM, SamplingParams
 
     path = a.model
     if a.random_tiny:
@@ -51,20 +85,10 @@ def main():
         ap.error("pass --model PATH or --random-tiny")
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [3] * 11, [5, 1], [2, 9, 4, 4, 6, 1, 0, 3]] * 4
     rows = []
-    for mode in ("ar", "serial_tree", "bole"):
+    for mode in MODES:
         for bs in a.batches:
-            llm = LLM(path, mode=mode, depth=a.depth, topk=a.topk, beam=a.beam,
-                      calibration_table="calibration_tables/default.yaml")
-            sp = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
-            llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
-            llm.engine.metrics.__init__()
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts[:bs], sp)
-            dt = time.perf_counter() - t0
-            n = sum(len(o.token_ids) for o in outs)
-            m = llm.engine.metrics.snapshot()
-            rows.append(dict(mode=mode, batch=bs, tokens_per_s=round(n / dt, 1), mat=round(m["mat"], 3),
-                             mean_tree_nodes=round(m["mean_tree_nodes"], 1)))
+            row, _ = run_mode(path, mode, bs, prompts, a.max_tokens, a.depth, a.topk, a.beam)
+            rows.append(row)
             print(json.dumps(rows[-1]), flush=True)
     result = dict(device=("cuda:" + torch.cuda.get_device_name()) if torch.cuda.is_available()
                   else f"cpu ({platform.processor() or platform.machine()}, {a.threads} thread)",

@@ -7,6 +7,8 @@ transposed [.., V, K]):
     prefill(q, k, v, g, beta, scale, initial_state, state_indices, cu_seqlens, use_qk_l2norm)
         -> (o [1, N, HV, V], final_state [B, HV, V, K])              (reads the pool, never writes)
     decode(...same...)                                                one token per sequence
+    decode_step(...same...)                                           one token per sequence, no host
+                                                                      sync (CUDA-graph decode path)
     tree_verify(q, k, v, g, beta, forest, initial_state, state_indices, scale, use_qk_l2norm)
         -> (o, u [N, HV, V], logp [N, HV])                            closed form, read only
     commit(state_pool, k, u, logp, accepted_nodes, state_indices, use_qk_l2norm)
@@ -29,7 +31,7 @@ from typing import Callable
 import torch
 
 from bole.ops.gdn import gdn_commit, gdn_tree_serial, gdn_tree_verify
-from bole.ops.gdn_chunk import gdn_chunk
+from bole.ops.gdn_chunk import gdn_chunk, gdn_decode
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,7 @@ class GDNBackend:
     tree_verify: Callable
     commit: Callable
     tree_serial: Callable = gdn_tree_serial   # the serial_tree baseline (per-node snapshots)
+    decode_step: Callable = gdn_decode        # graph-capturable one-token decode (bole.engine.cuda_graphs)
 
 
 _REGISTRY: dict[str, Callable[[], GDNBackend]] = {}

@@ -236,6 +236,8 @@ class SpecConfig:
                 raise ValueError(f"SpecConfig.{name} must be an int >= 1, got {v!r}")
         if self.depth > 15:
             raise ValueError(f"SpecConfig.depth={self.depth} exceeds the supported 15")
+        if self.topk > 127:  # a request always keeps its first-level drafts; a tree holds <= 128 nodes
+            raise ValueError(f"SpecConfig.topk={self.topk} exceeds 127 (MAX_TREE_NODES - 1)")
 
 
 @dataclass(frozen=True)
@@ -279,6 +281,10 @@ class EngineConfig:
     calibration_table: str = DEFAULT_CALIBRATION_TABLE
     eos_token_ids: tuple[int, ...] = ()
     tp_size: int = 1  # tensor-parallel ranks; each runs an identical engine (bole.parallel)
+    # ar-mode decode steps replay CUDA graphs captured per padded batch size (bole.engine.cuda_graphs);
+    # ignored on the CPU, and for MoE / tensor-parallel models (decode then runs eagerly)
+    enable_cuda_graphs: bool = False
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     spec: SpecConfig = SpecConfig()
     cache: CacheConfig = CacheConfig()
 
@@ -295,6 +301,11 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
             raise ValueError(f"tp_size must be an int >= 1, got {self.tp_size!r}")
+        if not isinstance(self.enable_cuda_graphs, bool):
+            raise ValueError(f"enable_cuda_graphs must be a bool, got {self.enable_cuda_graphs!r}")
+        sizes = self.cuda_graph_batch_sizes
+        if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
+            raise ValueError(f"cuda_graph_batch_sizes must be ints >= 1, got {sizes!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} and max_num_batched_tokens="
                              f"{self.max_num_batched_tokens} must be >= 1")
@@ -322,5 +333,6 @@ class EngineConfig:
                              f"{sorted(spec_keys | cache_keys | top_keys)}")
         spec = SpecConfig(**{k: v for k, v in options.items() if k in spec_keys})
         cache = CacheConfig(**{k: v for k, v in options.items() if k in cache_keys})
-        top = {k: (tuple(v) if k == "eos_token_ids" else v) for k, v in options.items() if k in top_keys}
+        tuples = ("eos_token_ids", "cuda_graph_batch_sizes")
+        top = {k: (tuple(v) if k in tuples else v) for k, v in options.items() if k in top_keys}
         return EngineConfig(spec=spec, cache=cache, **top)

@@ -4,7 +4,9 @@ Three kinds of forward per step (DESIGN.md §2), all batched over requests:
 
 * ``prefill(chunks)``: runs known tokens (chunked), returns the last logits of requests whose
   prefill completed. Target hiddens are kept for the MTP drafter.
-* ``decode(reqs)``: autoregressive mode: one forward over every request's pending root token.
+* ``decode(reqs)``: autoregressive mode: one forward over every request's pending root token; on a
+  GPU with ``cuda_graph_batch_sizes`` it replays a captured CUDA graph (``bole.engine.cuda_graphs``:
+  the runner then reserves one extra KV block and one GDN state slot for the graphs' padding rows).
 * ``draft(reqs)`` + ``verify(reqs, batch)``: speculative modes. The MTP drafter first catches up
   on the committed positions it has not seen, then grows each request's candidate tree
   (``bole.spec.drafter.expand_tree``); the budget (``select_nodes``) keeps at most B_ver nodes for
@@ -21,17 +23,21 @@ target's verify mode: every node attends to the committed prefix, its ancestors 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from bole.cache.kv_cache import PagedKVCache
 from bole.cache.state_pool import StatePool
+from bole.engine.cuda_graphs import DecodeGraphs, graphs_unsupported
 from bole.engine.sequence import Request
 from bole.models.context import ForwardContext, TreeFactors
 from bole.spec.drafter import DraftBatch, Frontier, expand_tree, tree_size
 from bole.spec.tree import PackedForest
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class VerifyResult:
@@ -49,21 +55,39 @@ def _empty_factors(num_nodes: int, device) -> TreeFactors:
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, num_state_slots: int,
-                 max_batch_nodes: int, kv_dtype: torch.dtype, device, snapshot_verify: bool = False):
+                 max_batch_nodes: int, kv_dtype: torch.dtype, device, snapshot_verify: bool = False,
+                 cuda_graph_batch_sizes: Sequence[int] | None = None):
         cfg = getattr(model, "local_config", model.config)  # this TP rank's head counts (bole.parallel)
         self.model, self.cfg, self.device = model, cfg, torch.device(device)
         self.block_size = block_size
-        self.kv_cache = PagedKVCache(cfg.num_attn_layers, num_blocks, block_size, cfg.num_key_value_heads,
-                                     cfg.head_dim, kv_dtype, device)
+        graphs = bool(cuda_graph_batch_sizes) and self.device.type == "cuda"
+        if graphs and graphs_unsupported(model):
+            logger.warning("CUDA graphs off: %s; decode runs eagerly", graphs_unsupported(model))
+            graphs = False
+        spare = int(graphs)  # the graphs' padding rows get their own KV block and state slot
+        self.kv_cache = PagedKVCache(cfg.num_attn_layers, num_blocks + spare, block_size,
+                                     cfg.num_key_value_heads, cfg.head_dim, kv_dtype, device)
         self.mtp_cache = None
         if model.mtp is not None:
-            self.mtp_cache = PagedKVCache(len(model.mtp.layers), num_blocks, block_size,
+            self.mtp_cache = PagedKVCache(len(model.mtp.layers), num_blocks + spare, block_size,
                                           cfg.num_key_value_heads, cfg.head_dim, kv_dtype, device)
         # conv inputs are activations of the model dtype, so a pool of that dtype stores them exactly
-        self.state_pool = StatePool.for_model(cfg, num_state_slots, conv_dtype=kv_dtype, device=device)
+        self.state_pool = StatePool.for_model(cfg, num_state_slots + spare, conv_dtype=kv_dtype, device=device)
         # one factor buffer for every GDN layer and every node of a step's forest
         self.factors = TreeFactors.allocate(cfg, max_batch_nodes, dtype=kv_dtype, device=device,
                                             snapshots=snapshot_verify)
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            self.enable_cuda_graphs(cuda_graph_batch_sizes)
+
+    def enable_cuda_graphs(self, batch_sizes: Sequence[int], capture: bool = True, **kw) -> DecodeGraphs:
+        """Route ``decode`` through ``DecodeGraphs``; takes one KV block and one state slot for padding
+        (the constructor sizes the pools one larger when it is asked for graphs). ``capture=False`` runs
+        the same static forward without graphs (any device; tests)."""
+        pad_block = self.allocator.allocate(1)[0]
+        pad_slot = self.state_pool.allocate()
+        self.graphs = DecodeGraphs(self, batch_sizes, pad_block, pad_slot, capture=capture, **kw)
+        return self.graphs
 
     @property
     def allocator(self):
@@ -90,19 +114,30 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def decode(self, reqs: list[Request], keep_hidden: bool) -> torch.Tensor:
-        """One token per request (the pending root); returns logits [B, V]. Commits the state."""
+    def decode_forward(self, reqs: list[Request], use_graphs: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode forward of ``reqs`` at their pending root tokens, without advancing them (the new
+        K/V is written and the GDN state stepped); returns (logits [B, V], hidden [B, H]). From a CUDA
+        graph when the runner has graphs for this batch and ``use_graphs``, else eagerly."""
+        if use_graphs and self.graphs is not None and self.graphs.supports(reqs):
+            logits, hidden = self.graphs.run(reqs)
+            return logits.clone(), hidden.clone()  # the static outputs are overwritten by the next replay
         ids = torch.tensor([r.all_token_ids[r.num_computed] for r in reqs], device=self.device)
         ctx = ForwardContext.build("decode", [1] * len(reqs), [r.num_computed for r in reqs],
                                    [r.state_slot for r in reqs], [r.block_table for r in reqs],
                                    self.kv_cache, self.state_pool, device=self.device)
         hidden = self.model(ids, ctx)
+        return self.model.compute_logits(hidden), hidden
+
+    @torch.inference_mode()
+    def decode(self, reqs: list[Request], keep_hidden: bool) -> torch.Tensor:
+        """One token per request (the pending root); returns logits [B, V]. Commits the state."""
+        logits, hidden = self.decode_forward(reqs)
         for b, r in enumerate(reqs):
             r.num_computed += 1
             if keep_hidden:
                 r.pending_hidden = hidden[b:b + 1] if r.pending_hidden is None else torch.cat(
                     [r.pending_hidden, hidden[b:b + 1]])
-        return self.model.compute_logits(hidden)
+        return logits
 
     @torch.inference_mode()
     def verify(self, reqs: list[Request], batch: DraftBatch) -> VerifyResult:

@@ -9,6 +9,9 @@ The new tokens' K/V are written to ``ctx.slot_mapping`` first; each request then
 ``ctx.kv_slots[b]`` (its committed prefix followed by its new tokens) with a causal mask for
 prefill/decode, or prefix + ancestor mask (M⁺) for verify. This is the torch reference path, one
 SDPA call per request; a paged attention kernel can replace the loop without changing the layout.
+A static decode context (``ctx.static``, CUDA graphs) instead gathers every row's keys at a fixed
+padded length (``static.kv_index``) and masks the padding (``static.kv_valid``): one batched SDPA call,
+the query heads of a KV head grouped as that call's query rows (GQA without repeating K/V).
 
 Tensor parallel: q_proj / k_proj / v_proj column parallel by heads (q_proj's per-head [q, gate]
 blocks are contiguous rows, so a head slice keeps them together), o_proj row parallel. With fewer KV
@@ -54,6 +57,9 @@ class GatedAttention(nn.Module):
 
         cache = ctx.kv_cache
         cache.write(self.cache_index, ctx.slot_mapping, k, v)
+        if ctx.static is not None:
+            out = self._static_decode(q, cache, ctx.static, x.dtype)
+            return self.o_proj(out.reshape(N, -1) * torch.sigmoid(gate))
         out = torch.empty(N, self.num_heads, D, dtype=x.dtype, device=x.device)
         rep = self.num_heads // self.num_kv_heads
         for b in range(ctx.num_requests):
@@ -71,3 +77,13 @@ class GatedAttention(nn.Module):
                                                scale=D ** -0.5)
             out[s:e] = o.transpose(0, 1)
         return self.o_proj(out.reshape(N, -1) * torch.sigmoid(gate))
+
+    def _static_decode(self, q: torch.Tensor, cache, static, dtype) -> torch.Tensor:
+        """One query token per row over its padded key list: q [B, Hq, D] -> [B, Hq, D]."""
+        B, D, Hkv = q.shape[0], self.head_dim, self.num_kv_heads
+        kb, vb = cache.gather(self.cache_index, static.kv_index)  # [B, L, Hkv, D]
+        kb, vb = kb.to(dtype).transpose(1, 2), vb.to(dtype).transpose(1, 2)  # [B, Hkv, L, D]
+        qg = q.reshape(B, Hkv, self.num_heads // Hkv, D)  # query head h reads kv head h // rep
+        o = F.scaled_dot_product_attention(qg, kb, vb, attn_mask=static.kv_valid[:, None, None, :],
+                                           scale=D ** -0.5)
+        return o.reshape(B, self.num_heads, D)

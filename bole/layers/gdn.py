@@ -11,6 +11,8 @@ Modes (``ctx.mode``):
         final state written back to the slot.
     verify: tree conv and closed-form tree GDN reading the committed pools only; the layer stores
         the commit factors (raw k, u, logP, conv inputs) in ``ctx.factors`` at its GDN index.
+    decode over a static context (``ctx.static``, CUDA graphs): the batched one-token conv and the
+        backend's ``decode_step``, neither of which reads a device value on the host.
 
 Tensor parallel: the q/k/v segments of in_proj_qkv (and the conv channels with them), in_proj_z,
 in_proj_b, in_proj_a, A_log, dt_bias are split by heads (column parallel), out_proj is row parallel.
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bole.layers.norm import GatedRMSNorm
-from bole.ops.conv import causal_conv1d, causal_conv1d_tree
+from bole.ops.conv import causal_conv1d, causal_conv1d_decode, causal_conv1d_tree
 from bole.parallel import local_heads, split_heads
 
 
@@ -62,6 +64,8 @@ class GatedDeltaNet(nn.Module):
         if ctx.mode == "verify":
             ctx.factors.conv_x[i] = mixed
             y = causal_conv1d_tree(mixed, weight, None, pool.conv[i], ctx.state_slots, ctx.forest)
+        elif ctx.static is not None:
+            y = causal_conv1d_decode(mixed, weight, None, pool.conv[i], ctx.state_slots)
         else:
             y = causal_conv1d(mixed, weight, None, pool.conv[i], ctx.state_slots, ctx.cu_seqlens)
         q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -82,6 +86,8 @@ class GatedDeltaNet(nn.Module):
             ctx.factors.logp[i] = logp
         else:
             fn = self.backend.decode if ctx.mode == "decode" else self.backend.prefill
+            if ctx.static is not None:
+                fn = self.backend.decode_step
             o, final = fn(q, k, v, g[None], beta[None], initial_state=pool.ssm[i],
                           state_indices=ctx.state_slots, cu_seqlens=ctx.cu_seqlens, use_qk_l2norm=True)
             pool.ssm[i, ctx.state_slots] = final.to(pool.ssm.dtype)

@@ -15,6 +15,11 @@ list of N tokens (``cu_seqlens``):
              blocks. ``HybridForCausalLM.commit(ctx, accepted)`` then materialises the accepted
              path (GDN ssm for all layers in one call, conv windows, K/V moved into place).
 
+``static`` (decode only) marks a context built over fixed-shape device buffers for CUDA-graph capture
+(``bole.engine.cuda_graphs``): the host lists (``cu_host`` aside) are empty, attention reads the keys
+through ``static.kv_index`` / ``static.kv_valid`` (padded to a fixed KV length) and the GDN layers use
+the batched one-token conv and recurrence, so nothing in the forward reads a device value on the host.
+
 Caches travel in the context (``kv_cache`` for the full-attention layers, ``state_pool`` for the
 GDN layers) so the same model object can run against the target caches or, for the MTP drafter,
 against the drafter's own KV cache.
@@ -70,10 +75,35 @@ class TreeFactors:
                                   dtype=state_dtype, device=device) if snapshots else None,
         )
 
+    @staticmethod
+    def transient_bytes(cfg, num_nodes: int, dtype=torch.bfloat16, tp_size: int = 1) -> dict[str, int]:
+        """Bytes of the per-node speculative state for ``num_nodes`` nodes, all GDN layers, as allocated.
+
+        ``factors``: what the factorized commit needs (k, u, logP); ``snapshots``: the per-node fp32
+        states of the serial_tree baseline (SGLang's layout); ``conv_inputs``: the conv inputs both
+        keep. Sized on the meta device from ``allocate`` itself, so the figures follow the buffers.
+        """
+        f = TreeFactors.allocate(cfg, num_nodes, dtype=dtype, device="meta", tp_size=tp_size, snapshots=True)
+        size = lambda t: t.numel() * t.element_size()
+        return {"factors": size(f.k) + size(f.u) + size(f.logp), "snapshots": size(f.snapshots),
+                "conv_inputs": size(f.conv_x)}
+
     def narrow(self, num_nodes: int) -> "TreeFactors":
         """A view of the first num_nodes nodes (for a preallocated max-size buffer)."""
         return TreeFactors(*(t[:, :num_nodes] for t in (self.k, self.u, self.logp, self.conv_x)),
                            snapshots=None if self.snapshots is None else self.snapshots[:, :num_nodes])
+
+
+@dataclass
+class StaticDecode:
+    """Fixed-shape key metadata of a graph-capturable decode step (B rows, a KV length bucket L).
+
+    kv_index  int64 [B, L]  flat KV slot of key position p of row b (block_table[p // bs] * bs + p % bs)
+    kv_valid  bool  [B, L]  p <= num_cached[b] (the committed prefix plus the new token)
+    """
+
+    kv_index: torch.Tensor
+    kv_valid: torch.Tensor
 
 
 @dataclass
@@ -94,6 +124,8 @@ class ForwardContext:
         block_tables:  host list of each request's block ids.
         forest / factors: verify only.
         cu_host, num_cached_host: host copies of cu_seqlens / num_cached.
+        static:        ``StaticDecode`` for a graph-capturable decode context (``kv_slots``,
+                       ``block_tables`` and ``num_cached_host`` are then empty), else None.
     """
 
     mode: Mode
@@ -111,6 +143,7 @@ class ForwardContext:
     state_pool: StatePool | None = None
     forest: PackedForest | None = None
     factors: TreeFactors | None = None
+    static: StaticDecode | None = None
 
     @property
     def num_requests(self) -> int:

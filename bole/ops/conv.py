@@ -50,20 +50,47 @@ def causal_conv1d(x, weight, bias, conv_state, state_indices, cu_seqlens=None, a
     return y
 
 
-def _tree_windows(x, forest: PackedForest, conv_state, state_indices, W):
-    """[N, C, W]: for each node the W inputs ending at it along its path (oldest first)."""
+def causal_conv1d_decode(x, weight, bias, conv_state, state_indices, activation="silu"):
+    """One new token per sequence (row b continues slot ``state_indices[b]``); updates conv_state in place.
+
+    The batched decode form of ``causal_conv1d``: no per-sequence loop and no host read of a device
+    value, so a CUDA graph can capture it. Accumulates in fp32 (as a conv kernel does). Rows that share
+    a slot (padding rows of a captured batch) leave that slot with one of their windows.
+    """
     N, C = x.shape
-    gpar = forest.global_parents().tolist()
-    rid = forest.request_ids.tolist()
-    win = torch.empty(N, C, W, dtype=x.dtype, device=x.device)
-    for i in range(N):
-        if gpar[i] < 0:
-            prev = conv_state[int(state_indices[rid[i]])].to(x.dtype)  # [C, W-1]
-        else:
-            prev = win[gpar[i], :, 1:]
-        win[i, :, : W - 1] = prev
-        win[i, :, W - 1] = x[i]
-    return win
+    W = weight.shape[1]
+    if weight.shape[0] != C or conv_state.shape[1:] != (C, W - 1) or state_indices.shape != (N,):
+        raise ValueError(f"shapes x{tuple(x.shape)} weight{tuple(weight.shape)} conv_state"
+                         f"{tuple(conv_state.shape)} state_indices{tuple(state_indices.shape)} disagree")
+    idx = state_indices.long()
+    window = torch.cat([conv_state[idx].to(x.dtype), x[:, :, None]], dim=2)  # [N, C, W], oldest first
+    y = (window.float() * weight.float()[None]).sum(-1)
+    if bias is not None:
+        y = y + bias.float()
+    conv_state[idx] = window[:, :, 1:].to(conv_state.dtype)
+    return _act(y, activation).to(x.dtype)
+
+
+def _tree_windows(x, forest: PackedForest, conv_state, state_indices, W):
+    """[N, C, W]: for each node the W inputs ending at it along its path (oldest first).
+
+    Gathered in one pass from the ancestor chains: window column j of node i (depth d) holds the
+    input of i's ancestor at depth p = d - (W-1) + j when p >= 1, else the committed conv state's
+    column W-2+p (column W-2 is the last committed input).
+    """
+    N, C = x.shape
+    if N == 0:
+        return x.new_empty(0, C, W)
+    rid = forest.request_ids.long()
+    depth, anc = forest.depth.long(), forest.anc.long()
+    p = depth[:, None] - (W - 1) + torch.arange(W, device=x.device)[None]            # [N, W]
+    start = forest.cu_seqlens[:-1].long()[rid]
+    node = anc.gather(1, (p - 1).clamp(min=0, max=anc.shape[1] - 1)) + start[:, None]
+    from_x = x[node.clamp(min=0)].transpose(1, 2)                                       # [N, C, W]
+    slots = torch.as_tensor(state_indices, device=conv_state.device).long()[rid.to(conv_state.device)]
+    col = (W - 2 + p).clamp(min=0, max=W - 2).to(conv_state.device)
+    from_state = conv_state[slots].gather(2, col[:, None, :].expand(N, C, W)).to(x.device, x.dtype)
+    return torch.where((p >= 1)[:, None, :], from_x, from_state)
 
 
 def causal_conv1d_tree(x, weight, bias, conv_state, state_indices, forest: PackedForest,
@@ -81,14 +108,23 @@ def conv_state_commit(conv_state, x, forest: PackedForest, state_indices, accept
     """Keep the last W-1 inputs along each accepted path, in place.
 
     accepted: int [B, D] global node indices of each path (root first, -1 padded); an empty path
-    leaves the state untouched.
+    leaves the state untouched. All requests at once: the new window is the tail of
+    [old state | path inputs], gathered (one host sync: which requests have a path).
     """
-    W = conv_state.shape[-1] + 1
-    for b in range(accepted.shape[0]):
-        path = [int(n) for n in accepted[b] if int(n) >= 0]
-        if not path:
-            continue
-        slot = int(state_indices[b])
-        seq = torch.cat([conv_state[slot], x[path].T.to(conv_state.dtype)], dim=1)
-        conv_state[slot] = seq[:, -(W - 1):]
+    W1 = conv_state.shape[-1]
+    acc = accepted.long().to(x.device)
+    B, D = acc.shape
+    if B == 0 or D == 0:
+        return conv_state
+    n = (acc >= 0).sum(1)                                              # path lengths
+    k = n[:, None] + torch.arange(W1, device=acc.device)[None]         # [B, W1] index into the concat
+    node = acc.gather(1, (k - W1).clamp(min=0, max=D - 1)).clamp(min=0)
+    slots = torch.as_tensor(state_indices, device=conv_state.device).long()
+    old = conv_state[slots]                                            # [B, C, W1]
+    C = old.shape[1]
+    from_old = old.gather(2, k.clamp(max=W1 - 1).to(old.device)[:, None, :].expand(B, C, W1))
+    from_x = x[node].transpose(1, 2).to(old.device, conv_state.dtype)  # [B, C, W1]
+    new = torch.where((k < W1).to(old.device)[:, None, :], from_old, from_x)
+    keep = (n > 0).to(old.device)
+    conv_state[slots[keep]] = new[keep]
     return conv_state

@@ -57,6 +57,25 @@ def _single_step(qf, kf, vf, gf, bf, S):
     return o, S
 
 
+def gdn_decode(q, k, v, g, beta, scale=None, initial_state=None, state_indices=None, cu_seqlens=None,
+               use_qk_l2norm=False):
+    """One token per sequence (N sequences of length 1): the single-step recurrence ``gdn_chunk`` runs
+    for a decode batch, without reading ``cu_seqlens`` (ignored) or any device value on the host, so a
+    CUDA graph can capture it. Same signature and results as ``gdn_chunk`` on such a batch.
+    """
+    qf, kf, vf, gf, bf, dt = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
+    N, HV, K = kf.shape
+    V = vf.shape[-1]
+    if initial_state is None:
+        init = torch.zeros(N, HV, V, K, dtype=dt, device=q.device)
+    else:
+        idx = torch.arange(N, device=q.device) if state_indices is None else \
+            torch.as_tensor(state_indices, device=initial_state.device).long()
+        init = initial_state[idx].to(dt)
+    o, final = _single_step(qf, kf, vf, gf, bf, init)
+    return o.to(v.dtype)[None], final
+
+
 def gdn_chunk(q, k, v, g, beta, scale=None, initial_state=None, state_indices=None,
               cu_seqlens=None, use_qk_l2norm=False, chunk_size=DEFAULT_CHUNK_SIZE):
     """Chunked gated delta rule over variable-length sequences (equal to ``gdn_recurrent``).

@@ -45,3 +45,20 @@ def test_sequence_conv_matches_torch_conv1d_from_zero_state():
     ref = torch.nn.functional.conv1d(x.T[None], w[:, None], padding=3, groups=5)[0, :, :10].T
     assert torch.allclose(y, ref, atol=1e-6)
     assert torch.equal(st[0], x[-3:].T)
+
+
+def test_tree_windows_equal_the_recursive_definition():
+    """The gathered windows equal the node-by-node recursion (parent's window shifted, own input last)."""
+    from bole.ops.conv import _tree_windows
+
+    gen = torch.Generator().manual_seed(1)
+    for W in (2, 4, 5):
+        f = PackedForest.from_trees([random_tree(n, 8, gen) for n in (1, 3, 17, 40)])
+        x = torch.randn(f.num_nodes, 12, generator=gen).bfloat16()
+        state, idx = torch.randn(7, 12, W - 1, generator=gen), torch.tensor([6, 0, 3, 2])
+        gpar, rid = f.global_parents().tolist(), f.request_ids.tolist()
+        ref = torch.empty(f.num_nodes, 12, W, dtype=x.dtype)
+        for i in range(f.num_nodes):
+            ref[i, :, : W - 1] = state[int(idx[rid[i]])].to(x.dtype) if gpar[i] < 0 else ref[gpar[i], :, 1:]
+            ref[i, :, W - 1] = x[i]
+        assert torch.equal(_tree_windows(x, f, state, idx, W), ref)

@@ -1,0 +1,270 @@
+"""CUDA-graph capture of the target model's autoregressive decode forward (one token per request).
+
+An eager decode step on a GPU is launch bound at small batches: ~15 kernels per layer, each issued by
+Python, plus the host-side ``ForwardContext`` and the per-request attention loop. ``DecodeGraphs``
+captures the whole step (embedding → layers → norm → lm_head) once per *graph key* and replays it:
+
+    key = (Bc, Lc)   Bc: the smallest captured batch size >= the step's batch (``batch_sizes``,
+                     e.g. 1, 2, 4, 8, 16, 32); larger batches run eagerly.
+                     Lc: a KV-length bucket, the smallest of min_kv, 2·min_kv, ... (multiples of the
+                     block size, up to the cache's capacity) >= the longest request's length + 1.
+                     Attention in a graph reads Lc key positions per row (masked past each row's
+                     length), so a short batch does not pay for the cache's full capacity.
+
+Graphs are captured lazily, the first time a key is needed, into one shared memory pool.
+
+Static inputs (one int64 device buffer [max_batch, 3 + max_blocks], written by ONE host-to-device copy
+from a pinned host mirror per step): per row the token id, num_cached (the new token's position), the
+GDN state slot and the block table (padded with the pad block). Everything else is derived INSIDE the
+graph from them: positions, the new token's KV slot, the [Bc, Lc] key slots and their validity mask
+(``bole.models.context.StaticDecode``). Padding rows (the step's batch up to Bc) carry token 0 at
+position 0, the pad block and the pad state slot: a KV block and a GDN slot the runner reserves for
+them, so padding never touches a request's cache. Outputs (hidden states and logits) are copied in the
+graph into buffers allocated outside the graph pool.
+
+Nothing in a captured forward reads a device value on the host: the context is built once per key
+over the static buffers (``ForwardContext.static``), attention runs one batched SDPA call over padded
+keys, the GDN layers use the batched one-token conv (``bole.ops.conv.causal_conv1d_decode``) and the
+backend's ``decode_step`` (``bole.ops.gdn_chunk.gdn_decode``). The eager path is unchanged.
+
+Not captured (eager fallback, decided per step by ``supports``): batches above the largest captured
+size, MoE models (the expert dispatch reads the routed experts on the host), tensor parallelism.
+
+With ``capture=False`` the same static forward runs without a graph (any device): it tests the
+padding and bucketing logic on CPU and gives the benchmark an "uncaptured static" reference.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from bole.models.context import ForwardContext, StaticDecode
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+DEFAULT_MIN_KV = 256
+_TOK, _POS, _SLOT, _TABLE = 0, 1, 2, 3  # columns of the static input buffer
+
+
+def graphs_unsupported(model) -> str | None:
+    """Why the model's decode forward cannot be captured (None: it can)."""
+    cfg = model.config
+    if any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        return "MoE expert dispatch reads routed experts on the host"
+    if getattr(model, "tp_size", 1) != 1:
+        return "tensor parallelism is not captured"
+    return None
+
+
+def kv_buckets(min_kv: int, capacity: int, block_size: int) -> list[int]:
+    """KV lengths graphs are captured for: min_kv doubling (block multiples) up to >= capacity."""
+    up = lambda n: -(-n // block_size) * block_size
+    out, L = [], up(max(1, min(min_kv, capacity)))
+    while L < capacity:
+        out.append(L)
+        L = up(2 * L)
+    out.append(up(capacity))
+    return out
+
+
+@dataclass
+class _Graph:
+    batch: int
+    kv_len: int
+    ctx: ForwardContext
+    run: Callable[[], None]            # the static forward (what is captured)
+    graph: "torch.cuda.CUDAGraph | None" = None
+
+
+class DecodeGraphs:
+    """Captured decode forwards of one ``ModelRunner``; see the module docstring."""
+
+    def __init__(self, runner, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, pad_block: int = 0,
+                 pad_slot: int = 0, capture: bool = True, min_kv: int = DEFAULT_MIN_KV):
+        sizes = sorted({int(b) for b in batch_sizes})
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"batch sizes must be ints >= 1, got {list(batch_sizes)}")
+        if capture and runner.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the runner is on {runner.device}")
+        why = graphs_unsupported(runner.model)
+        if why:
+            raise ValueError(f"decode cannot be captured for this model: {why}")
+        self.runner, self.model = runner, runner.model
+        self.batch_sizes, self.capture = sizes, capture
+        self.pad_block, self.pad_slot = int(pad_block), int(pad_slot)
+        kv = runner.kv_cache
+        self.block_size = bs = kv.block_size
+        self.kv_lengths = kv_buckets(min_kv, kv.num_blocks * bs, bs)
+        self.max_blocks = self.kv_lengths[-1] // bs
+        dev = runner.device
+        width = _TABLE + self.max_blocks
+        self.inputs = torch.zeros(max(sizes), width, dtype=torch.long, device=dev)
+        self.host = torch.zeros(max(sizes), width, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._host_np = self.host.numpy()
+        self._copied = torch.cuda.Event() if dev.type == "cuda" else None
+        H, V = self.model.config.hidden_size, self.model.config.vocab_size
+        dtype = self.model.lm_head.weight.dtype
+        self.out_hidden = torch.zeros(max(sizes), H, dtype=dtype, device=dev)
+        self.out_logits = torch.zeros(max(sizes), V, dtype=dtype, device=dev)
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.pool = None
+        self.replays = 0
+
+    # -- selection -------------------------------------------------------------------------------
+    def supports(self, reqs) -> bool:
+        """Whether this step can run from a graph (batch within the captured sizes, KV within the cache)."""
+        return 0 < len(reqs) <= self.batch_sizes[-1] and \
+            max(r.num_computed for r in reqs) < self.kv_lengths[-1]
+
+    def key(self, batch: int, max_len: int) -> tuple[int, int]:
+        """(Bc, Lc) for a step of ``batch`` requests whose longest has ``max_len`` keys (new token included)."""
+        Bc = next(b for b in self.batch_sizes if b >= batch)
+        Lc = next(L for L in self.kv_lengths if L >= max_len)
+        return Bc, Lc
+
+    @property
+    def num_captured(self) -> int:
+        return sum(g.graph is not None for g in self.graphs.values())
+
+    # -- building --------------------------------------------------------------------------------
+    def _build(self, Bc: int, Lc: int) -> _Graph:
+        dev, bs, runner = self.runner.device, self.block_size, self.runner
+        inp = self.inputs[:Bc]
+        tables = inp[:, _TABLE:_TABLE + Lc // bs]
+        pos = torch.arange(Lc, device=dev)
+        key_block, key_off = pos // bs, pos % bs
+        ids = torch.zeros(Bc, dtype=torch.long, device=dev)
+        positions = torch.zeros(Bc, dtype=torch.long, device=dev)
+        slot_mapping = torch.zeros(Bc, dtype=torch.long, device=dev)
+        state_slots = torch.zeros(Bc, dtype=torch.long, device=dev)
+        static = StaticDecode(kv_index=torch.zeros(Bc, Lc, dtype=torch.long, device=dev),
+                              kv_valid=torch.zeros(Bc, Lc, dtype=torch.bool, device=dev))
+        ctx = ForwardContext(
+            mode="decode", cu_seqlens=torch.arange(Bc + 1, dtype=torch.int32, device=dev),
+            num_cached=inp[:, _POS], positions=positions, kv_positions=positions, slot_mapping=slot_mapping,
+            kv_slots=[], state_slots=state_slots, block_tables=[], cu_host=list(range(Bc + 1)),
+            num_cached_host=[], kv_cache=runner.kv_cache, state_pool=runner.state_pool, static=static)
+        model, out_h, out_l = self.model, self.out_hidden, self.out_logits
+
+        def run():
+            nc = inp[:, _POS]
+            ids.copy_(inp[:, _TOK])
+            state_slots.copy_(inp[:, _SLOT])
+            positions.copy_(nc)
+            block = tables.gather(1, (nc // bs)[:, None])[:, 0]
+            slot_mapping.copy_(block * bs + nc % bs)
+            static.kv_index.copy_(tables[:, key_block] * bs + key_off)
+            static.kv_valid.copy_(pos[None, :] <= nc[:, None])
+            hidden = model(ids, ctx)
+            out_h[:Bc].copy_(hidden)
+            out_l[:Bc].copy_(model.compute_logits(hidden))
+
+        g = _Graph(Bc, Lc, ctx, run)
+        if self.capture:
+            self._fill([], Bc, Lc)  # capture-time warm-up touches the pad block and pad slot only
+            self._upload(Bc)
+            side = torch.cuda.Stream(device=dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    run()
+            torch.cuda.current_stream(dev).wait_stream(side)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            g.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g.graph, pool=self.pool):
+                run()
+            logger.info("captured decode graph batch=%d kv_len=%d", Bc, Lc)
+        self.graphs[Bc, Lc] = g
+        return g
+
+    def _fill(self, reqs, Bc: int, Lc: int) -> None:
+        """Write the step's rows (and padding rows) into the pinned host mirror."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the host buffer
+        h, nblk = self._host_np, Lc // self.block_size
+        h[:Bc, _TOK] = 0
+        h[:Bc, _POS] = 0
+        h[:Bc, _SLOT] = self.pad_slot
+        h[:Bc, _TABLE:] = self.pad_block
+        for b, r in enumerate(reqs):
+            h[b, _TOK] = r.all_token_ids[r.num_computed]
+            h[b, _POS] = r.num_computed
+            h[b, _SLOT] = r.state_slot
+            t = r.block_table[:nblk]
+            h[b, _TABLE:_TABLE + len(t)] = t
+
+    def _upload(self, Bc: int) -> None:
+        self.inputs[:Bc].copy_(self.host[:Bc], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    @torch.inference_mode()
+    def capture_all(self, max_batch: int | None = None, max_len: int | None = None) -> int:
+        """Build ahead of time every graph a step of <= max_batch requests of <= max_len keys can need
+        (all keys when None), so no capture happens inside a timed run; returns how many were built."""
+        sizes = self.batch_sizes if max_batch is None else \
+            [b for b in self.batch_sizes if b < max_batch] + [self.key(min(max_batch, self.batch_sizes[-1]), 1)[0]]
+        lengths = self.kv_lengths if max_len is None else \
+            [L for L in self.kv_lengths if L < max_len] + [self.key(1, min(max_len, self.kv_lengths[-1]))[1]]
+        built = 0
+        for Bc in sizes:
+            for Lc in lengths:
+                if (Bc, Lc) not in self.graphs:
+                    self._build(Bc, Lc)
+                    built += 1
+        return built
+
+    @torch.inference_mode()
+    def prepare(self, reqs) -> _Graph:
+        """Load the step's inputs into the static buffers; return the graph to replay (captured if new)."""
+        Bc, Lc = self.key(len(reqs), max(r.num_computed for r in reqs) + 1)
+        g = self.graphs.get((Bc, Lc)) or self._build(Bc, Lc)
+        self._fill(reqs, Bc, Lc)
+        self._upload(Bc)
+        return g
+
+    @torch.inference_mode()
+    def replay(self, g: _Graph) -> None:
+        if g.graph is not None:
+            g.graph.replay()
+        else:
+            g.run()
+        self.replays += 1
+
+    @torch.inference_mode()
+    def run(self, reqs) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode forward of ``reqs`` (state committed as in eager decode); returns (logits [B, V],
+        hidden [B, H]) as views of the static outputs: valid until the next replay."""
+        g = self.prepare(reqs)
+        self.replay(g)
+        B = len(reqs)
+        return self.out_logits[:B], self.out_hidden[:B]
+
+
+def decode_step_fn(runner, reqs, graphed: bool = True) -> Callable[[], torch.Tensor]:
+    """For benchmarks: a callable running one decode forward of ``reqs`` and returning its logits [B, V].
+
+    The requests are not advanced: every call rewrites the new token's K/V at ``num_computed`` and
+    applies one GDN step to their state slots (values drift, costs do not). ``graphed``: replay the
+    captured graph (inputs loaded once, so a call is the replay alone), which needs ``runner.graphs``
+    (``ModelRunner(..., cuda_graph_batch_sizes=...)`` or ``runner.enable_cuda_graphs``); else the
+    runner's eager decode forward, host-side context building included.
+    """
+    if not graphed:
+        return lambda: runner.decode_forward(reqs, use_graphs=False)[0]
+    graphs = runner.graphs
+    if graphs is None or not graphs.supports(reqs):
+        raise ValueError("the runner has no decode graph for this batch (enable_cuda_graphs first)")
+    g = graphs.prepare(reqs)
+    B = len(reqs)
+
+    def step():
+        graphs.replay(g)
+        return graphs.out_logits[:B]
+    return step
