@@ -53,7 +53,7 @@ from bole.hardware import SPECS, TABLE_DIR, detect_hardware, device_name, model_
 from bole.sampling_params import SamplingParams
 from bole.spec.budget import CalibrationTable, select_b_ver
 from bole.spec.drafter import DraftBatch
-from bole.spec.tree import random_tree
+from bole.spec.tree import feasible_capacities, random_tree
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ def _point_fns(runner: ModelRunner, reqs: list[Request], kv: int, depth: int, ca
             r.num_computed = kv
 
     fns = {"dec": decode}
-    for n in capture_set:
+    for n in feasible_capacities(capture_set, len(reqs)):  # a tree never exceeds MAX_TREE_NODES
         batch = synthetic_batch(n, len(reqs), depth, runner.cfg.vocab_size, gen, runner.device)
         fns[n] = (lambda batch=batch: runner.verify(reqs, batch))
     return fns

@@ -34,6 +34,7 @@ from statistics import median
 
 from bole.hardware import SPECS, HardwareSpec
 from bole.spec.budget import CalibrationTable, select_b_ver
+from bole.spec.tree import feasible_capacities
 
 _OVERHEAD_FIELDS = ("fixed_us", "per_layer_us", "per_request_attn_us", "per_node_us")
 
@@ -134,7 +135,7 @@ def model_point(cfg, hw: HardwareSpec, a: RooflineAssumptions, batch: int, kv_le
     """(T_dec ms, {N: T_ver ms}) at one bucket point (depth = tree depth with its root)."""
     t_dec = forward_time_ms(cfg, hw, a, [1] * batch, kv_len, depth, False, dtype_bytes)
     t_ver = {n: forward_time_ms(cfg, hw, a, split_nodes(n, batch), kv_len, depth, True, dtype_bytes)
-             for n in capture_set}
+             for n in feasible_capacities(capture_set, batch)}
     return t_dec, t_ver
 
 

@@ -20,12 +20,12 @@ echo "hardware class: $HW"
 TINY=models/bole-tiny-coder
 {
   if [ -f "$TINY/model.safetensors" ]; then
-    timeout -k 10 60 "$PY" -m bole.calibrate --model "$TINY" --quick --no-progress \
+    timeout -k 10 90 "$PY" -m bole.calibrate --model "$TINY" --quick --no-progress \
       --out "$OUT/$HW-bole-tiny-coder.yaml"
   else
     echo "$TINY has no weights yet: its sweep is skipped"
   fi
-  timeout -k 10 200 "$PY" -m bole.calibrate --shapes qwen3.5-9b --quick --no-progress \
+  timeout -k 10 "${CAL_9B_S:-200}" "$PY" -m bole.calibrate --shapes qwen3.5-9b --quick --no-progress \
     --out "$OUT/$HW-qwen3.5-9b.yaml"
   for hw in a100 gb10; do
     "$PY" -m bole.calibrate --modeled "$hw" --shapes qwen3.5-9b --fit "$OUT/$HW-qwen3.5-9b.yaml" \

@@ -43,6 +43,7 @@ from bole.sampling_params import SamplingParams
 from bole.spec.budget import CalibrationTable, select_nodes
 from bole.spec.drafter import compact, tree_size
 from bole.spec.sampling import accept_tree, counter_uniforms, process_logits, sample_from_probs
+from bole.spec.tree import MAX_TREE_NODES
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,9 @@ class LLMEngine:
         self.runner = ModelRunner(model, config.cache.num_blocks, config.cache.block_size,
                                   config.max_num_seqs + 1, config.max_num_seqs * self.lookahead,
                                   config.torch_dtype, config.device,
-                                  snapshot_verify=self.mode == "serial_tree")
+                                  snapshot_verify=self.mode == "serial_tree",
+                                  cuda_graph_batch_sizes=config.cuda_graph_batch_sizes
+                                  if config.enable_cuda_graphs and self.mode == "ar" else None)
         cc = config.cache
         self.prefix_cache = PrefixCache(self.runner.allocator, self.runner.state_pool, cc.block_size,
                                         cc.checkpoint_interval_blocks, cc.num_checkpoint_slots,
@@ -209,7 +212,9 @@ class LLMEngine:
         cand = self.runner.draft(reqs, spec.depth, spec.topk, spec.beam)
         kv_len = max(r.num_computed for r in reqs)
         _, b_ver = self.calibration.lookup(len(reqs), kv_len, spec.depth + 1)
-        keep = select_nodes(cand.rho, cand.parents, cand.valid, cand.depth, b_ver)
+        # the tree's root (the pending token) is verified too: drafts <= MAX_TREE_NODES - 1 per request
+        keep = select_nodes(cand.rho, cand.parents, cand.valid, cand.depth, b_ver,
+                            max_per_request=MAX_TREE_NODES - 1)
         batch = compact(cand, keep).trimmed()
         res = self.runner.verify(reqs, batch)
         temp, top_k, top_p, seed = self._param_tensors(reqs)

@@ -264,7 +264,7 @@ def _check_partition(buckets: tuple[Bucket, ...]) -> None:
 
 
 def select_nodes(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, depth: torch.Tensor,
-                 b_ver) -> torch.Tensor:
+                 b_ver, max_per_request: int | None = None) -> torch.Tensor:
     """Algorithm 3 online: which draft nodes of the batch to verify. Returns bool keep [B, T].
 
     Args:
@@ -274,6 +274,9 @@ def select_nodes(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, 
         valid:   bool [B, T] real nodes.
         depth:   int [B, T] 1 for children of the root.
         b_ver:   the bucket's capacity (int or 0-d tensor).
+        max_per_request: at most this many kept nodes per request (the verifier's tree limit, see
+                 ``bole.spec.tree.MAX_TREE_NODES``); a request's nodes past it in its own order are
+                 not candidates, and the budget they would have taken goes to the other requests.
 
     Every request keeps its valid depth-1 nodes (fairness floor). The remaining budget,
     max(b_ver - #floor, 0), goes to the other nodes in the order (ρ desc, depth asc, flat index
@@ -308,5 +311,15 @@ def select_nodes(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, 
     order = secondary.argsort()
     neg_key = torch.where(cand, -key.flatten(), torch.full_like(key.flatten(), math.inf))
     order = order[neg_key[order].sort(stable=True).indices]
-    rank = torch.empty_like(order).scatter_(0, order, idx)
+    if max_per_request is not None:
+        # rank of each node within its own request in the same order (a stable regroup by request)
+        req_sorted = order // T
+        regroup = req_sorted.sort(stable=True).indices
+        grouped = req_sorted[regroup]
+        within = idx - torch.searchsorted(grouped, grouped)
+        rank_in_req = torch.empty_like(order).scatter_(0, order[regroup], within)
+        cand = cand & (floor.sum(1).repeat_interleave(T) + rank_in_req < max_per_request)
+    # global rank among the candidates, in the order above
+    pos = torch.cumsum(cand[order].long(), 0) - 1
+    rank = torch.empty_like(order).scatter_(0, order, pos)
     return (floor.flatten() | (cand & (rank < remaining))).view(B, T)

@@ -21,6 +21,16 @@ from typing import Sequence
 import torch
 
 DEFAULT_MAX_DEPTH = 16
+# Nodes of one request's verified tree, root included. The Triton verifier holds a whole tree in one
+# BT <= 128 tile (kernels/gdn_tree_verify.py); every backend and the engine keep to it, so a step's
+# trees (and so its tokens) are the same on every device.
+MAX_TREE_NODES = 128
+
+
+def feasible_capacities(capture_set, batch: int) -> list[int]:
+    """The capacities N (draft nodes for the whole batch) whose even split over ``batch`` requests keeps
+    every tree, root included, within MAX_TREE_NODES."""
+    return [n for n in capture_set if 1 + -(-n // batch) <= MAX_TREE_NODES]
 
 
 def _as_parent_list(parents) -> list[int]:

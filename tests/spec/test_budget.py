@@ -184,3 +184,36 @@ def test_select_nodes_no_host_sync_on_meta():
                         torch.ones(3, 8, dtype=torch.bool, **m), torch.ones(3, 8, dtype=torch.long, **m),
                         torch.tensor(5, **m))
     assert keep.is_meta and keep.shape == (3, 8)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_select_nodes_per_request_cap(seed):
+    """The verifier's tree limit: at most ``cap`` kept nodes per request, the budget a capped request
+    cannot use going to the others in the global order (reference: a greedy walk of that order)."""
+    g = torch.Generator().manual_seed(100 + seed)
+    B, T = 4, 24
+    rho, parents, valid, depth = random_batch(B, T, g)
+    floor = valid & (depth == 1)
+    for cap in (int(floor.sum(1).max()), int(floor.sum(1).max()) + 2, 10, T):
+        for b_ver in (0, 5, 20, int(valid.sum())):
+            keep = select_nodes(rho, parents, valid, depth, b_ver, max_per_request=cap)
+            ref = floor.clone()
+            remaining = max(b_ver - int(floor.sum()), 0)
+            cands = sorted((-float(rho[b, i]), int(depth[b, i]), b * T + i) for b in range(B) for i in range(T)
+                           if valid[b, i] and depth[b, i] != 1)
+            for _, _, flat in cands:
+                b = flat // T
+                if remaining and int(ref[b].sum()) < cap:
+                    ref[b, flat % T] = True
+                    remaining -= 1
+            assert torch.equal(keep, ref), f"cap={cap} b_ver={b_ver}"
+            assert int(keep.sum(1).max()) <= cap
+            assert_prefix_closed(keep, parents)
+
+
+def test_feasible_capacities_keep_trees_within_the_kernel_tile():
+    from bole.spec.tree import MAX_TREE_NODES, feasible_capacities
+
+    assert feasible_capacities([8, 64, 127, 128, 256], 1) == [8, 64, 127]
+    assert feasible_capacities([8, 64, 127, 128, 254, 256], 2) == [8, 64, 127, 128, 254]
+    assert all(1 + -(-n // 3) <= MAX_TREE_NODES for n in feasible_capacities(range(1, 1000), 3))

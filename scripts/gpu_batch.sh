@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Several GPU jobs in ONE device call, their outputs packed so that they fit the device tool's
+# 8-file limit. From the repository root on the GPU machine:
+#     bash scripts/gpu_batch.sh STEP [STEP ...]
+# Steps (each under its own `timeout`; a failing step does not stop the next):
+#   tests      pytest -m gpu over tests/kernels, tests/engine, tests/models            (~1-2 min)
+#   calibrate  scripts/run_gpu_calibrate.sh; the measured tiny-model table is then copied to
+#              calibration_tables/ so that later steps of the same call use it            (~3 min)
+#   budget     benchmarks/run_gpu_budget.sh (Fig. 11 sweep)                              (~2.5 min)
+#   gdn        benchmarks/run_gpu_gdn.sh --models qwen3.5-9b --budget-s 120             (~2.5 min)
+#   e2e        benchmarks/run_gpu_e2e.sh (set E2E_FLAGS for extra e2e.py flags)          (~5-6 min)
+# $OUT receives results.tar.gz (every step's files, one folder per step) and summary.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:?OUT must be set (the device run tool sets it)}"
+RES=/tmp/gpu_batch
+rm -rf "$RES" && mkdir -p "$RES"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+unset TRITON_INTERPRET
+T0=$(date +%s)
+# pytest (+ hypothesis) from carried wheels when the GPU machine lacks them (carry .gpuwhl; made by
+# `pip download --no-deps --only-binary=:all: --python-version 3.12 ... pytest pluggy iniconfig packaging
+# hypothesis sortedcontainers attrs -d .gpuwhl`)
+if ! python3 -c "import pytest, hypothesis" 2>/dev/null && ls .gpuwhl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/gpusite .gpuwhl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/gpusite"
+fi
+log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/summary.log"; }
+
+step_tests() {
+  # shellcheck disable=SC2086
+  timeout -k 10 "${TESTS_S:-180}" python3 -m pytest -q -p no:cacheprovider -m gpu ${TEST_PATHS:-tests/kernels tests/engine tests/models} -rs
+}
+step_calibrate() {
+  OUT="$1" bash scripts/run_gpu_calibrate.sh
+  local hw; hw=$(python3 -c "from bole.hardware import detect_hardware; print(detect_hardware('cuda'))")
+  cp "$1/$hw-bole-tiny-coder.yaml" calibration_tables/ 2>/dev/null || true
+}
+step_budget() { OUT="$1" bash benchmarks/run_gpu_budget.sh; }
+step_gdn() { OUT="$1" bash benchmarks/run_gpu_gdn.sh --models qwen3.5-9b --budget-s "${GDN_BUDGET_S:-120}"; }
+step_e2e() {
+  # shellcheck disable=SC2086
+  OUT="$1" SKIP_GPU_TESTS=1 E2E_BUDGET_S="${E2E_BUDGET_S:-260}" E2E_KILL_S="${E2E_KILL_S:-320}" \
+    bash benchmarks/run_gpu_e2e.sh ${E2E_FLAGS:-}
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee -a "$OUT/summary.log"
+for s in "$@"; do
+  mkdir -p "$RES/$s"
+  log "step $s: start"
+  "step_$s" "$RES/$s" > "$RES/$s/stdout.txt" 2>&1
+  rc=$?
+  log "step $s: exit $rc"
+  tail -n 25 "$RES/$s/stdout.txt" | cut -c1-240 | tee -a "$OUT/summary.log"
+  # packed after every step: a call killed at its time limit still returns the finished steps
+  tar -czf "$OUT/results.tar.gz.tmp" -C "$RES" . && mv "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"
+  log "packed $(du -h "$OUT/results.tar.gz" | cut -f1)"
+done
