@@ -6,9 +6,8 @@ transposed [.., V, K]):
 
     prefill(q, k, v, g, beta, scale, initial_state, state_indices, cu_seqlens, use_qk_l2norm)
         -> (o [1, N, HV, V], final_state [B, HV, V, K])              (reads the pool, never writes)
-    decode(...same...)                                                one token per sequence
-    decode_step(...same...)                                           one token per sequence, no host
-                                                                      sync (CUDA-graph decode path)
+    decode(...same...)                                                one token per sequence, batched,
+                                                                      no host sync (CUDA-graph capturable)
     tree_verify(q, k, v, g, beta, forest, initial_state, state_indices, scale, use_qk_l2norm)
         -> (o, u [N, HV, V], logp [N, HV])                            closed form, read only
     commit(state_pool, k, u, logp, accepted_nodes, state_indices, use_qk_l2norm)
@@ -44,7 +43,6 @@ class GDNBackend:
     tree_verify: Callable
     commit: Callable
     tree_serial: Callable = gdn_tree_serial   # the serial_tree baseline (per-node snapshots)
-    decode_step: Callable = gdn_decode        # graph-capturable one-token decode (bole.engine.cuda_graphs)
 
 
 _REGISTRY: dict[str, Callable[[], GDNBackend]] = {}
@@ -63,7 +61,7 @@ def available_backends() -> list[str]:
 
 @register_backend("torch")
 def _torch_backend() -> GDNBackend:
-    return GDNBackend("torch", prefill=gdn_chunk, decode=gdn_chunk, tree_verify=gdn_tree_verify,
+    return GDNBackend("torch", prefill=gdn_chunk, decode=gdn_decode, tree_verify=gdn_tree_verify,
                       commit=gdn_commit)
 
 
@@ -102,7 +100,7 @@ def _triton_backend() -> GDNBackend:
     except ImportError:
         prefill, prefill_name = gdn_chunk, "torch chunk"
     logger.info("GDN triton backend: prefill via %s", prefill_name)
-    return GDNBackend("triton", prefill=prefill, decode=gdn_chunk, tree_verify=triton_verify,
+    return GDNBackend("triton", prefill=prefill, decode=gdn_decode, tree_verify=triton_verify,
                       commit=triton_commit, tree_serial=triton_serial)
 
 

@@ -25,7 +25,7 @@ graph into buffers allocated outside the graph pool.
 Nothing in a captured forward reads a device value on the host: the context is built once per key
 over the static buffers (``ForwardContext.static``), attention runs one batched SDPA call over padded
 keys, the GDN layers use the batched one-token conv (``bole.ops.conv.causal_conv1d_decode``) and the
-backend's ``decode_step`` (``bole.ops.gdn_chunk.gdn_decode``). The eager path is unchanged.
+backend's ``decode`` (``bole.ops.gdn_chunk.gdn_decode``), the same ops the eager decode runs.
 
 Not captured (eager fallback, decided per step by ``supports``): batches above the largest captured
 size, MoE models (the expert dispatch reads the routed experts on the host), tensor parallelism.

@@ -6,13 +6,13 @@
     y = out_proj(GatedRMSNorm(o) · silu(z))                     (per value head)
 
 Modes (``ctx.mode``):
-    prefill/decode: conv over each request's new tokens continuing from the conv pool (updated in
-        place); GDN from the ssm pool slot through the backend's prefill (chunked) / decode, and the
-        final state written back to the slot.
+    prefill: conv over each request's new tokens continuing from the conv pool (updated in place);
+        GDN from the ssm pool slot through the backend's chunked prefill; final state written back.
+    decode (eager, or over a static context ``ctx.static`` for CUDA graphs): one token per request,
+        the batched one-token conv and the backend's ``decode``, neither of which reads a device
+        value on the host (a per-request loop here cost ~4 host syncs per GDN layer per step).
     verify: tree conv and closed-form tree GDN reading the committed pools only; the layer stores
         the commit factors (raw k, u, logP, conv inputs) in ``ctx.factors`` at its GDN index.
-    decode over a static context (``ctx.static``, CUDA graphs): the batched one-token conv and the
-        backend's ``decode_step``, neither of which reads a device value on the host.
 
 Tensor parallel: the q/k/v segments of in_proj_qkv (and the conv channels with them), in_proj_z,
 in_proj_b, in_proj_a, A_log, dt_bias are split by heads (column parallel), out_proj is row parallel.
@@ -64,7 +64,8 @@ class GatedDeltaNet(nn.Module):
         if ctx.mode == "verify":
             ctx.factors.conv_x[i] = mixed
             y = causal_conv1d_tree(mixed, weight, None, pool.conv[i], ctx.state_slots, ctx.forest)
-        elif ctx.static is not None:
+        elif ctx.mode == "decode":
+            # one token per request: the batched form (no per-request loop, no host sync), eager or graphed
             y = causal_conv1d_decode(mixed, weight, None, pool.conv[i], ctx.state_slots)
         else:
             y = causal_conv1d(mixed, weight, None, pool.conv[i], ctx.state_slots, ctx.cu_seqlens)
@@ -86,8 +87,6 @@ class GatedDeltaNet(nn.Module):
             ctx.factors.logp[i] = logp
         else:
             fn = self.backend.decode if ctx.mode == "decode" else self.backend.prefill
-            if ctx.static is not None:
-                fn = self.backend.decode_step
             o, final = fn(q, k, v, g[None], beta[None], initial_state=pool.ssm[i],
                           state_indices=ctx.state_slots, cu_seqlens=ctx.cu_seqlens, use_qk_l2norm=True)
             pool.ssm[i, ctx.state_slots] = final.to(pool.ssm.dtype)

@@ -148,7 +148,8 @@ def test_static_decode_matches_eager_cpu(ckpt):
 
 def test_static_decode_reads_nothing_on_the_host():
     """The forward a graph captures runs on the meta device, where any .item() / .tolist() / int(t)
-    raises: so it never waits on a device value (the eager decode does, and fails there)."""
+    raises: so it never waits on a device value. The eager decode runs the same batched ops and is
+    sync-free too; the chunked prefill (per-request loops) is not, and fails there: the check bites."""
     from bole.config import ModelConfig
     from bole.models.qwen3_5 import HybridForCausalLM
 
@@ -169,8 +170,10 @@ def test_static_decode_reads_nothing_on_the_host():
         reqs.append(r)
     logits, hidden = graphs.run(reqs)
     assert logits.shape == (3, 64) and hidden.shape == (3, 32) and logits.device.type == "meta"
+    logits, _ = runner.decode_forward(reqs, use_graphs=False)
+    assert logits.shape == (3, 64) and logits.device.type == "meta"
     with pytest.raises(RuntimeError, match="meta"):
-        runner.decode_forward(reqs, use_graphs=False)
+        runner.prefill([(r, 1) for r in reqs], keep_hidden=False)
 
 
 def test_static_decode_falls_back_above_captured_sizes(ckpt):
