@@ -70,7 +70,7 @@ class GatedAttention(nn.Module):
             vb = vb.to(x.dtype).repeat_interleave(rep, dim=1).transpose(0, 1)
             mask = torch.ones(T, P + T, dtype=torch.bool, device=x.device)
             if ctx.mode == "verify":
-                mask[:, P:] = ctx.forest.ancestor_mask(b)
+                mask[:, P:] = ctx.tree_mask(b)
             else:
                 mask[:, P:] = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
             o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), kb, vb, attn_mask=mask,

@@ -27,7 +27,7 @@ against the drafter's own KV cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Literal, Sequence
 
@@ -144,6 +144,14 @@ class ForwardContext:
     forest: PackedForest | None = None
     factors: TreeFactors | None = None
     static: StaticDecode | None = None
+    _tree_masks: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def tree_mask(self, b: int) -> torch.Tensor:
+        """Request b's ancestor-or-self mask [T_b, T_b] (verify), built once per forward and shared by
+        every attention layer (building it reads the forest on the host)."""
+        if b not in self._tree_masks:
+            self._tree_masks[b] = self.forest.ancestor_mask(b)
+        return self._tree_masks[b]
 
     @property
     def num_requests(self) -> int:
