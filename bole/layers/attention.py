@@ -7,8 +7,10 @@
 
 The new tokens' K/V are written to ``ctx.slot_mapping`` first; each request then attends over
 ``ctx.kv_slots[b]`` (its committed prefix followed by its new tokens) with a causal mask for
-prefill/decode, or prefix + ancestor mask (M⁺) for verify. This is the torch reference path, one
-SDPA call per request; a paged attention kernel can replace the loop without changing the layout.
+prefill/decode, or prefix + ancestor mask (M⁺) for verify. ``_per_request`` is the torch reference,
+one SDPA call per request (prefill runs it); verify and decode run ``_padded``, one SDPA call for the
+whole batch over keys padded to the longest request (``ForwardContext.padded_attention``, built once
+per forward), compared with the reference in tests/models/test_padded_attention.py.
 A static decode context (``ctx.static``, CUDA graphs) instead gathers every row's keys at a fixed
 padded length (``static.kv_index``) and masks the padding (``static.kv_valid``): one batched SDPA call,
 the query heads of a KV head grouped as that call's query rows (GQA without repeating K/V).
@@ -27,6 +29,10 @@ from torch import nn
 from bole.layers.norm import RMSNorm
 from bole.layers.rotary import RotaryEmbedding
 from bole.parallel import local_heads, split_heads
+
+# verify and decode steps attend in one batched SDPA call per layer (``_padded``); prefill keeps the
+# per-request reference path (its chunks can be long, and padding them to the widest would cost).
+BATCHED_VERIFY_DECODE = True
 
 
 class GatedAttention(nn.Module):
@@ -59,24 +65,48 @@ class GatedAttention(nn.Module):
         cache.write(self.cache_index, ctx.slot_mapping, k, v)
         if ctx.static is not None:
             out = self._static_decode(q, cache, ctx.static, x.dtype)
-            return self.o_proj(out.reshape(N, -1) * torch.sigmoid(gate))
-        out = torch.empty(N, self.num_heads, D, dtype=x.dtype, device=x.device)
+        elif ctx.mode in ("verify", "decode") and BATCHED_VERIFY_DECODE:
+            out = self._padded(q, cache, ctx.padded_attention(), x.dtype)
+        else:
+            out = self._per_request(q, cache, ctx, x.dtype)
+        return self.o_proj(out.reshape(N, -1) * torch.sigmoid(gate))
+
+    def _padded(self, q: torch.Tensor, cache, pa, dtype) -> torch.Tensor:
+        """Every request in one SDPA call over its padded keys (``ForwardContext.padded_attention``):
+        the query heads of a KV head are stacked as that call's query rows (GQA without repeating K/V)."""
+        N, H, D = q.shape
+        B, L = pa.kv_index.shape
+        Hkv, rep, tq = self.num_kv_heads, self.num_heads // self.num_kv_heads, pa.tq
+        kb, vb = cache.gather(self.cache_index, pa.kv_index)                      # [B, L, Hkv, D]
+        kb, vb = kb.to(dtype).transpose(1, 2), vb.to(dtype).transpose(1, 2)       # [B, Hkv, L, D]
+        qp = q.new_zeros(B * tq, H, D)
+        qp[pa.rows] = q
+        qg = qp.view(B, tq, Hkv, rep, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, rep * tq, D)
+        mask = pa.mask.expand(B, rep, tq, L).reshape(B, 1, rep * tq, L)
+        o = F.scaled_dot_product_attention(qg, kb, vb, attn_mask=mask, scale=D ** -0.5)
+        o = o.view(B, Hkv, rep, tq, D).permute(0, 3, 1, 2, 4).reshape(B * tq, H, D)
+        return o[pa.rows]
+
+    def _per_request(self, q: torch.Tensor, cache, ctx, dtype) -> torch.Tensor:
+        """The reference: one SDPA call per request over its own keys (every mode; prefill uses it)."""
+        N, D = q.shape[0], self.head_dim
+        out = torch.empty(N, self.num_heads, D, dtype=dtype, device=q.device)
         rep = self.num_heads // self.num_kv_heads
         for b in range(ctx.num_requests):
             s, e = ctx.cu_host[b], ctx.cu_host[b + 1]
             T, P = e - s, ctx.num_cached_host[b]
             kb, vb = cache.gather(self.cache_index, ctx.kv_slots[b])  # [P + T, Hkv, D]
-            kb = kb.to(x.dtype).repeat_interleave(rep, dim=1).transpose(0, 1)
-            vb = vb.to(x.dtype).repeat_interleave(rep, dim=1).transpose(0, 1)
-            mask = torch.ones(T, P + T, dtype=torch.bool, device=x.device)
+            kb = kb.to(dtype).repeat_interleave(rep, dim=1).transpose(0, 1)
+            vb = vb.to(dtype).repeat_interleave(rep, dim=1).transpose(0, 1)
+            mask = torch.ones(T, P + T, dtype=torch.bool, device=q.device)
             if ctx.mode == "verify":
                 mask[:, P:] = ctx.tree_mask(b)
             else:
-                mask[:, P:] = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+                mask[:, P:] = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
             o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), kb, vb, attn_mask=mask,
                                                scale=D ** -0.5)
             out[s:e] = o.transpose(0, 1)
-        return self.o_proj(out.reshape(N, -1) * torch.sigmoid(gate))
+        return out
 
     def _static_decode(self, q: torch.Tensor, cache, static, dtype) -> torch.Tensor:
         """One query token per row over its padded key list: q [B, Hq, D] -> [B, Hq, D]."""

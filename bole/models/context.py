@@ -107,6 +107,26 @@ class StaticDecode:
 
 
 @dataclass
+class PaddedAttention:
+    """The batch's keys and masks laid out for one SDPA call per attention layer (verify and decode).
+
+    Row b*tq + t holds token t of request b (tq = its widest request); key column p of request b is
+    its p-th key (committed prefix, then its new tokens). Built once per forward, shared by every
+    attention layer, on the device with no host read of a device value.
+
+    kv_index  int64 [B, L]       flat KV slot of key p of request b (0 past its keys: masked)
+    mask      bool  [B, 1, tq, L] prefix keys, then causal (decode) or ancestor-or-self (verify) among
+                                  the new tokens; padding rows see key 0 only (no all-masked row)
+    rows      int64 [N]          the padded row of each flat token
+    """
+
+    kv_index: torch.Tensor
+    mask: torch.Tensor
+    rows: torch.Tensor
+    tq: int
+
+
+@dataclass
 class ForwardContext:
     """Everything a layer needs besides its weights and the hidden states.
 
@@ -145,6 +165,42 @@ class ForwardContext:
     factors: TreeFactors | None = None
     static: StaticDecode | None = None
     _tree_masks: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def padded_attention(self) -> PaddedAttention:
+        """The batched attention layout of a verify or decode step (see ``PaddedAttention``), memoized."""
+        if "padded" not in self._tree_masks:
+            self._tree_masks["padded"] = self._build_padded_attention()
+        return self._tree_masks["padded"]
+
+    def _build_padded_attention(self) -> PaddedAttention:
+        if self.mode not in ("verify", "decode"):
+            raise ValueError(f"padded attention is for verify / decode steps, not {self.mode}")
+        cu, nc = self.cu_host, self.num_cached_host
+        B = self.num_requests
+        counts = [cu[b + 1] - cu[b] for b in range(B)]
+        tq = max(counts)
+        dev = self.slot_mapping.device
+        kv_index = torch.nn.utils.rnn.pad_sequence(self.kv_slots, batch_first=True)       # [B, L]
+        L = kv_index.shape[1]
+        req = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))
+        rows_host = req * tq + torch.arange(cu[-1]) - torch.tensor(cu[:-1])[req]
+        rows = rows_host.to(dev)
+        P = torch.tensor(nc, device=dev)[:, None, None]
+        T = torch.tensor(counts, device=dev)[:, None, None]
+        t = torch.arange(tq, device=dev)[None, :, None]
+        rel = torch.arange(L, device=dev)[None, None, :] - P                               # [B, 1, L]
+        if self.mode == "verify":
+            anc = self.forest.anc.long()                                                    # [N, D] local
+            tree = torch.zeros(B * tq, tq + 1, dtype=torch.bool, device=dev)
+            tree[rows[:, None].expand_as(anc), torch.where(anc >= 0, anc, tq)] = True
+            tree = tree[:, :tq].view(B, tq, tq)
+            new = tree.gather(2, rel.clamp(0, tq - 1).expand(B, tq, L)) & (rel >= 0) & (rel < T)
+        else:
+            new = (rel >= 0) & (rel <= t) & (rel < T)
+        valid_row = t < T                                                                   # [B, tq, 1]
+        mask = ((rel < 0) | new) & valid_row
+        mask[:, :, 0] |= ~valid_row[:, :, 0]
+        return PaddedAttention(kv_index=kv_index, mask=mask[:, None], rows=rows, tq=tq)
 
     def tree_mask(self, b: int) -> torch.Tensor:
         """Request b's ancestor-or-self mask [T_b, T_b] (verify), built once per forward and shared by
