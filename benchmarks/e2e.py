@@ -54,6 +54,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from bole.cache.kv_cache import blocks_needed  # noqa: E402
+from bole.calibrate import _time_ms  # noqa: E402
 from bole.config import ModelConfig  # noqa: E402
 from bole.engine.cuda_graphs import decode_step_fn  # noqa: E402
 from bole.engine.runner import ModelRunner  # noqa: E402
@@ -124,24 +125,8 @@ def parse_args(argv=None):
 
 # ------------------------------------------------------------------------------------------ helpers
 def time_ms(fn, warmup: int, reps: int, device: torch.device) -> float:
-    """Median wall time of fn() in ms: CUDA events around each call (synchronised), else perf_counter."""
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            ts.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
+    """Median time of fn() in ms (``bole.calibrate._time_ms``: CUDA events around each synchronised call)."""
+    return statistics.median(_time_ms({0: fn}, warmup, reps, device)[0])
 
 
 def copy_bandwidth(device: torch.device, smoke: bool) -> dict:

@@ -164,13 +164,13 @@ class ForwardContext:
     forest: PackedForest | None = None
     factors: TreeFactors | None = None
     static: StaticDecode | None = None
-    _tree_masks: dict = field(default_factory=dict, repr=False, compare=False)
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)  # per-forward layouts, built once
 
     def padded_attention(self) -> PaddedAttention:
         """The batched attention layout of a verify or decode step (see ``PaddedAttention``), memoized."""
-        if "padded" not in self._tree_masks:
-            self._tree_masks["padded"] = self._build_padded_attention()
-        return self._tree_masks["padded"]
+        if "padded" not in self._memo:
+            self._memo["padded"] = self._build_padded_attention()
+        return self._memo["padded"]
 
     def _build_padded_attention(self) -> PaddedAttention:
         if self.mode not in ("verify", "decode"):
@@ -205,9 +205,9 @@ class ForwardContext:
     def tree_mask(self, b: int) -> torch.Tensor:
         """Request b's ancestor-or-self mask [T_b, T_b] (verify), built once per forward and shared by
         every attention layer (building it reads the forest on the host)."""
-        if b not in self._tree_masks:
-            self._tree_masks[b] = self.forest.ancestor_mask(b)
-        return self._tree_masks[b]
+        if ("tree", b) not in self._memo:
+            self._memo["tree", b] = self.forest.ancestor_mask(b)
+        return self._memo["tree", b]
 
     @property
     def num_requests(self) -> int:

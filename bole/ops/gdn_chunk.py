@@ -57,6 +57,17 @@ def _single_step(qf, kf, vf, gf, bf, S):
     return o, S
 
 
+def _initial_states(initial_state, state_indices, B: int, vf, kf, dt) -> torch.Tensor:
+    """[B, HV, V, K] starting states in the compute dtype: pool slots ``state_indices`` (default 0..B-1)
+    of ``initial_state``, or zeros."""
+    HV, V, K = vf.shape[1], vf.shape[2], kf.shape[2]
+    if initial_state is None:
+        return torch.zeros(B, HV, V, K, dtype=dt, device=kf.device)
+    idx = torch.arange(B, device=kf.device) if state_indices is None else \
+        torch.as_tensor(state_indices, device=initial_state.device).long()
+    return initial_state[idx].to(dt)
+
+
 def gdn_decode(q, k, v, g, beta, scale=None, initial_state=None, state_indices=None, cu_seqlens=None,
                use_qk_l2norm=False):
     """One token per sequence (N sequences of length 1): the single-step recurrence ``gdn_chunk`` runs
@@ -64,14 +75,7 @@ def gdn_decode(q, k, v, g, beta, scale=None, initial_state=None, state_indices=N
     CUDA graph can capture it. Same signature and results as ``gdn_chunk`` on such a batch.
     """
     qf, kf, vf, gf, bf, dt = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
-    N, HV, K = kf.shape
-    V = vf.shape[-1]
-    if initial_state is None:
-        init = torch.zeros(N, HV, V, K, dtype=dt, device=q.device)
-    else:
-        idx = torch.arange(N, device=q.device) if state_indices is None else \
-            torch.as_tensor(state_indices, device=initial_state.device).long()
-        init = initial_state[idx].to(dt)
+    init = _initial_states(initial_state, state_indices, kf.shape[0], vf, kf, dt)
     o, final = _single_step(qf, kf, vf, gf, bf, init)
     return o.to(v.dtype)[None], final
 
@@ -97,12 +101,7 @@ def gdn_chunk(q, k, v, g, beta, scale=None, initial_state=None, state_indices=No
     B = len(cu) - 1
     if cu[0] != 0 or cu[-1] != N or any(b < a for a, b in pairwise(cu)):
         raise ValueError(f"cu_seqlens {cu} does not partition {N} tokens")
-    if initial_state is None:
-        init = torch.zeros(B, HV, V, K, dtype=dt, device=q.device)
-    else:
-        idx = torch.arange(B, device=q.device) if state_indices is None else \
-            torch.as_tensor(state_indices, device=initial_state.device).long()
-        init = initial_state[idx].to(dt)
+    init = _initial_states(initial_state, state_indices, B, vf, kf, dt)
     if B == N and all(b - a == 1 for a, b in pairwise(cu)):
         o, final = _single_step(qf, kf, vf, gf, bf, init)
         return o.to(v.dtype)[None], final
