@@ -15,7 +15,8 @@ Sections (``--sections``, letters or names; all by default):
   b  state_bytes   Transient speculative state per request for T = 100 and 200 nodes, all GDN layers:
                    per-node fp32 snapshots vs the factors the commit needs, from the engine's own buffer
                    layout (``TreeFactors.transient_bytes``), Qwen3.5-4B / 9B / 27B / 122B-A10B shapes.
-  c  throughput    Offline ar / ar with CUDA graphs / serial_tree / bole on the embedded trained model
+  c  throughput    Offline ar / serial_tree / bole, each eager and with CUDA graphs (decode graphs for ar,
+                   verify graphs for the speculative modes), on the embedded trained model
                    (``--model``; held-out prompts), batch 1..16, greedy, tokens/s and MAT, each
                    speculative run's tokens checked against ar's (``benchmarks.engine_modes.run_mode``).
                    At Qwen3.5-9B shapes (random weights): per-step latency of verification (+ commit)
@@ -222,8 +223,9 @@ def section_throughput(rep: Report, args, device: torch.device, t_end: float) ->
                      "(MAT and speedups then say nothing about the trained drafter)")
         path, name = random_tiny(args.model), f"{name} (random weights)"
     prompts = [json.loads(line)["prompt"] for line in open(args.prompts)][: max(args.batches)]
-    configs = [("ar", False)] + ([("ar", True)] if device.type == "cuda" else []) + \
-        [("serial_tree", False), ("bole", False)]
+    cuda = device.type == "cuda"
+    configs = [("ar", False)] + ([("ar", True)] if cuda else []) + [("serial_tree", False), ("bole", False)] + \
+        ([("serial_tree", True), ("bole", True)] if cuda else [])
     opts = dict(device=str(device), dtype=args.tiny_dtype, num_blocks=2048)
     for batch in args.batches:
         ref = None

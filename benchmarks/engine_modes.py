@@ -44,10 +44,12 @@ def run_mode(path: str, mode: str, batch: int, prompts, max_tokens: int = 48, de
     opts = {"calibration_table": "calibration_tables/default.yaml", **engine_opts}
     llm = LLM(path, mode=mode, depth=depth, topk=topk, beam=beam, **opts)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    graphs = llm.engine.runner.graphs
-    if graphs is not None:  # CUDA-graph decode: capture every graph the run can need before timing it
-        longest = max(len(llm._encode(p)) for p in prompts[:batch]) + max_tokens + 1
-        graphs.capture_all(batch, longest)
+    runner = llm.engine.runner
+    longest = max(len(llm._encode(p)) for p in prompts[:batch]) + max_tokens + 1
+    if runner.graphs is not None:  # CUDA-graph decode: capture every graph the run can need before timing it
+        runner.graphs.capture_all(batch, longest)
+    if runner.verify_graphs is not None:  # and every verify graph (batch, tree width, KV length)
+        runner.verify_graphs.capture_all(batch, longest)
     llm.generate(prompts[:batch], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     llm.engine.metrics.__init__()
     t0 = time.perf_counter()

@@ -9,6 +9,7 @@
 #   budget     benchmarks/run_gpu_budget.sh (Fig. 11 sweep)                              (~2.5 min)
 #   gdn        benchmarks/run_gpu_gdn.sh --models qwen3.5-9b --budget-s 120             (~2.5 min)
 #   e2e        benchmarks/run_gpu_e2e.sh (set E2E_FLAGS for extra e2e.py flags)          (~5-6 min)
+#   profile    benchmarks/profile_step.py: torch.profiler over the engine's steps           (~1 min)
 # $OUT receives results.tar.gz (every step's files, one folder per step) and summary.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +43,10 @@ step_e2e() {
   # shellcheck disable=SC2086
   OUT="$1" SKIP_GPU_TESTS=1 E2E_BUDGET_S="${E2E_BUDGET_S:-260}" E2E_KILL_S="${E2E_KILL_S:-320}" \
     bash benchmarks/run_gpu_e2e.sh ${E2E_FLAGS:-}
+}
+step_profile() {
+  # shellcheck disable=SC2086
+  timeout -k 10 "${PROFILE_S:-240}" python3 benchmarks/profile_step.py --out "$1/profile_h200.json" ${PROFILE_FLAGS:-}
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee -a "$OUT/summary.log"

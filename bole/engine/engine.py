@@ -38,6 +38,7 @@ from bole.engine.metrics import EngineMetrics, StepStats
 from bole.engine.runner import ModelRunner
 from bole.engine.scheduler import Scheduler
 from bole.engine.sequence import Request, RequestStatus
+from bole.engine.verify_graphs import tree_widths
 from bole.hardware import resolve_calibration
 from bole.sampling_params import SamplingParams
 from bole.spec.budget import CalibrationTable, select_nodes
@@ -82,7 +83,12 @@ class LLMEngine:
                                   config.torch_dtype, config.device,
                                   snapshot_verify=self.mode == "serial_tree",
                                   cuda_graph_batch_sizes=config.cuda_graph_batch_sizes
-                                  if config.enable_cuda_graphs and self.mode == "ar" else None)
+                                  if config.enable_cuda_graphs and self.mode == "ar" else None,
+                                  verify_graph_spec=dict(
+                                      batch_sizes=sorted({b for b in config.cuda_graph_batch_sizes
+                                                          if b < config.max_num_seqs} | {config.max_num_seqs}),
+                                      tree_sizes=tree_widths(self.lookahead), max_depth=spec.depth + 1)
+                                  if config.enable_cuda_graphs and self.mode != "ar" else None)
         cc = config.cache
         self.prefix_cache = PrefixCache(self.runner.allocator, self.runner.state_pool, cc.block_size,
                                         cc.checkpoint_interval_blocks, cc.num_checkpoint_slots,
@@ -162,6 +168,8 @@ class LLMEngine:
         """One token per request from logits [B, V] (the token at index num_tokens)."""
         out_index = torch.tensor([[len(r.output_token_ids)] for r in reqs], device=logits.device)
         logits = self._mask_early_stops(reqs, logits[:, None], out_index)[:, 0]
+        if all(r.params.temperature <= 0 for r in reqs):  # greedy: the one-hot's index, no vocabulary sort
+            return logits.argmax(-1).tolist()
         temp, top_k, top_p, seed = self._param_tensors(reqs)
         offset = torch.tensor([r.num_tokens for r in reqs], device=seed.device)
         u = counter_uniforms(seed, offset, 1)[:, 0]
@@ -227,8 +235,9 @@ class LLMEngine:
         # row r samples output index len(output) + depth(r) (the root x_n is the last output so far)
         n_out = torch.tensor([len(r.output_token_ids) for r in reqs], device=seed.device)
         logits = self._mask_early_stops(reqs, res.logits, n_out[:, None] + row_depth.to(seed.device))
-        acc = accept_tree(batch.tokens, batch.parents, uniforms, logits=logits.float(), temperature=temp,
-                          top_k=top_k, top_p=top_p, max_depth=D)
+        greedy = all(r.params.temperature <= 0 for r in reqs)
+        acc = accept_tree(batch.tokens, batch.parents, uniforms, logits=logits if greedy else logits.float(),
+                          temperature=0.0 if greedy else temp, top_k=top_k, top_p=top_p, max_depth=D)
         accepted = acc.accepted_node.tolist()
         num, toks = acc.num_emitted.tolist(), acc.tokens.tolist()
         emitted = [toks[b][: num[b]] for b in range(len(reqs))]

@@ -33,6 +33,7 @@ from bole.cache.kv_cache import PagedKVCache
 from bole.cache.state_pool import StatePool
 from bole.engine.cuda_graphs import DecodeGraphs, graphs_unsupported
 from bole.engine.sequence import Request
+from bole.engine.verify_graphs import VerifyGraphs
 from bole.models.context import ForwardContext, TreeFactors
 from bole.spec.drafter import DraftBatch, Frontier, expand_tree, tree_size
 from bole.spec.tree import PackedForest
@@ -56,13 +57,13 @@ def _empty_factors(num_nodes: int, device) -> TreeFactors:
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, num_state_slots: int,
                  max_batch_nodes: int, kv_dtype: torch.dtype, device, snapshot_verify: bool = False,
-                 cuda_graph_batch_sizes: Sequence[int] | None = None):
+                 cuda_graph_batch_sizes: Sequence[int] | None = None, verify_graph_spec: dict | None = None):
         cfg = getattr(model, "local_config", model.config)  # this TP rank's head counts (bole.parallel)
         self.model, self.cfg, self.device = model, cfg, torch.device(device)
         self.block_size = block_size
-        graphs = bool(cuda_graph_batch_sizes) and self.device.type == "cuda"
+        graphs = bool(cuda_graph_batch_sizes or verify_graph_spec) and self.device.type == "cuda"
         if graphs and graphs_unsupported(model):
-            logger.warning("CUDA graphs off: %s; decode runs eagerly", graphs_unsupported(model))
+            logger.warning("CUDA graphs off: %s; decode and verify run eagerly", graphs_unsupported(model))
             graphs = False
         spare = int(graphs)  # the graphs' padding rows get their own KV block and state slot
         self.kv_cache = PagedKVCache(cfg.num_attn_layers, num_blocks + spare, block_size,
@@ -77,17 +78,34 @@ class ModelRunner:
         self.factors = TreeFactors.allocate(cfg, max_batch_nodes, dtype=kv_dtype, device=device,
                                             snapshots=snapshot_verify)
         self.graphs: DecodeGraphs | None = None
-        if graphs:
+        self.verify_graphs: VerifyGraphs | None = None
+        self._pad: tuple[int, int] | None = None
+        if graphs and cuda_graph_batch_sizes:
             self.enable_cuda_graphs(cuda_graph_batch_sizes)
+        if graphs and verify_graph_spec:
+            self.enable_verify_graphs(**verify_graph_spec)
 
     def enable_cuda_graphs(self, batch_sizes: Sequence[int], capture: bool = True, **kw) -> DecodeGraphs:
         """Route ``decode`` through ``DecodeGraphs``; takes one KV block and one state slot for padding
         (the constructor sizes the pools one larger when it is asked for graphs). ``capture=False`` runs
         the same static forward without graphs (any device; tests)."""
-        pad_block = self.allocator.allocate(1)[0]
-        pad_slot = self.state_pool.allocate()
-        self.graphs = DecodeGraphs(self, batch_sizes, pad_block, pad_slot, capture=capture, **kw)
+        self.graphs = DecodeGraphs(self, batch_sizes, *self._padding(), capture=capture, **kw)
         return self.graphs
+
+    def enable_verify_graphs(self, batch_sizes: Sequence[int], tree_sizes: Sequence[int], max_depth: int,
+                             capture: bool = True, **kw) -> VerifyGraphs:
+        """Route ``verify`` through ``VerifyGraphs`` (trees of <= max(tree_sizes) nodes, root included,
+        and depth <= max_depth); shares the decode graphs' padding block and slot and memory pool."""
+        pool = self.graphs.pool if self.graphs is not None else None
+        self.verify_graphs = VerifyGraphs(self, batch_sizes, tree_sizes, max_depth, *self._padding(),
+                                          capture=capture, pool=pool, **kw)
+        return self.verify_graphs
+
+    def _padding(self) -> tuple[int, int]:
+        """The KV block and GDN state slot that graphs' padding rows use (reserved once)."""
+        if self._pad is None:
+            self._pad = (self.allocator.allocate(1)[0], self.state_pool.allocate())
+        return self._pad
 
     @property
     def allocator(self):
@@ -144,6 +162,10 @@ class ModelRunner:
         """Target forward over every request's tree: root (pending token) + kept drafts."""
         # Each tree: node 0 = the pending root token, the kept drafts below it (draft depth d -> d + 1).
         B, T = batch.tokens.shape
+        vg = self.verify_graphs
+        if vg is not None and vg.supports(reqs, T + 1):
+            logits, hidden, ctx = vg.run(reqs, batch)
+            return VerifyResult(logits=logits, ctx=ctx, hidden=hidden, forest=ctx.forest)
         dev = batch.tokens.device
         roots = torch.tensor([r.all_token_ids[r.num_computed] for r in reqs], device=dev)
         tokens = torch.cat([roots[:, None], batch.tokens], 1)                        # [B, 1 + T]
@@ -166,6 +188,7 @@ class ModelRunner:
     def commit(self, reqs: list[Request], res: VerifyResult, accepted_node: list[int], keep_hidden: bool):
         """Materialise each request's accepted path (root + accepted drafts); advance num_computed."""
         local = [a + 1 for a in accepted_node]  # the root (node 0) is always accepted
+        local += [-1] * (res.forest.num_requests - len(local))  # a graph's padding rows: nothing
         lengths = self.model.commit(res.ctx, local)
         paths = res.forest.accepted_path_nodes(local)
         for b, r in enumerate(reqs):
@@ -173,7 +196,7 @@ class ModelRunner:
                 h = res.hidden[paths[b, : lengths[b]].long()]
                 r.pending_hidden = h if r.pending_hidden is None else torch.cat([r.pending_hidden, h])
             r.num_computed += lengths[b]
-        return lengths
+        return lengths[:len(reqs)]
 
     @torch.inference_mode()
     def commit_path_prefix(self, res: VerifyResult, accepted_node: list[int], keep: list[int],
@@ -184,10 +207,12 @@ class ModelRunner:
         ``keep[b] == 0`` leaves request b alone. Call before ``commit`` (which overwrites S_pre): the
         prefix cache checkpoints a block boundary that a commit jumps over this way.
         """
-        paths = res.forest.accepted_path_nodes([a + 1 for a in accepted_node]).cpu()
-        cut = [int(paths[b, k - 1]) - res.ctx.cu_host[b] if k else -1 for b, k in enumerate(keep)]
+        pad = res.forest.num_requests - len(accepted_node)  # a graph's padding rows: nothing
+        paths = res.forest.accepted_path_nodes([a + 1 for a in accepted_node] + [-1] * pad).cpu()
+        cut = [int(paths[b, k - 1]) - res.ctx.cu_host[b] if k else -1 for b, k in enumerate(keep)] + [-1] * pad
         ctx = dataclasses.replace(res.ctx, kv_cache=None, state_pool=pool,
-                                  state_slots=torch.tensor(slots, dtype=torch.long, device=self.device))
+                                  state_slots=torch.tensor(list(slots) + [slots[0]] * pad, dtype=torch.long,
+                                                           device=self.device))
         self.model.commit(ctx, cut)
 
     # -- drafting ----------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bole.layers.norm import RMSNorm
 from bole.layers.rotary import RotaryEmbedding
@@ -33,6 +34,18 @@ from bole.parallel import local_heads, split_heads
 # verify and decode steps attend in one batched SDPA call per layer (``_padded``); prefill keeps the
 # per-request reference path (its chunks can be long, and padding them to the widest would cost).
 BATCHED_VERIFY_DECODE = True
+
+# SDPA backends, in torch's order of preference, without cuDNN: cuDNN's attention builds an execution
+# plan per input shape, ~10 ms of host time each time the key length changes, i.e. on every engine
+# step (measured on the H200: benchmarks/results/profile_h200_before.json, aten::_cudnn_attention_forward
+# 10.4 ms of CPU per call in the tiny model's decode step). Flash / memory-efficient take the same inputs.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(q, k, v, mask, scale):
+    """``F.scaled_dot_product_attention`` with a boolean mask, cuDNN excluded (see ``_SDPA_BACKENDS``)."""
+    with sdpa_kernel(_SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 class GatedAttention(nn.Module):
@@ -83,7 +96,7 @@ class GatedAttention(nn.Module):
         qp[pa.rows] = q
         qg = qp.view(B, tq, Hkv, rep, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, rep * tq, D)
         mask = pa.mask.expand(B, rep, tq, L).reshape(B, 1, rep * tq, L)
-        o = F.scaled_dot_product_attention(qg, kb, vb, attn_mask=mask, scale=D ** -0.5)
+        o = sdpa(qg, kb, vb, mask, D ** -0.5)
         o = o.view(B, Hkv, rep, tq, D).permute(0, 3, 1, 2, 4).reshape(B * tq, H, D)
         return o[pa.rows]
 
@@ -103,8 +116,7 @@ class GatedAttention(nn.Module):
                 mask[:, P:] = ctx.tree_mask(b)
             else:
                 mask[:, P:] = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-            o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), kb, vb, attn_mask=mask,
-                                               scale=D ** -0.5)
+            o = sdpa(q[s:e].transpose(0, 1), kb, vb, mask, D ** -0.5)
             out[s:e] = o.transpose(0, 1)
         return out
 
@@ -114,6 +126,5 @@ class GatedAttention(nn.Module):
         kb, vb = cache.gather(self.cache_index, static.kv_index)  # [B, L, Hkv, D]
         kb, vb = kb.to(dtype).transpose(1, 2), vb.to(dtype).transpose(1, 2)  # [B, Hkv, L, D]
         qg = q.reshape(B, Hkv, self.num_heads // Hkv, D)  # query head h reads kv head h // rep
-        o = F.scaled_dot_product_attention(qg, kb, vb, attn_mask=static.kv_valid[:, None, None, :],
-                                           scale=D ** -0.5)
+        o = sdpa(qg, kb, vb, static.kv_valid[:, None, None, :], D ** -0.5)
         return o.reshape(B, self.num_heads, D)

@@ -197,9 +197,15 @@ class HybridForCausalLM(nn.Module):
                     continue
                 local = paths_host[b, :n].long() - ctx.cu_host[b]
                 P = ctx.num_cached_host[b]
-                slots = ctx.kv_slots[b]
-                src.append(slots[(P + local).to(slots.device)])
-                dst.append(slots[P:P + n])
+                if ctx.kv_slots:
+                    slots = ctx.kv_slots[b]
+                    src.append(slots[(P + local).to(slots.device)])
+                    dst.append(slots[P:P + n])
+                else:  # a graph's static context: slots from the host block table
+                    both = ctx.kv_cache.slots_for(ctx.block_tables[b], torch.cat([P + local, torch.arange(P, P + n)]))
+                    src.append(both[:n])
+                    dst.append(both[n:])
             if src:
-                ctx.kv_cache.move(torch.cat(src), torch.cat(dst))
+                dev = ctx.kv_cache.device
+                ctx.kv_cache.move(torch.cat(src).to(dev), torch.cat(dst).to(dev))
         return lengths

@@ -168,6 +168,7 @@ def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, uniforms: torch.Ten
         logits, temperature, top_k, top_p: instead of ``probs``, raw target logits [B, T+1, V] and
                   per-request [B] parameters; then only the max_depth+1 rows the walk visits are
                   processed (T+1 full-vocabulary sorts and softmaxes would dominate at V ~ 150k).
+                  A Python ``temperature`` <= 0 means every row is greedy: argmax, no sort.
         max_depth: depth bound of every tree (default T). The walk runs exactly max_depth + 1
                   gather-based iterations, whatever the trees look like.
         pad_token: fill value of ``TreeAcceptance.tokens`` beyond the emitted ones.
@@ -191,15 +192,21 @@ def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, uniforms: torch.Ten
     dev = tokens.device
     tokens, parents = tokens.long(), parents.long()
     rows = torch.arange(B, device=dev)
+    # every row greedy, known on the host (a Python temperature <= 0): the argmax of the raw logits is
+    # what process_logits' one-hot and sample_from_probs return, without the vocabulary sort
+    all_greedy = logits is not None and isinstance(temperature, (int, float)) and temperature <= 0
     cur = torch.full((B,), -1, dtype=torch.int64, device=dev)     # current node, -1 = root
     alive = torch.ones(B, dtype=torch.bool, device=dev)           # still walking
     path, emitted = [], []
     for step in range(D + 1):
         r = cur + 1                                                # target row of the current node
         p = target[rows, r]                                        # [B, V]
-        if logits is not None:
-            p = process_logits(p, temperature, top_k, top_p)
-        x = sample_from_probs(p, uniforms[rows, r])                # [B]
+        if all_greedy:
+            x = p.argmax(-1)                                       # = sampling the one-hot target
+        else:
+            if logits is not None:
+                p = process_logits(p, temperature, top_k, top_p)
+            x = sample_from_probs(p, uniforms[rows, r])            # [B]
         hit = (parents == cur[:, None]) & (tokens == x[:, None]) & (tokens >= 0)   # [B, T]
         matched = hit.any(-1) & alive
         if step == D:  # depth bound reached: only a leaf can be here

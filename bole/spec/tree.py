@@ -198,23 +198,9 @@ class PackedForest:
         par = torch.where(valid, parents.long(), -1)
         if bool(((par >= idx[None]) | (par < -1)).any()):
             raise ValueError("from_padded: a parent does not precede its child")
-        # chain[k] = k-th ancestor of each node (0: itself), -1 past the root
-        chain = [torch.where(valid, idx[None].expand(B, T), -1)]
-        for _ in range(D):
-            prev = chain[-1]
-            chain.append(torch.where(prev >= 0, par.gather(1, prev.clamp(min=0)), -1))
-        if bool((chain[D] >= 0).any()):
+        chain, depth, anc, bits = _padded_layout(par, valid, D)
+        if bool((chain >= 0).any()):
             raise ValueError(f"from_padded: a tree is deeper than max_depth={D}")
-        chains = torch.stack(chain[:D], -1)                                  # [B, T, D]
-        depth = (chains >= 0).sum(-1)                                        # [B, T]
-        lvl = torch.arange(D, device=dev)
-        back = (depth[..., None] - 1 - lvl).clamp(min=0)                     # anc[l] = chain[depth-1-l]
-        anc = torch.where(lvl < depth[..., None], chains.gather(2, back), -1)
-        W = (T + 63) // 64
-        member = torch.zeros(B, T, W * 64, dtype=torch.int64, device=dev)
-        member.scatter_add_(2, anc.clamp(min=0), (anc >= 0).long())  # -1 entries add 0
-        weights = torch.ones(64, dtype=torch.int64, device=dev) << torch.arange(64, device=dev)
-        bits = (member.view(B, T, W, 64) * weights).sum(-1)                  # distinct powers: an OR
         counts = valid.sum(1)
         cu = torch.zeros(B + 1, dtype=torch.int32, device=dev)
         cu[1:] = counts.cumsum(0)
@@ -222,6 +208,31 @@ class PackedForest:
         i32 = lambda t: t[valid].to(torch.int32)
         return PackedForest(cu_seqlens=cu, parents=i32(par), depth=i32(depth), anc=anc[valid].to(torch.int32),
                             anc_bits=bits[valid], request_ids=i32(rid), max_nodes=T, max_depth=D)
+
+    @staticmethod
+    def full_padded(parents: torch.Tensor, max_depth: int, out: "PackedForest | None" = None) -> "PackedForest":
+        """The forest of B trees of exactly T nodes each (parents int [B, T], all valid), with no host
+        sync and no validation: what a CUDA-graph verify step builds inside the graph (its draft trees
+        are padded to a fixed T with extra children of the root, ``bole.engine.verify_graphs``).
+
+        ``out``: a forest of the same layout whose tensors are overwritten in place (static buffers).
+        The caller guarantees parents precede children and depths stay within ``max_depth``.
+        """
+        B, T = parents.shape
+        dev = parents.device
+        valid = torch.ones(B, T, dtype=torch.bool, device=dev)
+        _, depth, anc, bits = _padded_layout(parents.long(), valid, int(max_depth))
+        if out is None:
+            rid = torch.arange(B, device=dev, dtype=torch.int32)[:, None].expand(B, T).reshape(-1)
+            return PackedForest(cu_seqlens=torch.arange(0, B * T + 1, T, dtype=torch.int32, device=dev),
+                                parents=parents.reshape(-1).to(torch.int32), depth=depth.reshape(-1).to(torch.int32),
+                                anc=anc.reshape(B * T, -1).to(torch.int32), anc_bits=bits.reshape(B * T, -1),
+                                request_ids=rid.contiguous(), max_nodes=T, max_depth=int(max_depth))
+        out.parents.copy_(parents.reshape(-1))
+        out.depth.copy_(depth.reshape(-1))
+        out.anc.copy_(anc.reshape(B * T, -1))
+        out.anc_bits.copy_(bits.reshape(B * T, -1))
+        return out
 
     @property
     def num_requests(self) -> int:
@@ -286,6 +297,34 @@ class PackedForest:
             out[b, : int(ok.sum())] = chain[ok] + cu[b]
         return out.to(self.device)
 
+
+
+def _padded_layout(par: torch.Tensor, valid: torch.Tensor, D: int):
+    """Device-side layout of padded trees (no host sync): par int64 [B, T] (-1 = root and on padding).
+
+    Returns (chain_D, depth, anc, bits): chain_D [B, T] the D-th ancestor (>= 0 only for a node deeper
+    than D, which the caller may reject), depth [B, T], anc [B, T, D] local ancestor chains root first
+    (-1 padded), bits [B, T, W] int64 ancestor-or-self bitmasks.
+    """
+    B, T = par.shape
+    dev = par.device
+    idx = torch.arange(T, device=dev)
+    # chain[k] = k-th ancestor of each node (0: itself), -1 past the root
+    chain = [torch.where(valid, idx[None].expand(B, T), -1)]
+    for _ in range(D):
+        prev = chain[-1]
+        chain.append(torch.where(prev >= 0, par.gather(1, prev.clamp(min=0)), -1))
+    chains = torch.stack(chain[:D], -1)                                  # [B, T, D]
+    depth = (chains >= 0).sum(-1)                                        # [B, T]
+    lvl = torch.arange(D, device=dev)
+    back = (depth[..., None] - 1 - lvl).clamp(min=0)                     # anc[l] = chain[depth-1-l]
+    anc = torch.where(lvl < depth[..., None], chains.gather(2, back), -1)
+    W = (T + 63) // 64
+    member = torch.zeros(B, T, W * 64, dtype=torch.int64, device=dev)
+    member.scatter_add_(2, anc.clamp(min=0), (anc >= 0).long())  # -1 entries add 0
+    weights = torch.ones(64, dtype=torch.int64, device=dev) << torch.arange(64, device=dev)
+    bits = (member.view(B, T, W, 64) * weights).sum(-1)                  # distinct powers: an OR
+    return chain[D], depth, anc, bits
 
 def random_tree(num_nodes: int, max_depth: int, generator: torch.Generator | None = None,
                 max_children: int = 4) -> DraftTree:

@@ -158,6 +158,9 @@ def test_greedy_walk_matches_python_reference(seed):
     probs = process_logits(logits.flatten(0, 1), 0.0, -1, 1.0).view(B, T + 1, V)
     res_p = accept_tree(tokens, parents, u, probs, max_depth=D)
     assert all(torch.equal(getattr(res, f), getattr(res_p, f)) for f in ("tokens", "accepted_path"))
+    # the all-greedy fast path (a Python temperature: argmax, no sort) walks the same way
+    res_g = accept_tree(tokens, parents, u, logits=logits, temperature=0.0, top_k=-1, top_p=1.0, max_depth=D)
+    assert all(torch.equal(getattr(res, f), getattr(res_g, f)) for f in ("tokens", "accepted_path", "accepted_node"))
     deep = 0
     for b in range(B):
         path, out = reference_walk(tokens[b].tolist(), parents[b].tolist(),

@@ -1,0 +1,134 @@
+"""Where a step's time goes: torch.profiler over the engine's forwards, host overhead per step.
+
+For each case it reports the wall time of one synchronised call, the GPU busy time (sum of device
+kernel / memcpy time inside it), their difference (host overhead: time the GPU waits on Python and the
+CUDA driver), the number of kernel launches and of host syncs, and the top operators by self CPU time.
+
+Cases (``--cases``):
+  decode9b     eager decode forward, Qwen3.5-9B shapes (random bf16 weights), batch 1, kv 1000
+  verify9b     verify forward of a 64-node tree at the same shapes, batch 1
+  ar_tiny      one engine step of ``ar`` on the embedded model, batch 1 (eager)
+  bole_tiny    one engine step of ``bole`` on the embedded model, batch 1 (draft, budget, verify, commit)
+  ar_tiny_graphs, bole_tiny_graphs   the same with CUDA graphs (decode / verify forwards replayed)
+
+    python benchmarks/profile_step.py --out benchmarks/results/profile_h200.json
+    python benchmarks/profile_step.py --smoke          # CPU, tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaEventSynchronize",
+               "aten::item", "aten::_local_scalar_dense")
+LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+
+
+def profile(fn, device: torch.device, warmup: int = 3, reps: int = 5, top: int = 25) -> dict:
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    walls = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e3)
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                    if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    ev = prof.key_averages()
+    # device time: kernels + memcpy/memset on the GPU, from the trace events
+    gpu_us = sum(e.device_time_total for e in ev if e.device_type == torch.autograd.DeviceType.CUDA) \
+        if device.type == "cuda" else 0.0
+    counts = {k: 0 for k in SYNC_EVENTS + LAUNCH_EVENTS}
+    for e in ev:
+        if e.key in counts:
+            counts[e.key] += e.count
+    rows = sorted((e for e in ev if e.device_type != torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    wall = sorted(walls)[len(walls) // 2]
+    return dict(wall_ms=round(wall, 3), gpu_busy_ms=round(gpu_us / 1e3, 3),
+                host_overhead_ms=round(max(0.0, wall - gpu_us / 1e3), 3),
+                launches=sum(counts[k] for k in LAUNCH_EVENTS), counts={k: v for k, v in counts.items() if v},
+                top_self_cpu=[dict(op=e.key, calls=e.count, self_cpu_ms=round(e.self_cpu_time_total / 1e3, 3))
+                              for e in rows],
+                table=prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
+
+
+def case_target(name: str, args, device) -> dict:
+    from benchmarks.e2e import Target, parse_args
+    from bole.calibrate import synthetic_batch
+
+    eargs = parse_args((["--smoke"] if args.smoke else []) + ["--share-batches", "1", "--decode-batches", "1",
+                                                              "--tree-sizes", "64"])
+    tgt = Target(eargs, device, snapshots=False)
+    reqs = tgt.reqs[:1]
+    runner = tgt.runner
+    if name == "decode9b":
+        return profile(lambda: runner.decode_forward(reqs, use_graphs=False), device)
+    batch = synthetic_batch(63, 1, 8, tgt.cfg.vocab_size, tgt.gen, device)
+    return profile(lambda: runner.verify(reqs, batch), device)
+
+
+def case_engine(mode: str, args, device, graphs: bool = False) -> dict:
+    from bole import LLM, SamplingParams
+
+    dtype = "float32" if args.smoke else "bfloat16"
+    llm = LLM(str(REPO_ROOT / "models" / "bole-tiny-coder"), mode=mode, depth=4, topk=4, beam=4,
+              device=str(device), dtype=dtype, num_blocks=1024, max_num_seqs=1,
+              calibration_table="calibration_tables/default.yaml", enable_cuda_graphs=graphs)
+    prompt = json.loads(open(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl").readline())["prompt"]
+    eng = llm.engine
+    eng.add_request(llm._encode(prompt), SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True))
+    eng.step()  # prefill
+    for g in (eng.runner.graphs, eng.runner.verify_graphs):
+        if g is not None:
+            g.capture_all(1, 1024)
+    return profile(eng.step, device, warmup=3, reps=5)
+
+
+CASES = {"decode9b": case_target, "verify9b": case_target,
+         "ar_tiny": lambda n, a, d: case_engine("ar", a, d), "bole_tiny": lambda n, a, d: case_engine("bole", a, d),
+         "ar_tiny_graphs": lambda n, a, d: case_engine("ar", a, d, True),
+         "bole_tiny_graphs": lambda n, a, d: case_engine("bole", a, d, True)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", nargs="*", default=list(CASES))
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    doc = dict(gpu=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
+               date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), command=" ".join(sys.argv), cases={})
+    for name in args.cases:
+        r = CASES[name](name, args, device)
+        print(f"== {name}: wall {r['wall_ms']} ms, gpu busy {r['gpu_busy_ms']} ms, host overhead "
+              f"{r['host_overhead_ms']} ms, launches {r['launches']}, {r['counts']}", flush=True)
+        print(r.pop("table"), flush=True)
+        doc["cases"][name] = r
+        if args.out:
+            Path(args.out).write_text(json.dumps(doc, indent=1))
+    return doc
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""CUDA-graph verification (bole.engine.verify_graphs).
+
+CPU: the static verify forward the graphs capture (batch padded to Bc rows, trees padded to Tc nodes
+with extra root children, KV length bucketed, the forest laid out on the device) run uncaptured gives
+the eager verify's logits, and the commit after it leaves the same GDN state, conv windows and K/V;
+the engine's speculative modes emit ar's greedy tokens through it, prefix cache on and off. GPU
+(``gpu`` mark): the same with real capture and replay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from checkpoints import make_checkpoint
+
+from bole.cache.kv_cache import blocks_needed
+from bole.calibrate import synthetic_batch
+from bole.config import EngineConfig
+from bole.engine.engine import LLMEngine
+from bole.engine.runner import ModelRunner
+from bole.engine.sequence import Request
+from bole.engine.verify_graphs import tree_widths
+from bole.models.loader import load_model
+from bole.sampling_params import SamplingParams
+from bole.spec.tree import PackedForest, random_tree
+
+PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15], [3] * 14, [5, 1, 6, 2, 8]]
+DEPTH = 4  # tree depth bound with the root
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vgraphs_dense")
+    make_checkpoint(path, "dense", 64)
+    return str(path)
+
+
+def _table():
+    from bole.llm import resolve_repo_path
+
+    return resolve_repo_path("calibration_tables/default.yaml")
+
+
+def _requests(runner: ModelRunner, prompts) -> list[Request]:
+    reqs = []
+    for i, p in enumerate(prompts):
+        r = Request(f"r{i}", list(p), SamplingParams(), seed=0)
+        r.block_table = runner.allocator.allocate(blocks_needed(len(p) + 20, runner.block_size))
+        r.state_slot = runner.state_pool.allocate()
+        reqs.append(r)
+    runner.prefill([(r, len(r.prompt_token_ids) - 1) for r in reqs], keep_hidden=False)
+    return reqs
+
+
+def test_tree_widths():
+    assert tree_widths(53) == [8, 16, 32, 53]
+    assert tree_widths(16) == [8, 16]
+    assert tree_widths(4) == [4]
+
+
+def test_full_padded_forest_matches_from_padded():
+    gen = torch.Generator().manual_seed(3)
+    B, T, D = 3, 12, 6
+    parents = torch.zeros(B, T, dtype=torch.long)
+    for b in range(B):
+        parents[b] = torch.tensor(random_tree(T, D, generator=gen).parents)
+    ref = PackedForest.from_padded(parents, torch.full((B,), T), D)
+    out = PackedForest.full_padded(parents, D)
+    for f in ("cu_seqlens", "parents", "depth", "anc", "anc_bits", "request_ids"):
+        assert torch.equal(getattr(out, f), getattr(ref, f)), f
+    # in place over static buffers
+    blank = PackedForest.full_padded(torch.full((B, T), -1), D)
+    assert PackedForest.full_padded(parents, D, out=blank) is blank
+    assert torch.equal(blank.anc, ref.anc) and torch.equal(blank.depth, ref.depth)
+
+
+def _compare_verify(path, device, capture, tol):
+    """The same drafts verified and committed by an eager runner and a graph runner (same model)."""
+    model = load_model(path, dtype="float32", device=device)
+    kw = dict(num_blocks=64, block_size=4, num_state_slots=6, max_batch_nodes=4 * 16,
+              kv_dtype=torch.float32, device=device)
+    eager, graph = ModelRunner(model, **kw), ModelRunner(model, **kw)
+    vg = graph.enable_verify_graphs((1, 2, 4), (8, 16), DEPTH, capture=capture, min_kv=8)
+    gen = torch.Generator().manual_seed(0)
+    for batch_prompts, drafts in ((PROMPTS[:1], 6), (PROMPTS[:3], 20), (PROMPTS, 33)):
+        B = len(batch_prompts)
+        re, rg = _requests(eager, batch_prompts), _requests(graph, batch_prompts)
+        batch = synthetic_batch(drafts, B, DEPTH, 64, gen, device)
+        T = batch.tokens.shape[1]
+        assert vg.supports(rg, T + 1)
+        r1, r2 = eager.verify(re, batch), graph.verify(rg, batch)
+        assert r2.logits.shape == r1.logits.shape == (B, T + 1, 64)
+        valid = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=device), batch.tokens >= 0], 1)
+        err = float((r2.logits - r1.logits)[valid].abs().max())
+        assert err <= tol, (B, err)
+        # commit the deepest node of each tree (a different path length per request)
+        deepest = [int(torch.argmax(torch.where(batch.tokens[b] >= 0, batch.depth[b], -1))) for b in range(B)]
+        l1 = eager.commit(re, r1, deepest, keep_hidden=True)
+        l2 = graph.commit(rg, r2, deepest, keep_hidden=True)
+        assert l1 == l2 and [r.num_computed for r in re] == [r.num_computed for r in rg]
+        for a, b in zip(re, rg, strict=True):
+            for pa, pb in ((eager.state_pool.ssm, graph.state_pool.ssm),
+                           (eager.state_pool.conv, graph.state_pool.conv)):
+                assert float((pa[:, a.state_slot] - pb[:, b.state_slot]).abs().max()) <= tol
+            sa = eager.kv_cache.slots_for(a.block_table, torch.arange(a.num_computed)).to(device)
+            sb = graph.kv_cache.slots_for(b.block_table, torch.arange(b.num_computed)).to(device)
+            ka, kb = eager.kv_cache.gather(0, sa)[0], graph.kv_cache.gather(0, sb)[0]
+            assert float((ka - kb).abs().max()) <= tol
+            assert float((a.pending_hidden - b.pending_hidden).abs().max()) <= tol
+        for runner, reqs in ((eager, re), (graph, rg)):
+            for r in reqs:
+                runner.allocator.free(r.block_table)
+                runner.state_pool.free(r.state_slot)
+    assert {k[0] for k in vg.graphs} == {1, 4} and {k[1] for k in vg.graphs} >= {8, 16}
+    return vg
+
+
+def test_static_verify_matches_eager_cpu(ckpt):
+    vg = _compare_verify(ckpt, "cpu", capture=False, tol=1e-4)
+    assert vg.num_captured == 0 and vg.replays == 3
+
+
+def test_static_verify_reads_nothing_on_the_host():
+    """The static verify forward runs on the meta device, where any host read of a device value
+    raises. The GDN tree verifier is stubbed there (its torch twin loops over requests on the host;
+    the Triton kernel's launch takes shapes and pointers only, and is captured in the GPU test)."""
+    from bole.config import ModelConfig
+    from bole.models.qwen3_5 import HybridForCausalLM
+
+    cfg = ModelConfig(model_type="qwen3_5_text", vocab_size=64, hidden_size=32, num_hidden_layers=4,
+                      layer_types=("linear_attention",) * 3 + ("full_attention",), num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, rope_theta=1e4, partial_rotary_factor=0.25,
+                      attention_bias=False, linear_num_key_heads=2, linear_num_value_heads=4,
+                      linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                      gdn_layout="split", intermediate_size=64)
+    with torch.device("meta"):
+        model = HybridForCausalLM(cfg, backend="torch", num_mtp_layers=0)
+
+    def stub(q, k, v, g, beta, forest, initial_state, state_indices=None, scale=None, use_qk_l2norm=False):
+        N, HV, V = v.shape[1], v.shape[2], v.shape[3]
+        return torch.empty_like(v), v.new_empty(N, HV, V), v.new_empty(N, HV)
+
+    backend = dataclasses.replace(model.backend, tree_verify=stub)
+    for m in model.modules():
+        if hasattr(m, "backend"):
+            m.backend = backend
+    runner = ModelRunner(model, 16, 4, 4, 32, torch.float32, "meta")
+    vg = runner.enable_verify_graphs((1, 2, 4), (8,), DEPTH, capture=False, min_kv=8)
+    reqs = []
+    for i in range(3):
+        r = Request(f"r{i}", [1, 2, 3, 4, 5 + i], SamplingParams(), seed=0)
+        r.block_table, r.state_slot, r.num_computed = runner.allocator.allocate(3), runner.state_pool.allocate(), 4
+        reqs.append(r)
+    batch = synthetic_batch(9, 3, DEPTH, 64, torch.Generator().manual_seed(0), "cpu")
+    batch = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to("meta")
+                                          for f in dataclasses.fields(batch)})
+    logits, hidden, ctx = vg.run(reqs, batch)
+    assert logits.shape == (3, batch.tokens.shape[1] + 1, 64) and logits.device.type == "meta"
+    assert hidden.shape == (4 * 8, 32) and ctx.forest.num_requests == 4
+
+
+def _run_engine(eng: LLMEngine, prompts, max_tokens) -> list[list[int]]:
+    ids, outs = [], {}
+    pending = list(zip(prompts, max_tokens))
+    while pending or eng.has_unfinished():
+        if pending:
+            p, n = pending.pop(0)
+            ids.append(eng.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)))
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o.output_token_ids
+    return [outs[i] for i in ids]
+
+
+def _engine(path, device, mode, graphs: bool, **opts):
+    cfg = EngineConfig.from_options(mode=mode, calibration_table=_table(), num_blocks=128, block_size=4,
+                                    max_num_seqs=4, device=device, enable_cuda_graphs=graphs,
+                                    cuda_graph_batch_sizes=(1, 2, 4), depth=3, topk=3, beam=3, **opts)
+    return LLMEngine(load_model(path, dtype="float32", device=device), cfg)
+
+
+@pytest.mark.parametrize("mode,prefix_cache", [("bole", True), ("bole", False), ("serial_tree", True)])
+def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache):
+    max_tokens = [12, 5, 20, 9]
+    ref = _run_engine(_engine(ckpt, "cpu", "ar", False, enable_prefix_cache=False), PROMPTS, max_tokens)
+    eng = _engine(ckpt, "cpu", mode, False, enable_prefix_cache=prefix_cache)
+    assert eng.runner.verify_graphs is None  # the option is ignored on the CPU
+    vg = eng.runner.enable_verify_graphs((1, 2, 4), tree_widths(eng.lookahead), eng.config.spec.depth + 1,
+                                         capture=False, min_kv=8)
+    assert _run_engine(eng, PROMPTS, max_tokens) == ref
+    assert vg.replays > 0
+
+
+# ------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_graphed_verify_matches_eager_cuda(ckpt):
+    vg = _compare_verify(ckpt, "cuda", capture=True, tol=1e-3)
+    assert vg.num_captured == len(vg.graphs) >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bole", "serial_tree"])
+def test_engine_verify_graph_tokens_cuda(ckpt, mode):
+    max_tokens = [12, 5, 20, 9]
+    ref = _run_engine(_engine(ckpt, "cuda", "ar", False), PROMPTS, max_tokens)
+    eng = _engine(ckpt, "cuda", mode, True)
+    vg = eng.runner.verify_graphs
+    assert vg is not None and eng.runner.graphs is None
+    assert _run_engine(eng, PROMPTS, max_tokens) == ref
+    assert vg.replays > 0 and vg.num_captured > 0
