@@ -282,7 +282,7 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...] = ()
     tp_size: int = 1  # tensor-parallel ranks; each runs an identical engine (bole.parallel)
     # ar-mode decode steps replay CUDA graphs captured per padded batch size (bole.engine.cuda_graphs),
-    # speculative modes their verify forward (bole.engine.verify_graphs: batch, tree width, KV length);
+    # speculative modes their verify forward (bole.engine.spec_graphs: batch, tree width, KV length);
     # ignored on the CPU, and for MoE / tensor-parallel models (decode then runs eagerly)
     enable_cuda_graphs: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)

@@ -38,7 +38,7 @@ from bole.engine.metrics import EngineMetrics, StepStats
 from bole.engine.runner import ModelRunner
 from bole.engine.scheduler import Scheduler
 from bole.engine.sequence import Request, RequestStatus
-from bole.engine.verify_graphs import tree_widths
+from bole.engine.spec_graphs import tree_widths
 from bole.hardware import resolve_calibration
 from bole.sampling_params import SamplingParams
 from bole.spec.budget import CalibrationTable, select_nodes
@@ -78,17 +78,19 @@ class LLMEngine:
         # bole.calibrate.recalibrate swaps this attribute between steps.
         self.calibration = calibration or resolve_calibration(config.calibration_table, model.config,
                                                               config.device, config.dtype)
+        graphs, spec_graphs = config.enable_cuda_graphs, config.enable_cuda_graphs and self.mode != "ar"
+        spec_sizes = sorted({b for b in config.cuda_graph_batch_sizes if b < config.max_num_seqs}
+                            | {config.max_num_seqs})
         self.runner = ModelRunner(model, config.cache.num_blocks, config.cache.block_size,
                                   config.max_num_seqs + 1, config.max_num_seqs * self.lookahead,
                                   config.torch_dtype, config.device,
                                   snapshot_verify=self.mode == "serial_tree",
                                   cuda_graph_batch_sizes=config.cuda_graph_batch_sizes
-                                  if config.enable_cuda_graphs and self.mode == "ar" else None,
-                                  verify_graph_spec=dict(
-                                      batch_sizes=sorted({b for b in config.cuda_graph_batch_sizes
-                                                          if b < config.max_num_seqs} | {config.max_num_seqs}),
-                                      tree_sizes=tree_widths(self.lookahead), max_depth=spec.depth + 1)
-                                  if config.enable_cuda_graphs and self.mode != "ar" else None)
+                                  if graphs and self.mode == "ar" else None,
+                                  verify_graph_spec=dict(batch_sizes=spec_sizes, tree_sizes=tree_widths(self.lookahead),
+                                                         max_depth=spec.depth + 1) if spec_graphs else None,
+                                  draft_graph_spec=dict(batch_sizes=spec_sizes, depth=spec.depth, topk=spec.topk,
+                                                        beam=spec.beam) if spec_graphs else None)
         cc = config.cache
         self.prefix_cache = PrefixCache(self.runner.allocator, self.runner.state_pool, cc.block_size,
                                         cc.checkpoint_interval_blocks, cc.num_checkpoint_slots,

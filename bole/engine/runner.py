@@ -33,7 +33,7 @@ from bole.cache.kv_cache import PagedKVCache
 from bole.cache.state_pool import StatePool
 from bole.engine.cuda_graphs import DecodeGraphs, graphs_unsupported
 from bole.engine.sequence import Request
-from bole.engine.verify_graphs import VerifyGraphs
+from bole.engine.spec_graphs import DraftGraphs, VerifyGraphs
 from bole.models.context import ForwardContext, TreeFactors
 from bole.spec.drafter import DraftBatch, Frontier, expand_tree, tree_size
 from bole.spec.tree import PackedForest
@@ -57,11 +57,12 @@ def _empty_factors(num_nodes: int, device) -> TreeFactors:
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, num_state_slots: int,
                  max_batch_nodes: int, kv_dtype: torch.dtype, device, snapshot_verify: bool = False,
-                 cuda_graph_batch_sizes: Sequence[int] | None = None, verify_graph_spec: dict | None = None):
+                 cuda_graph_batch_sizes: Sequence[int] | None = None, verify_graph_spec: dict | None = None,
+                 draft_graph_spec: dict | None = None):
         cfg = getattr(model, "local_config", model.config)  # this TP rank's head counts (bole.parallel)
         self.model, self.cfg, self.device = model, cfg, torch.device(device)
         self.block_size = block_size
-        graphs = bool(cuda_graph_batch_sizes or verify_graph_spec) and self.device.type == "cuda"
+        graphs = bool(cuda_graph_batch_sizes or verify_graph_spec or draft_graph_spec) and self.device.type == "cuda"
         if graphs and graphs_unsupported(model):
             logger.warning("CUDA graphs off: %s; decode and verify run eagerly", graphs_unsupported(model))
             graphs = False
@@ -79,11 +80,14 @@ class ModelRunner:
                                             snapshots=snapshot_verify)
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: VerifyGraphs | None = None
+        self.draft_graphs: DraftGraphs | None = None
         self._pad: tuple[int, int] | None = None
         if graphs and cuda_graph_batch_sizes:
             self.enable_cuda_graphs(cuda_graph_batch_sizes)
         if graphs and verify_graph_spec:
             self.enable_verify_graphs(**verify_graph_spec)
+        if graphs and draft_graph_spec and model.mtp is not None:
+            self.enable_draft_graphs(**draft_graph_spec)
 
     def enable_cuda_graphs(self, batch_sizes: Sequence[int], capture: bool = True, **kw) -> DecodeGraphs:
         """Route ``decode`` through ``DecodeGraphs``; takes one KV block and one state slot for padding
@@ -100,6 +104,15 @@ class ModelRunner:
         self.verify_graphs = VerifyGraphs(self, batch_sizes, tree_sizes, max_depth, *self._padding(),
                                           capture=capture, pool=pool, **kw)
         return self.verify_graphs
+
+    def enable_draft_graphs(self, batch_sizes: Sequence[int], depth: int, topk: int, beam: int,
+                            capture: bool = True, **kw) -> DraftGraphs:
+        """Route ``draft`` through ``DraftGraphs`` for these drafting settings (other settings, and
+        catch-ups longer than depth + 1, run eagerly)."""
+        pool = next((g.pool for g in (self.graphs, self.verify_graphs) if g is not None), None)
+        self.draft_graphs = DraftGraphs(self, batch_sizes, depth, topk, beam, self._padding()[0],
+                                        capture=capture, pool=pool, **kw)
+        return self.draft_graphs
 
     def _padding(self) -> tuple[int, int]:
         """The KV block and GDN state slot that graphs' padding rows use (reserved once)."""
@@ -251,6 +264,9 @@ class ModelRunner:
         each node attends to the committed prefix and its own ancestors; a node's input hidden is its
         parent's MTP output (the catch-up output for first-level nodes).
         """
+        dg = self.draft_graphs
+        if dg is not None and (dg.depth, dg.topk, dg.beam) == (depth, topk, beam) and dg.supports(reqs):
+            return dg.run(reqs)
         h_root = self._mtp_catch_up(reqs)
         root_lp = torch.log_softmax(self.model.mtp.compute_logits(h_root).float(), -1)
         B, H = h_root.shape

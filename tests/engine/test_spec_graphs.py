@@ -1,10 +1,11 @@
-"""CUDA-graph verification (bole.engine.verify_graphs).
+"""CUDA graphs of the speculative step (bole.engine.spec_graphs): verification and the MTP draft.
 
 CPU: the static verify forward the graphs capture (batch padded to Bc rows, trees padded to Tc nodes
 with extra root children, KV length bucketed, the forest laid out on the device) run uncaptured gives
 the eager verify's logits, and the commit after it leaves the same GDN state, conv windows and K/V;
-the engine's speculative modes emit ar's greedy tokens through it, prefix cache on and off. GPU
-(``gpu`` mark): the same with real capture and replay.
+the static draft (catch-up chain + tree expansion over static forests) gives the eager draft's
+candidates over two steps; the engine's speculative modes emit ar's greedy tokens through both,
+prefix cache on and off. GPU (``gpu`` mark): the same with real capture and replay.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from bole.config import EngineConfig
 from bole.engine.engine import LLMEngine
 from bole.engine.runner import ModelRunner
 from bole.engine.sequence import Request
-from bole.engine.verify_graphs import tree_widths
+from bole.engine.spec_graphs import tree_widths
 from bole.models.loader import load_model
 from bole.sampling_params import SamplingParams
 from bole.spec.tree import PackedForest, random_tree
@@ -43,14 +44,14 @@ def _table():
     return resolve_repo_path("calibration_tables/default.yaml")
 
 
-def _requests(runner: ModelRunner, prompts) -> list[Request]:
+def _requests(runner: ModelRunner, prompts, keep_hidden: bool = False) -> list[Request]:
     reqs = []
     for i, p in enumerate(prompts):
         r = Request(f"r{i}", list(p), SamplingParams(), seed=0)
-        r.block_table = runner.allocator.allocate(blocks_needed(len(p) + 20, runner.block_size))
+        r.block_table = runner.allocator.allocate(blocks_needed(len(p) + 64, runner.block_size))
         r.state_slot = runner.state_pool.allocate()
         reqs.append(r)
-    runner.prefill([(r, len(r.prompt_token_ids) - 1) for r in reqs], keep_hidden=False)
+    runner.prefill([(r, len(r.prompt_token_ids) - 1) for r in reqs], keep_hidden=keep_hidden)
     return reqs
 
 
@@ -79,7 +80,7 @@ def test_full_padded_forest_matches_from_padded():
 def _compare_verify(path, device, capture, tol):
     """The same drafts verified and committed by an eager runner and a graph runner (same model)."""
     model = load_model(path, dtype="float32", device=device)
-    kw = dict(num_blocks=64, block_size=4, num_state_slots=6, max_batch_nodes=4 * 16,
+    kw = dict(num_blocks=128, block_size=4, num_state_slots=6, max_batch_nodes=4 * 16,
               kv_dtype=torch.float32, device=device)
     eager, graph = ModelRunner(model, **kw), ModelRunner(model, **kw)
     vg = graph.enable_verify_graphs((1, 2, 4), (8, 16), DEPTH, capture=capture, min_kv=8)
@@ -161,6 +162,48 @@ def test_static_verify_reads_nothing_on_the_host():
     assert hidden.shape == (4 * 8, 32) and ctx.forest.num_requests == 4
 
 
+def _compare_draft(path, device, capture, tol):
+    """Two draft + verify + commit steps of the same requests on an eager runner and a draft-graph
+    runner: the candidates agree (tokens, parents, depths exactly; log-probabilities within tol)."""
+    from bole.spec.drafter import compact
+
+    model = load_model(path, dtype="float32", device=device)
+    D, k, beam = 3, 3, 2
+    kw = dict(num_blocks=128, block_size=4, num_state_slots=6, max_batch_nodes=4 * 32,
+              kv_dtype=torch.float32, device=device)
+    eager, graph = ModelRunner(model, **kw), ModelRunner(model, **kw)
+    dg = graph.enable_draft_graphs((1, 2, 4), D, k, beam, capture=capture, min_kv=8)
+    for batch_prompts in (PROMPTS[:1], PROMPTS[:3]):
+        re, rg = _requests(eager, batch_prompts, True), _requests(graph, batch_prompts, True)
+        for step in range(2):
+            # after the prefill the catch-up is the prompt (> depth + 1 for the longer ones: eager)
+            assert dg.supports(rg) == (step > 0 or len(batch_prompts) == 1)
+            c1, c2 = eager.draft(re, D, k, beam), graph.draft(rg, D, k, beam)
+            for f in ("tokens", "parents", "depth", "valid"):
+                assert torch.equal(getattr(c1, f), getattr(c2, f)), (step, f)
+            assert float((c1.rho - c2.rho).abs().max()) <= tol
+            assert [(r.mtp_computed, r.pending_hidden) for r in re] == [(r.num_computed, None) for r in rg]
+            # verify every candidate, commit each request's deepest node (paths of different lengths)
+            for runner, reqs, cand in ((eager, re, c1), (graph, rg, c2)):
+                batch = compact(cand, cand.valid).trimmed()
+                res = runner.verify(reqs, batch)
+                deepest = [int(torch.argmax(batch.depth[b])) for b in range(len(reqs))]
+                runner.commit(reqs, res, deepest, keep_hidden=True)
+                for r in reqs:  # the emitted tokens (any, the same in both runners) up to the new root
+                    r.output_token_ids += [7] * (r.num_computed + 1 - r.num_tokens)
+        for runner, reqs in ((eager, re), (graph, rg)):
+            for r in reqs:
+                runner.allocator.free(r.block_table)
+                runner.state_pool.free(r.state_slot)
+    assert {key[0] for key in dg.graphs} == {1, 4} and dg.replays == 3
+    return dg
+
+
+def test_static_draft_matches_eager_cpu(ckpt):
+    dg = _compare_draft(ckpt, "cpu", capture=False, tol=1e-4)
+    assert dg.num_captured == 0
+
+
 def _run_engine(eng: LLMEngine, prompts, max_tokens) -> list[list[int]]:
     ids, outs = [], {}
     pending = list(zip(prompts, max_tokens))
@@ -187,10 +230,12 @@ def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache):
     ref = _run_engine(_engine(ckpt, "cpu", "ar", False, enable_prefix_cache=False), PROMPTS, max_tokens)
     eng = _engine(ckpt, "cpu", mode, False, enable_prefix_cache=prefix_cache)
     assert eng.runner.verify_graphs is None  # the option is ignored on the CPU
-    vg = eng.runner.enable_verify_graphs((1, 2, 4), tree_widths(eng.lookahead), eng.config.spec.depth + 1,
+    spec = eng.config.spec
+    vg = eng.runner.enable_verify_graphs((1, 2, 4), tree_widths(eng.lookahead), spec.depth + 1,
                                          capture=False, min_kv=8)
+    dg = eng.runner.enable_draft_graphs((1, 2, 4), spec.depth, spec.topk, spec.beam, capture=False, min_kv=8)
     assert _run_engine(eng, PROMPTS, max_tokens) == ref
-    assert vg.replays > 0
+    assert vg.replays > 0 and dg.replays > 0
 
 
 # ------------------------------------------------------------------------------------------- GPU
@@ -201,12 +246,18 @@ def test_graphed_verify_matches_eager_cuda(ckpt):
 
 
 @pytest.mark.gpu
+def test_graphed_draft_matches_eager_cuda(ckpt):
+    dg = _compare_draft(ckpt, "cuda", capture=True, tol=1e-3)
+    assert dg.num_captured == len(dg.graphs) >= 2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["bole", "serial_tree"])
 def test_engine_verify_graph_tokens_cuda(ckpt, mode):
     max_tokens = [12, 5, 20, 9]
     ref = _run_engine(_engine(ckpt, "cuda", "ar", False), PROMPTS, max_tokens)
     eng = _engine(ckpt, "cuda", mode, True)
-    vg = eng.runner.verify_graphs
-    assert vg is not None and eng.runner.graphs is None
+    vg, dg = eng.runner.verify_graphs, eng.runner.draft_graphs
+    assert vg is not None and dg is not None and eng.runner.graphs is None
     assert _run_engine(eng, PROMPTS, max_tokens) == ref
-    assert vg.replays > 0 and vg.num_captured > 0
+    assert vg.replays > 0 and vg.num_captured > 0 and dg.replays > 0 and dg.num_captured > 0

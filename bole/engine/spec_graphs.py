@@ -1,0 +1,510 @@
+"""CUDA-graph capture of the speculative step's forwards: the MTP draft and the target's verification.
+
+The verify forward of a speculative step is launch bound on a GPU exactly like an eager decode step
+(~90 kernels per layer at batch 1), and it is the step's largest forward. ``VerifyGraphs`` captures it
+once per graph key and replays it:
+
+    key = (Bc, Tc, Lc)   Bc: the smallest captured batch size >= the step's batch;
+                         Tc: the smallest captured tree width >= 1 + the widest tree's drafts (every
+                             request's tree is padded to Tc nodes: extra children of the root that
+                             carry token 0 and are never accepted, ``accept_tree`` seeing them as
+                             padding);
+                         Lc: a KV-length bucket >= the longest request's committed length + Tc.
+
+Static inputs: the decode graphs' pinned-host → device row buffer (root token, num_cached, GDN
+state slot, block table per row, ONE host-to-device copy per step) plus two device buffers the step's
+``DraftBatch`` is copied into on the device (draft tokens and parents, no host round trip). Inside
+the graph, from those: the flat node tokens, the forest layout (``PackedForest.full_padded``: depths,
+ancestor chains and bitmasks), positions, KV write slots, the [Bc, Lc] key slots and the
+[Bc, 1, Tc, Lc] prefix + ancestor-or-self mask (``PaddedAttention``); then the model and the lm_head.
+The GDN layers run the same tree conv and closed-form verifier as eagerly (their launches take only
+shapes and device pointers), and store the commit factors in the runner's factor buffer.
+
+Padding rows (Bc > B) use the runner's pad KV block and pad state slot, like the decode graphs, and
+are never committed (their accepted node is -1). A real request's padding nodes write K/V at
+num_cached + local index (< num_cached + lookahead, past everything committed) and are overwritten
+by later steps, as rejected nodes are.
+
+The tree depth bound Dc (``max_depth``, the drafter's depth + 1 with the root) is fixed per graph, so
+the verifier runs Dc Neumann rounds whatever the step's trees look like (exact either way).
+
+``DraftGraphs`` captures the whole MTP draft of a step (key (Bc, Lc)): the drafter's catch-up over the
+positions the last step committed (at most depth + 1 per request: a chain forest of C = depth + 1
+nodes, its padding positions written past everything committed), the root log-probabilities, and
+every ``expand_tree`` level over a static forest of the frontier nodes so far; its outputs are the
+step's ``DraftCandidates``. A draft whose catch-up is longer (the first one after a prefill) runs
+eagerly. Budget selection and compaction stay outside the graphs (a few fixed-shape ops, their
+budget a host value from the calibration table).
+
+``StaticTree`` is what both build on: a verify-mode ``ForwardContext`` over fixed buffers for Bc
+trees of Tc nodes, and ``fill`` (inside the graph) deriving the forest, positions, KV slots and the
+attention layout from num_cached, parents and block tables on the device.
+
+``capture=False`` runs the same static forwards without graphs (any device: CPU tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from bole.engine.cuda_graphs import _POS, _SLOT, _TABLE, _TOK, kv_buckets
+from bole.models.context import ForwardContext, PaddedAttention
+from bole.spec.tree import PackedForest
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TREE_SIZES = (8, 16, 32, 64, 128)
+
+
+def tree_widths(lookahead: int, sizes: Sequence[int] = DEFAULT_TREE_SIZES) -> list[int]:
+    """The captured tree widths (nodes per request, root included): ``sizes`` up to the lookahead, and
+    the lookahead itself (the widest tree the engine can verify)."""
+    out = sorted({int(t) for t in sizes if 2 <= int(t) < lookahead} | {int(lookahead)})
+    return out
+
+
+def _capture(run: Callable[[], None], pool, device) -> "torch.cuda.CUDAGraph":
+    """Warm ``run`` up on a side stream (allocator, autotuning), then capture it into ``pool``."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        run()
+    return graph
+
+
+class StaticTree:
+    """A verify-mode ``ForwardContext`` over static buffers: Bc trees of exactly Tc nodes, Lc keys per
+    row, tree depth <= D. ``fill`` (graph-capturable: device ops only) lays out the step's trees."""
+
+    def __init__(self, Bc: int, Tc: int, Lc: int, D: int, kv_cache, state_pool, factors, device):
+        N = Bc * Tc
+        self.Bc, self.Tc, self.Lc, self.D = Bc, Tc, Lc, D
+        self.block_size = bs = kv_cache.block_size
+        dev = torch.device(device)
+        z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=dev)
+        self.forest = PackedForest.full_padded(torch.full((Bc, Tc), -1, dtype=torch.long, device=dev), D)
+        self.positions, self.kv_positions, self.slot_mapping = z(N), z(N), z(N)
+        self.state_slots, self.num_cached = z(Bc), z(Bc)
+        self.pa = PaddedAttention(kv_index=z(Bc, Lc), mask=z(Bc, 1, Tc, Lc, dtype=torch.bool),
+                                  rows=torch.arange(N, device=dev), tq=Tc)
+        self.ctx = ForwardContext(
+            mode="verify", cu_seqlens=self.forest.cu_seqlens, num_cached=self.num_cached,
+            positions=self.positions, kv_positions=self.kv_positions, slot_mapping=self.slot_mapping,
+            kv_slots=[], state_slots=self.state_slots, block_tables=[], cu_host=list(range(0, N + 1, Tc)),
+            num_cached_host=[], kv_cache=kv_cache, state_pool=state_pool, forest=self.forest, factors=factors)
+        self.ctx._memo["padded"] = self.pa
+        pos = torch.arange(Lc, device=dev)
+        self._pos, self._key_block, self._key_off = pos, pos // bs, pos % bs
+        self._local = torch.arange(Tc, device=dev)
+        self._tree_rows = torch.arange(N, device=dev)[:, None].expand(N, D)
+        self._true = torch.ones((), dtype=torch.bool, device=dev)
+
+    def fill(self, num_cached: torch.Tensor, parents: torch.Tensor, tables: torch.Tensor,
+             state_slots: torch.Tensor | None = None) -> ForwardContext:
+        """num_cached [Bc], parents [Bc, Tc] local (-1 = root), tables [Bc, >= Lc / block size] block ids."""
+        Bc, Tc, Lc, bs = self.Bc, self.Tc, self.Lc, self.block_size
+        nc = num_cached.long()
+        self.num_cached.copy_(nc)
+        PackedForest.full_padded(parents, self.D, out=self.forest)
+        depth = self.forest.depth.view(Bc, Tc).long()
+        self.positions.copy_((nc[:, None] + depth - 1).reshape(-1))
+        kvp = nc[:, None] + self._local[None]
+        self.kv_positions.copy_(kvp.reshape(-1))
+        self.slot_mapping.copy_((tables.gather(1, kvp // bs) * bs + kvp % bs).reshape(-1))
+        if state_slots is not None:
+            self.state_slots.copy_(state_slots)
+        self.pa.kv_index.copy_(tables[:, self._key_block] * bs + self._key_off)
+        anc = self.forest.anc.long()                                              # [N, D] local
+        tree = torch.zeros(Bc * Tc, Tc + 1, dtype=torch.bool, device=nc.device)
+        tree.index_put_((self._tree_rows, torch.where(anc >= 0, anc, Tc)), self._true)  # no host scalar
+        tree = tree[:, :Tc].reshape(Bc, Tc, Tc)
+        rel = self._pos[None, None, :] - nc[:, None, None]                         # [Bc, 1, Lc]
+        new = tree.gather(2, rel.clamp(0, Tc - 1).expand(Bc, Tc, Lc)) & (rel >= 0) & (rel < Tc)
+        self.pa.mask.copy_(((rel < 0) | new)[:, None])
+        return self.ctx
+
+
+@dataclass
+class _VGraph:
+    batch: int
+    width: int
+    kv_len: int
+    ctx: ForwardContext
+    run: Callable[[], None]
+    graph: "torch.cuda.CUDAGraph | None" = None
+
+
+class VerifyGraphs:
+    """Captured verify forwards of one ``ModelRunner``; see the module docstring."""
+
+    def __init__(self, runner, batch_sizes: Sequence[int], tree_sizes: Sequence[int], max_depth: int,
+                 pad_block: int, pad_slot: int, capture: bool = True, min_kv: int = 256, pool=None):
+        sizes = sorted({int(b) for b in batch_sizes})
+        widths = sorted({int(t) for t in tree_sizes})
+        if not sizes or sizes[0] < 1 or not widths or widths[0] < 2:
+            raise ValueError(f"batch sizes must be >= 1 and tree widths >= 2, got {list(batch_sizes)}, "
+                             f"{list(tree_sizes)}")
+        if max_depth < 2:
+            raise ValueError(f"max_depth must be >= 2 (root + one draft level), got {max_depth}")
+        if capture and runner.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the runner is on {runner.device}")
+        self.runner, self.model = runner, runner.model
+        self.batch_sizes, self.widths, self.max_depth, self.capture = sizes, widths, int(max_depth), capture
+        self.pad_block, self.pad_slot = int(pad_block), int(pad_slot)
+        kv = runner.kv_cache
+        self.block_size = bs = kv.block_size
+        self.kv_lengths = kv_buckets(min_kv, kv.num_blocks * bs, bs)
+        self.max_blocks = self.kv_lengths[-1] // bs
+        dev = runner.device
+        Bm, Tm = sizes[-1], widths[-1]
+        width = _TABLE + self.max_blocks
+        self.inputs = torch.zeros(Bm, width, dtype=torch.long, device=dev)
+        self.host = torch.zeros(Bm, width, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._host_np = self.host.numpy()
+        self._copied = torch.cuda.Event() if dev.type == "cuda" else None
+        self.draft_tokens = torch.zeros(Bm, Tm, dtype=torch.long, device=dev)
+        self.draft_parents = torch.zeros(Bm, Tm, dtype=torch.long, device=dev)
+        self.draft_parents[:, 0] = -1  # column 0 is the root of every tree, never overwritten
+        H, V = self.model.config.hidden_size, self.model.config.vocab_size
+        dtype = self.model.lm_head.weight.dtype
+        self.out_hidden = torch.zeros(Bm * Tm, H, dtype=dtype, device=dev)
+        self.out_logits = torch.zeros(Bm * Tm, V, dtype=dtype, device=dev)
+        self.graphs: dict[tuple[int, int, int], _VGraph] = {}
+        self.pool = pool
+        self.replays = 0
+
+    # -- selection -------------------------------------------------------------------------------
+    def supports(self, reqs, width: int) -> bool:
+        """Whether a step of ``reqs`` with trees of <= ``width`` nodes (root included) has a graph: batch
+        and width within the captured sizes, keys within the cache, the factor buffer large enough."""
+        if not 0 < len(reqs) <= self.batch_sizes[-1] or width > self.widths[-1]:
+            return False
+        Bc, Tc, _ = self.key(len(reqs), width, 1)
+        return max(r.num_computed for r in reqs) + Tc <= self.kv_lengths[-1] and \
+            Bc * Tc <= self.runner.factors.k.shape[1]
+
+    def key(self, batch: int, width: int, max_len: int) -> tuple[int, int, int]:
+        Bc = next(b for b in self.batch_sizes if b >= batch)
+        Tc = next(t for t in self.widths if t >= width)
+        Lc = next(L for L in self.kv_lengths if L >= max_len)
+        return Bc, Tc, Lc
+
+    @property
+    def num_captured(self) -> int:
+        return sum(g.graph is not None for g in self.graphs.values())
+
+    # -- building --------------------------------------------------------------------------------
+    def _build(self, Bc: int, Tc: int, Lc: int) -> _VGraph:
+        runner, bs, D = self.runner, self.block_size, self.max_depth
+        N = Bc * Tc
+        inp = self.inputs[:Bc]
+        tables = inp[:, _TABLE:_TABLE + Lc // bs]
+        draft_tok, draft_par = self.draft_tokens[:Bc, :Tc], self.draft_parents[:Bc, :Tc]
+        st = StaticTree(Bc, Tc, Lc, D, runner.kv_cache, runner.state_pool, runner.factors.narrow(N),
+                        runner.device)
+        ctx = st.ctx
+        model, out_h, out_l = self.model, self.out_hidden[:N], self.out_logits[:N]
+
+        def run():
+            tok = draft_tok.clone()
+            tok[:, 0] = inp[:, _TOK]
+            st.fill(inp[:, _POS], draft_par, tables, inp[:, _SLOT])
+            hidden = model(tok.reshape(-1), ctx)
+            out_h.copy_(hidden)
+            out_l.copy_(model.compute_logits(hidden))
+
+        g = _VGraph(Bc, Tc, Lc, ctx, run)
+        if self.capture:
+            self._fill([], Bc, Lc)  # capture-time warm-up touches the pad block and pad slot only
+            self._upload(Bc)
+            draft_tok.zero_()
+            draft_par[:, 1:].fill_(0)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            g.graph = _capture(run, self.pool, runner.device)
+            logger.info("captured verify graph batch=%d width=%d kv_len=%d", Bc, Tc, Lc)
+        self.graphs[Bc, Tc, Lc] = g
+        return g
+
+    def _fill(self, reqs, Bc: int, Lc: int) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the host buffer
+        h, nblk = self._host_np, Lc // self.block_size
+        h[:Bc, _TOK] = 0
+        h[:Bc, _POS] = 0
+        h[:Bc, _SLOT] = self.pad_slot
+        h[:Bc, _TABLE:] = self.pad_block
+        for b, r in enumerate(reqs):
+            h[b, _TOK] = r.all_token_ids[r.num_computed]
+            h[b, _POS] = r.num_computed
+            h[b, _SLOT] = r.state_slot
+            t = r.block_table[:nblk]
+            h[b, _TABLE:_TABLE + len(t)] = t
+
+    def _upload(self, Bc: int) -> None:
+        self.inputs[:Bc].copy_(self.host[:Bc], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    @torch.inference_mode()
+    def capture_all(self, max_batch: int | None = None, max_len: int | None = None,
+                    max_width: int | None = None) -> int:
+        """Build ahead of time every graph a step of <= max_batch requests, trees of <= max_width nodes
+        and <= max_len keys can need, so no capture happens inside a timed run; returns how many."""
+        pick = lambda vals, lim: vals if lim is None else [v for v in vals if v < lim] + \
+            [next((v for v in vals if v >= lim), vals[-1])]
+        built = 0
+        for Bc in pick(self.batch_sizes, max_batch):
+            for Tc in pick(self.widths, max_width):
+                for Lc in pick(self.kv_lengths, None if max_len is None else max_len + Tc):
+                    if (Bc, Tc, Lc) not in self.graphs:
+                        self._build(Bc, Tc, Lc)
+                        built += 1
+        return built
+
+    # -- a step ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, reqs, batch):
+        """The verify forward of ``reqs`` over ``batch`` (a trimmed ``DraftBatch``: [B, T] drafts);
+        returns (logits [B, 1 + T, V] and hidden [Bc * Tc, H] views of the static outputs, valid until
+        the next replay; the context ``commit`` takes, with this step's host lists)."""
+        B, T = batch.tokens.shape
+        Bc, Tc, Lc = self.key(B, T + 1, max(r.num_computed for r in reqs) + T + 1)
+        Lc = max(Lc, next(L for L in self.kv_lengths if L >= max(r.num_computed for r in reqs) + Tc))
+        g = self.graphs.get((Bc, Tc, Lc)) or self._build(Bc, Tc, Lc)
+        self._fill(reqs, Bc, Lc)
+        self._upload(Bc)
+        tok, par = self.draft_tokens[:Bc, :Tc], self.draft_parents[:Bc, :Tc]
+        tok.zero_()
+        par[:, 1:].fill_(0)  # padding nodes: children of the root
+        if T:
+            drafts = batch.tokens >= 0
+            tok[:B, 1:T + 1] = batch.tokens.clamp(min=0)
+            par[:B, 1:T + 1] = torch.where(drafts, batch.parents + 1, 0)
+        if g.graph is not None:
+            g.graph.replay()
+        else:
+            g.run()
+        self.replays += 1
+        V = self.out_logits.shape[1]
+        logits = self.out_logits[:Bc * Tc].view(Bc, Tc, V)[:B, :T + 1]
+        ctx = dataclasses.replace(g.ctx, num_cached_host=[r.num_computed for r in reqs] + [0] * (Bc - B),
+                                  block_tables=[list(r.block_table) for r in reqs] +
+                                  [[self.pad_block]] * (Bc - B))
+        return logits, self.out_hidden[:Bc * Tc], ctx
+
+
+# -------------------------------------------------------------------------------------------- draft
+_MC, _NC, _NEW, _DTABLE = 0, 1, 2, 3  # columns of the draft graphs' host row: mtp_computed, num_computed,
+                                       # catch-up length, then the catch-up token ids (C) and the block table
+
+
+@dataclass
+class _DGraph:
+    batch: int
+    kv_len: int
+    run: Callable[[], None]
+    graph: "torch.cuda.CUDAGraph | None" = None
+
+
+class DraftGraphs:
+    """Captured MTP drafts (catch-up + tree expansion) of one ``ModelRunner``; see the module docstring."""
+
+    def __init__(self, runner, batch_sizes: Sequence[int], depth: int, topk: int, beam: int,
+                 pad_block: int, capture: bool = True, min_kv: int = 256, pool=None):
+        from bole.spec.drafter import tree_size
+
+        sizes = sorted({int(b) for b in batch_sizes})
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"batch sizes must be ints >= 1, got {list(batch_sizes)}")
+        if capture and runner.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the runner is on {runner.device}")
+        if runner.model.mtp is None:
+            raise ValueError("draft graphs need a model with an MTP drafter")
+        self.runner, self.model, self.mtp = runner, runner.model, runner.model.mtp
+        self.batch_sizes, self.capture = sizes, capture
+        self.depth, self.topk, self.beam = int(depth), int(topk), int(beam)
+        self.pad_block = int(pad_block)
+        V, H = self.model.config.vocab_size, self.model.config.hidden_size
+        self.t_max = tree_size(V, self.depth, self.topk, self.beam)
+        self.catch_up = C = self.depth + 1   # the most positions a verify step commits
+        kv = runner.mtp_cache
+        self.block_size = bs = kv.block_size
+        self.kv_lengths = kv_buckets(min_kv, kv.num_blocks * bs, bs)
+        self.max_blocks = self.kv_lengths[-1] // bs
+        dev = runner.device
+        Bm = sizes[-1]
+        self.table_col = _DTABLE + C
+        width = self.table_col + self.max_blocks
+        self.inputs = torch.zeros(Bm, width, dtype=torch.long, device=dev)
+        self.host = torch.zeros(Bm, width, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._host_np = self.host.numpy()
+        self._copied = torch.cuda.Event() if dev.type == "cuda" else None
+        dtype = self.model.lm_head.weight.dtype
+        self.hidden_in = torch.zeros(Bm, C, H, dtype=dtype, device=dev)   # target hiddens to catch up on
+        T = self.t_max
+        self.out = dict(tokens=torch.zeros(Bm, T, dtype=torch.long, device=dev),
+                        parents=torch.zeros(Bm, T, dtype=torch.long, device=dev),
+                        rho=torch.zeros(Bm, T, dtype=torch.float32, device=dev),
+                        depth=torch.zeros(Bm, T, dtype=torch.long, device=dev),
+                        valid=torch.zeros(Bm, T, dtype=torch.bool, device=dev))
+        self.graphs: dict[tuple[int, int], _DGraph] = {}
+        self.pool = pool
+        self.replays = 0
+
+    def supports(self, reqs) -> bool:
+        """A graph exists for this draft: batch within the captured sizes, every request's catch-up
+        within depth + 1 positions (with its target hiddens pending), keys within the cache."""
+        if not 0 < len(reqs) <= self.batch_sizes[-1]:
+            return False
+        for r in reqs:
+            n = r.num_computed - r.mtp_computed
+            if not 1 <= n <= self.catch_up or r.pending_hidden is None or r.pending_hidden.shape[0] < n:
+                return False
+        return max(r.num_computed for r in reqs) + max(self.t_max, self.catch_up) <= self.kv_lengths[-1]
+
+    def key(self, batch: int, max_len: int) -> tuple[int, int]:
+        Bc = next(b for b in self.batch_sizes if b >= batch)
+        Lc = next(L for L in self.kv_lengths if L >= max_len)
+        return Bc, Lc
+
+    @property
+    def num_captured(self) -> int:
+        return sum(g.graph is not None for g in self.graphs.values())
+
+    def _levels(self) -> list[int]:
+        """Frontier size evaluated at each expansion level (depth 2..D), as ``expand_tree`` forms them."""
+        k = min(self.topk, self.model.config.vocab_size)
+        block, out = k, []
+        for _ in range(2, self.depth + 1):
+            M = min(self.beam, block)
+            out.append(M)
+            block = M * k
+        return out
+
+    def _build(self, Bc: int, Lc: int) -> _DGraph:
+        from bole.engine.runner import _empty_factors
+        from bole.spec.drafter import expand_tree
+
+        runner, dev, C, bs = self.runner, self.runner.device, self.catch_up, self.block_size
+        mtp, cache = self.mtp, runner.mtp_cache
+        inp = self.inputs[:Bc]
+        tables = inp[:, self.table_col:self.table_col + Lc // bs]
+        H = self.hidden_in.shape[-1]
+        hidden_in = self.hidden_in[:Bc]
+        chain = (torch.arange(C, device=dev) - 1)[None].expand(Bc, C)
+        catch = StaticTree(Bc, C, Lc, C, cache, None, _empty_factors(Bc * C, dev), dev)
+        levels, trees, S = self._levels(), [], 0
+        for M in levels:
+            S += M
+            trees.append(StaticTree(Bc, S, Lc, len(trees) + 1, cache, None, _empty_factors(Bc * S, dev), dev))
+        rows = torch.arange(Bc, device=dev)[:, None]
+        out = {k: v[:Bc] for k, v in self.out.items()}
+
+        def run():
+            nc, n = inp[:, _NC], inp[:, _NEW]
+            ctx = catch.fill(inp[:, _MC], chain, tables)
+            h = mtp(inp[:, _DTABLE:_DTABLE + C].reshape(-1), hidden_in.reshape(-1, H), ctx).view(Bc, C, H)
+            h_root = h[torch.arange(Bc, device=dev), n - 1]                       # [Bc, H]
+            root_lp = torch.log_softmax(mtp.compute_logits(h_root).float(), -1)
+            out_hidden = h_root.new_zeros(Bc, self.t_max, H)
+            local_of = torch.full((Bc, self.t_max), -1, dtype=torch.long, device=dev)
+            acc_tok, acc_par, acc_ids = [], [], []
+
+            def step(fr):  # the eager ModelRunner.draft step over a static forest
+                S0 = sum(t.shape[1] for t in acc_tok)
+                M = fr.node_ids.shape[1]
+                local_of[rows.expand(Bc, M), fr.node_ids] = torch.arange(S0, S0 + M, device=dev).expand(Bc, M)
+                par_local = torch.where(fr.parent_ids >= 0, local_of.gather(1, fr.parent_ids.clamp(min=0)), -1)
+                acc_tok.append(fr.tokens)
+                acc_par.append(par_local)
+                acc_ids.append(fr.node_ids)
+                tok, par, ids = torch.cat(acc_tok, 1), torch.cat(acc_par, 1), torch.cat(acc_ids, 1)
+                par_ids = torch.gather(ids, 1, par.clamp(min=0))
+                in_hidden = torch.where((par >= 0)[..., None],
+                                        out_hidden.gather(1, par_ids[..., None].expand(-1, -1, H)),
+                                        h_root[:, None, :])
+                tctx = trees[fr.depth - 1].fill(nc, par, tables)
+                hh = mtp(tok.reshape(-1), in_hidden.reshape(-1, H), tctx, step=fr.depth).view(Bc, -1, H)
+                out_hidden[rows.expand(Bc, M), fr.node_ids] = hh[:, S0:]
+                return torch.log_softmax(mtp.compute_logits(hh[:, S0:]).float(), -1)
+
+            cand = expand_tree(root_lp, step, self.depth, self.topk, self.beam)
+            for k, v in out.items():
+                v.copy_(getattr(cand, k))
+
+        g = _DGraph(Bc, Lc, run)
+        if self.capture:
+            self._fill([], Bc, Lc)
+            self._upload(Bc)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            g.graph = _capture(run, self.pool, dev)
+            logger.info("captured draft graph batch=%d kv_len=%d", Bc, Lc)
+        self.graphs[Bc, Lc] = g
+        return g
+
+    def _fill(self, reqs, Bc: int, Lc: int) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+        h, nblk, C = self._host_np, Lc // self.block_size, self.catch_up
+        h[:Bc, :self.table_col] = 0
+        h[:Bc, _NEW] = 1
+        h[:Bc, self.table_col:] = self.pad_block
+        for b, r in enumerate(reqs):
+            n = r.num_computed - r.mtp_computed
+            h[b, _MC], h[b, _NC], h[b, _NEW] = r.mtp_computed, r.num_computed, n
+            h[b, _DTABLE:_DTABLE + n] = r.all_token_ids[r.mtp_computed + 1:r.num_computed + 1]
+            t = r.block_table[:nblk]
+            h[b, self.table_col:self.table_col + len(t)] = t
+
+    def _upload(self, Bc: int) -> None:
+        self.inputs[:Bc].copy_(self.host[:Bc], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    @torch.inference_mode()
+    def capture_all(self, max_batch: int | None = None, max_len: int | None = None) -> int:
+        pick = lambda vals, lim: vals if lim is None else [v for v in vals if v < lim] + \
+            [next((v for v in vals if v >= lim), vals[-1])]
+        built = 0
+        for Bc in pick(self.batch_sizes, max_batch):
+            for Lc in pick(self.kv_lengths, None if max_len is None else max_len + max(self.t_max, self.catch_up)):
+                if (Bc, Lc) not in self.graphs:
+                    self._build(Bc, Lc)
+                    built += 1
+        return built
+
+    @torch.inference_mode()
+    def run(self, reqs):
+        """The draft of ``reqs`` (``supports`` must hold): ``DraftCandidates`` [B, T_max], views of the
+        static outputs (valid until the next replay); the requests' drafter bookkeeping advanced."""
+        from bole.spec.drafter import DraftCandidates
+
+        B = len(reqs)
+        Bc, Lc = self.key(B, max(r.num_computed for r in reqs) + max(self.t_max, self.catch_up))
+        g = self.graphs.get((Bc, Lc)) or self._build(Bc, Lc)
+        self._fill(reqs, Bc, Lc)
+        self._upload(Bc)
+        for b, r in enumerate(reqs):
+            n = r.num_computed - r.mtp_computed
+            self.hidden_in[b, :n] = r.pending_hidden[-n:]
+        if g.graph is not None:
+            g.graph.replay()
+        else:
+            g.run()
+        self.replays += 1
+        for r in reqs:
+            r.mtp_computed = r.num_computed
+            r.pending_hidden = None
+        return DraftCandidates(**{k: v[:B] for k, v in self.out.items()})
