@@ -457,7 +457,7 @@ class DraftGraphs:
     def _fill(self, reqs, Bc: int, Lc: int) -> None:
         if self._copied is not None:
             self._copied.synchronize()
-        h, nblk, C = self._host_np, Lc // self.block_size, self.catch_up
+        h, nblk = self._host_np, Lc // self.block_size
         h[:Bc, :self.table_col] = 0
         h[:Bc, _NEW] = 1
         h[:Bc, self.table_col:] = self.pad_block
