@@ -227,38 +227,46 @@ class LLMEngine:
                             max_per_request=MAX_TREE_NODES - 1)
         batch = compact(cand, keep).trimmed()
         res = self.runner.verify(reqs, batch)
-        temp, top_k, top_p, seed = self._param_tensors(reqs)
-        # Row 0 draws token index n+1 (n = num_computed), row i+1 draws index n+1+depth(i).
-        n = torch.tensor([r.num_computed for r in reqs], device=seed.device)
         D = spec.depth
-        u_by_depth = counter_uniforms(seed, n + 1, D + 1)  # [B, D+1]
-        row_depth = torch.cat([torch.zeros_like(batch.depth[:, :1]), batch.depth], 1).clamp(max=D)
-        uniforms = u_by_depth.gather(1, row_depth)
-        # row r samples output index len(output) + depth(r) (the root x_n is the last output so far)
-        n_out = torch.tensor([len(r.output_token_ids) for r in reqs], device=seed.device)
-        logits = self._mask_early_stops(reqs, res.logits, n_out[:, None] + row_depth.to(seed.device))
+        B, T1 = res.logits.shape[:2]
         greedy = all(r.params.temperature <= 0 for r in reqs)
+        row_depth = torch.cat([torch.zeros_like(batch.depth[:, :1]), batch.depth], 1).clamp(max=D)
+        if greedy:  # argmax walk: no uniforms, no per-request parameters (no host-to-device copies)
+            temp = top_k = top_p = 0.0
+            uniforms = torch.zeros(B, T1, device=res.logits.device)
+        else:
+            temp, top_k, top_p, seed = self._param_tensors(reqs)
+            # Row 0 draws token index n+1 (n = num_computed), row i+1 draws index n+1+depth(i).
+            n = torch.tensor([r.num_computed for r in reqs], device=seed.device)
+            u_by_depth = counter_uniforms(seed, n + 1, D + 1)  # [B, D+1]
+            uniforms = u_by_depth.gather(1, row_depth)
+        logits = res.logits
+        if any(r.params.min_tokens for r in reqs):
+            # row r samples output index len(output) + depth(r) (the root x_n is the last output so far)
+            n_out = torch.tensor([len(r.output_token_ids) for r in reqs], device=logits.device)
+            logits = self._mask_early_stops(reqs, logits, n_out[:, None] + row_depth.to(logits.device))
         acc = accept_tree(batch.tokens, batch.parents, uniforms, logits=logits if greedy else logits.float(),
-                          temperature=0.0 if greedy else temp, top_k=top_k, top_p=top_p, max_depth=D)
-        accepted = acc.accepted_node.tolist()
-        num, toks = acc.num_emitted.tolist(), acc.tokens.tolist()
-        emitted = [toks[b][: num[b]] for b in range(len(reqs))]
-        pending = self._checkpoint_paths(reqs, res, accepted) if self.prefix_cache is not None else None
-        self.runner.commit(reqs, res, accepted, keep_hidden=True)
+                          temperature=temp, top_k=top_k, top_p=top_p, max_depth=D)
+        # the step's one device-to-host read: accepted node, emitted count and tokens of every request
+        host = torch.cat([acc.accepted_node[:, None], acc.num_emitted[:, None], acc.tokens], 1).tolist()
+        accepted, num = [h[0] for h in host], [h[1] for h in host]
+        emitted = [h[2:2 + h[1]] for h in host]
+        pending = self._checkpoint_paths(reqs, res, accepted, num) if self.prefix_cache is not None else None
+        # path length (root + accepted drafts) = emitted tokens
+        self.runner.commit(reqs, res, acc.accepted_node, keep_hidden=True, lengths=num)
         self._cache_committed(reqs, pending, emitted)
         stats.tree_nodes = int(batch.num_nodes.sum()) + len(reqs)
         stats.b_ver = int(b_ver)
         return emitted
 
     # -- prefix cache ----------------------------------------------------------------------------
-    def _checkpoint_paths(self, reqs: list[Request], res, accepted: list[int]) -> list | None:
+    def _checkpoint_paths(self, reqs: list[Request], res, accepted: list[int], lengths: list[int]) -> list | None:
         """Before a commit: checkpoint the block boundary each accepted path jumps over (if any), by
-        materialising the path cut there into a checkpoint slot; [(length, slot) | None] per request."""
+        materialising the path cut there into a checkpoint slot; [(length, slot) | None] per request.
+        ``lengths``: each path's node count (root included)."""
         cache = self.prefix_cache
-        depth, cu = res.forest.depth.tolist(), res.ctx.cu_host
-        # a path of depth(node) nodes commits [num_computed, num_computed + depth)
-        cuts = [cache.path_cut(r.num_computed, depth[cu[b] + a + 1])
-                for b, (r, a) in enumerate(zip(reqs, accepted, strict=True))]
+        # a path of n nodes commits [num_computed, num_computed + n)
+        cuts = [cache.path_cut(r.num_computed, n) for r, n in zip(reqs, lengths, strict=True)]
         slots = [cache.new_checkpoint(r.state_slot) if c else None for r, c in zip(reqs, cuts, strict=True)]
         if all(s is None for s in slots):
             return None

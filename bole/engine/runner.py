@@ -198,12 +198,22 @@ class ModelRunner:
         return VerifyResult(logits=logits, ctx=ctx, hidden=hidden, forest=forest)
 
     @torch.inference_mode()
-    def commit(self, reqs: list[Request], res: VerifyResult, accepted_node: list[int], keep_hidden: bool):
-        """Materialise each request's accepted path (root + accepted drafts); advance num_computed."""
-        local = [a + 1 for a in accepted_node]  # the root (node 0) is always accepted
-        local += [-1] * (res.forest.num_requests - len(local))  # a graph's padding rows: nothing
-        lengths = self.model.commit(res.ctx, local)
-        paths = res.forest.accepted_path_nodes(local)
+    def commit(self, reqs: list[Request], res: VerifyResult, accepted_node: "list[int] | torch.Tensor",
+               keep_hidden: bool, lengths: list[int] | None = None):
+        """Materialise each request's accepted path (root + accepted drafts); advance num_computed.
+
+        ``accepted_node``: each request's deepest accepted draft (-1: none), a host list or the
+        acceptance's device tensor; with ``lengths`` (root + accepted drafts, on the host) as well, the
+        commit runs without a host sync."""
+        pad = res.forest.num_requests - len(reqs)  # a graph's padding rows: nothing
+        if isinstance(accepted_node, torch.Tensor):
+            local = accepted_node.to(res.forest.device).long() + 1  # the root (node 0) is always accepted
+            if pad:
+                local = torch.cat([local, local.new_full((pad,), -1)])
+        else:
+            local = [a + 1 for a in accepted_node] + [-1] * pad
+        lengths = self.model.commit(res.ctx, local, None if lengths is None else list(lengths) + [0] * pad)
+        paths = res.forest.accepted_path_nodes(local) if keep_hidden else None
         for b, r in enumerate(reqs):
             if keep_hidden:
                 h = res.hidden[paths[b, : lengths[b]].long()]

@@ -47,7 +47,7 @@ from bole.layers.gdn import GatedDeltaNet
 from bole.layers.mlp import MLP
 from bole.layers.moe import SparseMoE
 from bole.layers.norm import RMSNorm
-from bole.ops.conv import conv_state_commit
+from bole.ops.conv import conv_state_commit_layers
 from bole.parallel import local_model_config
 
 
@@ -167,45 +167,47 @@ class HybridForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     @torch.no_grad()
-    def commit(self, ctx, accepted: Sequence[int]) -> list[int]:
+    def commit(self, ctx, accepted: "Sequence[int] | torch.Tensor", lengths: Sequence[int] | None = None) -> list[int]:
         """Materialise each request's accepted path after a verify forward; returns path lengths.
 
-        ``accepted[b]``: local index of request b's deepest accepted node, or -1 (nothing accepted).
+        ``accepted[b]``: local index of request b's deepest accepted node, or -1 (nothing accepted); a
+        host list (validated) or a device tensor. ``lengths``: the path lengths (root included) when
+        the caller knows them on the host (the engine: emitted tokens per request); with a device
+        ``accepted`` and ``lengths`` the commit reads nothing on the host. Without ``lengths`` they
+        are read from the device (one sync).
         """
         if ctx.mode != "verify":
             raise ValueError(f"commit follows a verify step, not {ctx.mode}")
         forest, f = ctx.forest, ctx.factors
         paths = forest.accepted_path_nodes(accepted)  # [B, D] global node ids, -1 padded
-        lengths = (paths >= 0).sum(1).tolist()
+        lengths = (paths >= 0).sum(1).tolist() if lengths is None else [int(n) for n in lengths]
         pool = ctx.state_pool
         if pool is not None and self.config.num_gdn_layers and f.snapshots is not None:
             # serial_tree baseline: copy the accepted node's snapshot of every layer
-            last = paths.gather(1, (paths >= 0).sum(1, keepdim=True).clamp(min=1) - 1)[:, 0]
-            has = last >= 0
-            pool.ssm[:, ctx.state_slots[has]] = f.snapshots[:, last[has].long()].to(pool.ssm.dtype)
-            for i in range(self.config.num_gdn_layers):
-                conv_state_commit(pool.conv[i], f.conv_x[i], forest, ctx.state_slots, paths)
+            last = paths.gather(1, (paths >= 0).sum(1, keepdim=True).clamp(min=1) - 1)[:, 0].long()
+            slots = ctx.state_slots.long()
+            old = pool.ssm[:, slots]
+            snap = f.snapshots[:, last.clamp(min=0)].to(pool.ssm.dtype)
+            pool.ssm[:, slots] = torch.where((last >= 0)[None, :, None, None, None], snap, old)
+            conv_state_commit_layers(pool.conv, f.conv_x, slots, paths)
         elif pool is not None and self.config.num_gdn_layers:
             self.backend.commit(pool.ssm, f.k, f.u, f.logp, paths, ctx.state_slots, use_qk_l2norm=True)
-            for i in range(self.config.num_gdn_layers):
-                conv_state_commit(pool.conv[i], f.conv_x[i], forest, ctx.state_slots, paths)
-        if ctx.kv_cache is not None and self.config.num_attn_layers:
-            src, dst = [], []
-            paths_host = paths.cpu()
-            for b, n in enumerate(lengths):
-                if n == 0:
-                    continue
-                local = paths_host[b, :n].long() - ctx.cu_host[b]
-                P = ctx.num_cached_host[b]
-                if ctx.kv_slots:
-                    slots = ctx.kv_slots[b]
-                    src.append(slots[(P + local).to(slots.device)])
-                    dst.append(slots[P:P + n])
-                else:  # a graph's static context: slots from the host block table
-                    both = ctx.kv_cache.slots_for(ctx.block_tables[b], torch.cat([P + local, torch.arange(P, P + n)]))
-                    src.append(both[:n])
-                    dst.append(both[n:])
-            if src:
-                dev = ctx.kv_cache.device
-                ctx.kv_cache.move(torch.cat(src).to(dev), torch.cat(dst).to(dev))
+            conv_state_commit_layers(pool.conv, f.conv_x, ctx.state_slots, paths)
+        if ctx.kv_cache is not None and self.config.num_attn_layers and any(lengths):
+            # node j of a request's path moves to position num_cached + j, whose slot is the one its
+            # local node j was written to (kv position = num_cached + local index): no host read.
+            # An entry j past a path copies the request's node min(j, T_b - 1) onto itself: a slot
+            # no move writes (positions >= the path length), or, when the whole tree is the path (a
+            # chain, node j at local j), a move that writes that same value.
+            B, D = paths.shape
+            sm = ctx.slot_mapping
+            cu = ctx.cu_seqlens.long().to(sm.device)
+            start, size = cu[:-1, None], (cu[1:] - cu[:-1])[:, None]
+            p = paths.long().to(sm.device)
+            ok = p >= 0
+            j = torch.arange(D, device=sm.device)[None]
+            own = sm[start + torch.minimum(j, size - 1)]
+            src = torch.where(ok, sm[p.clamp(min=0)], own)
+            dst = own
+            ctx.kv_cache.move(src.reshape(-1), dst.reshape(-1))
         return lengths

@@ -274,29 +274,28 @@ class PackedForest:
             m &= ~torch.eye(T, dtype=torch.bool, device=anc.device)
         return m
 
-    def accepted_path_nodes(self, accepted: Sequence[int]) -> torch.Tensor:
+    def accepted_path_nodes(self, accepted: "Sequence[int] | torch.Tensor") -> torch.Tensor:
         """Global node indices of each request's accepted path.
 
         ``accepted[b]`` is the local index of the deepest accepted node of request b, or -1 when
-        nothing was accepted. Returns int32 [B, max_depth], padded with -1 (root first).
+        nothing was accepted. Returns int32 [B, max_depth] on the forest's device, padded with -1
+        (root first). A host list is validated against the tree sizes (one host read of the offsets);
+        a device tensor (the acceptance's own output) is used as is, with no host sync.
         """
         if len(accepted) != self.num_requests:
             raise ValueError(f"accepted has {len(accepted)} entries for {self.num_requests} requests")
-        out = torch.full((self.num_requests, self.max_depth), -1, dtype=torch.int32)
-        anc = self.anc.cpu()
-        cu = self.cu_seqlens.cpu()
-        for b, a in enumerate(accepted):
-            a = int(a)
-            T = int(cu[b + 1] - cu[b])
-            if a < -1 or a >= T:
-                raise ValueError(f"request {b}: accepted node {a} is not in its tree of {T} nodes")
-            if a == -1:
-                continue
-            chain = anc[int(cu[b]) + a]
-            ok = chain >= 0
-            out[b, : int(ok.sum())] = chain[ok] + cu[b]
-        return out.to(self.device)
-
+        if not isinstance(accepted, torch.Tensor):
+            cu = self.cu_seqlens.tolist()
+            for b, a in enumerate(accepted):
+                T = cu[b + 1] - cu[b]
+                if not -1 <= int(a) < T:
+                    raise ValueError(f"request {b}: accepted node {int(a)} is not in its tree of {T} nodes")
+            accepted = torch.tensor([int(a) for a in accepted], dtype=torch.long)
+        a = accepted.to(self.device).long()
+        start = self.cu_seqlens[:-1].long()
+        chain = self.anc.long()[(start + a.clamp(min=0)).clamp(max=max(self.num_nodes - 1, 0))]   # [B, D]
+        out = torch.where((chain >= 0) & (a >= 0)[:, None], chain + start[:, None], -1)
+        return out.to(torch.int32)
 
 
 def _padded_layout(par: torch.Tensor, valid: torch.Tensor, D: int):
