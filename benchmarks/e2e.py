@@ -11,6 +11,8 @@ Sections (``--sections``, letters or names; all by default):
                    zeros (gdn_share = 1 - that / full: projections, conv, recurrence, gated norm and the
                    factor / snapshot stores of the GDN layers; their MLPs are not counted); and with only
                    the backend's tree verification call stubbed to empty outputs (recurrence_share).
+                   Shares are of the forward replayed from a CUDA graph (GPU time: an eager forward at
+                   batch 1 is launch bound, which hides every layer's cost); the eager times are kept.
                    The commit (eq. 10 for bole, snapshot copy for serial_tree) is timed on its own.
   b  state_bytes   Transient speculative state per request for T = 100 and 200 nodes, all GDN layers:
                    per-node fp32 snapshots vs the factors the commit needs, from the engine's own buffer
@@ -357,6 +359,21 @@ def _stub_serial(q, k, v, g, beta, forest, initial_state, state_indices=None, sc
     return torch.empty_like(v), torch.empty(N, HV, V, K, dtype=torch.float32, device=v.device)
 
 
+def _graph_verify_ms(runner, reqs, batch, args, dev) -> float:
+    """Median time of the verify forward replayed from a CUDA graph (``bole.engine.spec_graphs``:
+    the host's launch cost removed, so shares are of GPU time); the uncaptured static forward on a CPU."""
+    from bole.engine.spec_graphs import VerifyGraphs
+
+    T = batch.tokens.shape[1]
+    vg = VerifyGraphs(runner, [len(reqs)], [T + 1], TREE_DEPTH, *runner._padding(), capture=dev.type == "cuda")
+    vg.run(reqs, batch)  # builds (captures) the one graph
+    g = next(iter(vg.graphs.values()))
+    ms = time_ms(g.graph.replay if g.graph is not None else torch.inference_mode()(g.run), args.warmup, args.reps, dev)
+    del vg, g
+    gc.collect()
+    return ms
+
+
 def section_gdn_share(rep: Report, tgt: Target, args, decode_ms: dict, t_end: float, share: bool) -> None:
     from bole.calibrate import synthetic_batch
 
@@ -375,14 +392,17 @@ def section_gdn_share(rep: Report, tgt: Target, args, decode_ms: dict, t_end: fl
         runner.factors = full_factors if mode == "serial_tree" else dataclasses.replace(full_factors, snapshots=None)
         batch = synthetic_batch(B * (T - 1), B, TREE_DEPTH, tgt.cfg.vocab_size, tgt.gen, dev)
         verify = lambda reqs=reqs, batch=batch: runner.verify(reqs, batch)
+        graph = lambda reqs=reqs, batch=batch: _graph_verify_ms(runner, reqs, batch, args, dev)
         try:
             full = time_ms(verify, args.warmup, args.reps, dev)
-            no_mixer = no_rec = None
+            full_g = graph()
+            no_mixer = no_rec = no_mixer_g = no_rec_g = None
             if share:
                 for m in tgt.gdn:
                     m.forward = zeros
                 try:
                     no_mixer = time_ms(verify, args.warmup, args.reps, dev)
+                    no_mixer_g = graph()
                 finally:
                     for m in tgt.gdn:
                         del m.forward
@@ -390,6 +410,7 @@ def section_gdn_share(rep: Report, tgt: Target, args, decode_ms: dict, t_end: fl
                     m.backend = stubbed
                 try:
                     no_rec = time_ms(verify, args.warmup, args.reps, dev)
+                    no_rec_g = graph()
                 finally:
                     for m in tgt.gdn:
                         m.backend = backend
@@ -408,19 +429,24 @@ def section_gdn_share(rep: Report, tgt: Target, args, decode_ms: dict, t_end: fl
         depth = int(batch.depth.max()) + 1
         if share:
             rep.add("gdn_share", dict(model=tgt.name, mode=mode, batch=B, tree_nodes=T, depth=depth,
+                                      verify_graph_ms=_r(full_g), without_gdn_mixers_graph_ms=_r(no_mixer_g),
+                                      without_gdn_recurrence_graph_ms=_r(no_rec_g),
+                                      gdn_share=_r(1 - no_mixer_g / full_g),
+                                      recurrence_share=_r(1 - no_rec_g / full_g),
                                       verify_ms=_r(full), without_gdn_mixers_ms=_r(no_mixer),
-                                      without_gdn_recurrence_ms=_r(no_rec), gdn_share=_r(1 - no_mixer / full),
-                                      recurrence_share=_r(1 - no_rec / full), commit_ms=_r(commit)))
+                                      without_gdn_recurrence_ms=_r(no_rec), gdn_share_eager=_r(1 - no_mixer / full),
+                                      recurrence_share_eager=_r(1 - no_rec / full), commit_ms=_r(commit)))
         dec = decode_ms.get(B, {})
         d_e, d_g = dec.get("eager"), dec.get("cuda_graph", dec.get("static_uncaptured"))
         rep.add("step_latency", dict(model=tgt.name, mode=mode, batch=B, tree_nodes=T, depth=depth,
-                                     verify_ms=_r(full), commit_ms=_r(commit), step_ms=_r(full + commit),
-                                     decode_ms=_r(d_e), decode_graph_ms=_r(d_g),
+                                     verify_ms=_r(full), verify_graph_ms=_r(full_g), commit_ms=_r(commit),
+                                     step_ms=_r(full + commit), decode_ms=_r(d_e), decode_graph_ms=_r(d_g),
                                      verify_over_decode=_r(full / d_e, 2) if d_e else None,
+                                     graph_verify_over_graph_decode=_r(full_g / d_g, 2) if d_g else None,
                                      step_over_graph_decode=_r((full + commit) / d_g, 2) if d_g else None))
-        share_txt = f"gdn {1 - no_mixer / full:5.1%} rec {1 - no_rec / full:5.1%} " if share else ""
-        print(f"[{time.time() - T0:6.1f}s] {mode:<11} batch={B} T={T:<3}: verify {full:8.2f} ms  "
-              f"{share_txt}commit {commit:.2f} ms ({time.time() - t0:.1f}s)", flush=True)
+        share_txt = f"gdn {1 - no_mixer_g / full_g:5.1%} rec {1 - no_rec_g / full_g:5.1%} " if share else ""
+        print(f"[{time.time() - T0:6.1f}s] {mode:<11} batch={B} T={T:<3}: verify {full:8.2f} ms eager, "
+              f"{full_g:7.3f} ms graph  {share_txt}commit {commit:.2f} ms ({time.time() - t0:.1f}s)", flush=True)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -523,7 +549,8 @@ def main(argv=None) -> dict:
             warmup=args.warmup, reps=args.reps, weights_dtype="bfloat16 (random-weight target)"),
         methods=dict(
             timing="median of --reps calls after --warmup, CUDA events around each synchronised call",
-            gdn_share="ablation: 1 - t(verify forward with every GatedDeltaNet mixer a no-op) / t(verify forward)",
+            gdn_share="ablation on CUDA-graph replays: 1 - t(verify forward with every GatedDeltaNet mixer a "
+                      "no-op) / t(verify forward); gdn_share_eager: the same on eager forwards",
             recurrence_share="ablation: 1 - t(forward with the backend's tree_verify / tree_serial stubbed) / t",
             state_bytes="TreeFactors.transient_bytes: the engine's buffers per request, all GDN layers; "
                         "snapshots fp32 [HV,V,K] per node, factors k (bf16) + u (fp32) + logP (fp32) per node",

@@ -41,8 +41,8 @@ from bole.engine.sequence import Request, RequestStatus
 from bole.engine.spec_graphs import tree_widths
 from bole.hardware import resolve_calibration
 from bole.sampling_params import SamplingParams
-from bole.spec.budget import CalibrationTable, select_nodes
-from bole.spec.drafter import compact, tree_size
+from bole.spec.budget import CalibrationTable
+from bole.spec.drafter import tree_size
 from bole.spec.sampling import accept_tree, counter_uniforms, process_logits, sample_from_probs
 from bole.spec.tree import MAX_TREE_NODES
 
@@ -90,7 +90,8 @@ class LLMEngine:
                                   verify_graph_spec=dict(batch_sizes=spec_sizes, tree_sizes=tree_widths(self.lookahead),
                                                          max_depth=spec.depth + 1) if spec_graphs else None,
                                   draft_graph_spec=dict(batch_sizes=spec_sizes, depth=spec.depth, topk=spec.topk,
-                                                        beam=spec.beam) if spec_graphs else None)
+                                                        beam=spec.beam, max_per_request=MAX_TREE_NODES - 1)
+                                  if spec_graphs else None)
         cc = config.cache
         self.prefix_cache = PrefixCache(self.runner.allocator, self.runner.state_pool, cc.block_size,
                                         cc.checkpoint_interval_blocks, cc.num_checkpoint_slots,
@@ -219,13 +220,18 @@ class LLMEngine:
 
     def _speculative_step(self, reqs: list[Request], stats: StepStats) -> list[list[int]]:
         spec = self.config.spec
-        cand = self.runner.draft(reqs, spec.depth, spec.topk, spec.beam)
         kv_len = max(r.num_computed for r in reqs)
-        _, b_ver = self.calibration.lookup(len(reqs), kv_len, spec.depth + 1)
+        B = len(reqs)
+        _, b_ver = self.calibration.lookup(B, kv_len, spec.depth + 1)
         # the tree's root (the pending token) is verified too: drafts <= MAX_TREE_NODES - 1 per request
-        keep = select_nodes(cand.rho, cand.parents, cand.valid, cand.depth, b_ver,
-                            max_per_request=MAX_TREE_NODES - 1)
-        batch = compact(cand, keep).trimmed()
+        batch = self.runner.draft_batch(reqs, spec.depth, spec.topk, spec.beam, b_ver,
+                                        max_per_request=MAX_TREE_NODES - 1)
+        # Trees are padded to one width for verification. A host bound on every tree's size (the
+        # budget, or the depth-1 floor if larger) avoids reading the widest tree from the device when
+        # padding to it costs little (at most twice the budget's nodes); else read it (one sync).
+        bound = min(batch.tokens.shape[1], max(int(b_ver), min(spec.topk, self.model.config.vocab_size)),
+                    MAX_TREE_NODES - 1)
+        batch = batch.trimmed(bound if B * (bound + 1) <= 2 * (int(b_ver) + B) else None)
         res = self.runner.verify(reqs, batch)
         D = spec.depth
         B, T1 = res.logits.shape[:2]

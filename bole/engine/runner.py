@@ -35,7 +35,8 @@ from bole.engine.cuda_graphs import DecodeGraphs, graphs_unsupported
 from bole.engine.sequence import Request
 from bole.engine.spec_graphs import DraftGraphs, VerifyGraphs
 from bole.models.context import ForwardContext, TreeFactors
-from bole.spec.drafter import DraftBatch, Frontier, expand_tree, tree_size
+from bole.spec.budget import select_nodes
+from bole.spec.drafter import DraftBatch, Frontier, compact, expand_tree, tree_size
 from bole.spec.tree import PackedForest
 
 logger = logging.getLogger(__name__)
@@ -107,8 +108,8 @@ class ModelRunner:
 
     def enable_draft_graphs(self, batch_sizes: Sequence[int], depth: int, topk: int, beam: int,
                             capture: bool = True, **kw) -> DraftGraphs:
-        """Route ``draft`` through ``DraftGraphs`` for these drafting settings (other settings, and
-        catch-ups longer than depth + 1, run eagerly)."""
+        """Route ``draft_batch`` through ``DraftGraphs`` for these drafting settings and per-request cap
+        (``max_per_request`` in kw; other settings, and catch-ups longer than depth + 1, run eagerly)."""
         pool = next((g.pool for g in (self.graphs, self.verify_graphs) if g is not None), None)
         self.draft_graphs = DraftGraphs(self, batch_sizes, depth, topk, beam, self._padding()[0],
                                         capture=capture, pool=pool, **kw)
@@ -266,6 +267,19 @@ class ModelRunner:
         return h[torch.tensor(ctx.cu_host[1:], device=self.device) - 1]
 
     @torch.inference_mode()
+    def draft_batch(self, reqs: list[Request], depth: int, topk: int, beam: int, b_ver: int,
+                    max_per_request: int | None = None) -> DraftBatch:
+        """Draft (``draft``), keep ``b_ver`` nodes for the batch (``select_nodes``) and compact them:
+        the step's ``DraftBatch`` [B, T_max] (untrimmed). From the draft graph when it applies."""
+        dg = self.draft_graphs
+        if dg is not None and (dg.depth, dg.topk, dg.beam, dg.max_per_request) == \
+                (depth, topk, beam, max_per_request) and dg.supports(reqs):
+            return dg.run(reqs, b_ver)
+        cand = self.draft(reqs, depth, topk, beam)
+        keep = select_nodes(cand.rho, cand.parents, cand.valid, cand.depth, b_ver, max_per_request=max_per_request)
+        return compact(cand, keep)
+
+    @torch.inference_mode()
     def draft(self, reqs: list[Request], depth: int, topk: int, beam: int):
         """Grow every request's candidate tree with the MTP head (EAGLE-2 style); returns DraftCandidates.
 
@@ -274,9 +288,6 @@ class ModelRunner:
         each node attends to the committed prefix and its own ancestors; a node's input hidden is its
         parent's MTP output (the catch-up output for first-level nodes).
         """
-        dg = self.draft_graphs
-        if dg is not None and (dg.depth, dg.topk, dg.beam) == (depth, topk, beam) and dg.supports(reqs):
-            return dg.run(reqs)
         h_root = self._mtp_catch_up(reqs)
         root_lp = torch.log_softmax(self.model.mtp.compute_logits(h_root).float(), -1)
         B, H = h_root.shape

@@ -31,10 +31,10 @@ the verifier runs Dc Neumann rounds whatever the step's trees look like (exact e
 ``DraftGraphs`` captures the whole MTP draft of a step (key (Bc, Lc)): the drafter's catch-up over the
 positions the last step committed (at most depth + 1 per request: a chain forest of C = depth + 1
 nodes, its padding positions written past everything committed), the root log-probabilities, and
-every ``expand_tree`` level over a static forest of the frontier nodes so far; its outputs are the
-step's ``DraftCandidates``. A draft whose catch-up is longer (the first one after a prefill) runs
-eagerly. Budget selection and compaction stay outside the graphs (a few fixed-shape ops, their
-budget a host value from the calibration table).
+every ``expand_tree`` level over a static forest of the frontier nodes so far, then the budget's
+batch-shared selection (Algorithm 3, ``select_nodes``, with the step's B_ver from the calibration
+table passed in the input row) and the compaction; its output is the step's ``DraftBatch``. A draft
+whose catch-up is longer (the first one after a prefill) runs eagerly.
 
 ``StaticTree`` is what both build on: a verify-mode ``ForwardContext`` over fixed buffers for Bc
 trees of Tc nodes, and ``fill`` (inside the graph) deriving the forest, positions, KV slots and the
@@ -305,8 +305,8 @@ class VerifyGraphs:
 
 
 # -------------------------------------------------------------------------------------------- draft
-_MC, _NC, _NEW, _DTABLE = 0, 1, 2, 3  # columns of the draft graphs' host row: mtp_computed, num_computed,
-                                       # catch-up length, then the catch-up token ids (C) and the block table
+_MC, _NC, _NEW, _BVER, _DTABLE = 0, 1, 2, 3, 4  # columns of the draft graphs' host row: mtp_computed,
+# num_computed, catch-up length, the step's budget B_ver (row 0), then the catch-up ids (C) and the block table
 
 
 @dataclass
@@ -321,7 +321,8 @@ class DraftGraphs:
     """Captured MTP drafts (catch-up + tree expansion) of one ``ModelRunner``; see the module docstring."""
 
     def __init__(self, runner, batch_sizes: Sequence[int], depth: int, topk: int, beam: int,
-                 pad_block: int, capture: bool = True, min_kv: int = 256, pool=None):
+                 pad_block: int, capture: bool = True, min_kv: int = 256, pool=None,
+                 max_per_request: int | None = None):
         from bole.spec.drafter import tree_size
 
         sizes = sorted({int(b) for b in batch_sizes})
@@ -353,11 +354,11 @@ class DraftGraphs:
         dtype = self.model.lm_head.weight.dtype
         self.hidden_in = torch.zeros(Bm, C, H, dtype=dtype, device=dev)   # target hiddens to catch up on
         T = self.t_max
-        self.out = dict(tokens=torch.zeros(Bm, T, dtype=torch.long, device=dev),
-                        parents=torch.zeros(Bm, T, dtype=torch.long, device=dev),
-                        rho=torch.zeros(Bm, T, dtype=torch.float32, device=dev),
-                        depth=torch.zeros(Bm, T, dtype=torch.long, device=dev),
-                        valid=torch.zeros(Bm, T, dtype=torch.bool, device=dev))
+        z = lambda dtype: torch.zeros(Bm, T, dtype=dtype, device=dev)
+        # the selected, compacted drafts (``DraftBatch`` fields)
+        self.out = dict(tokens=z(torch.long), parents=z(torch.long), depth=z(torch.long), rho=z(torch.float32),
+                        source_index=z(torch.long), num_nodes=torch.zeros(Bm, dtype=torch.long, device=dev))
+        self.max_per_request = max_per_request
         self.graphs: dict[tuple[int, int], _DGraph] = {}
         self.pool = pool
         self.replays = 0
@@ -394,7 +395,8 @@ class DraftGraphs:
 
     def _build(self, Bc: int, Lc: int) -> _DGraph:
         from bole.engine.runner import _empty_factors
-        from bole.spec.drafter import expand_tree
+        from bole.spec.budget import select_nodes
+        from bole.spec.drafter import compact, expand_tree
 
         runner, dev, C, bs = self.runner, self.runner.device, self.catch_up, self.block_size
         mtp, cache = self.mtp, runner.mtp_cache
@@ -440,8 +442,11 @@ class DraftGraphs:
                 return torch.log_softmax(mtp.compute_logits(hh[:, S0:]).float(), -1)
 
             cand = expand_tree(root_lp, step, self.depth, self.topk, self.beam)
+            keep = select_nodes(cand.rho, cand.parents, cand.valid, cand.depth, inp[0, _BVER],
+                                max_per_request=self.max_per_request)
+            batch = compact(cand, keep)
             for k, v in out.items():
-                v.copy_(getattr(cand, k))
+                v.copy_(getattr(batch, k))
 
         g = _DGraph(Bc, Lc, run)
         if self.capture:
@@ -486,15 +491,17 @@ class DraftGraphs:
         return built
 
     @torch.inference_mode()
-    def run(self, reqs):
-        """The draft of ``reqs`` (``supports`` must hold): ``DraftCandidates`` [B, T_max], views of the
-        static outputs (valid until the next replay); the requests' drafter bookkeeping advanced."""
-        from bole.spec.drafter import DraftCandidates
+    def run(self, reqs, b_ver: int):
+        """The draft of ``reqs`` (``supports`` must hold) with ``b_ver`` nodes selected for the batch:
+        the compacted ``DraftBatch`` [B, T_max], views of the static outputs (valid until the next
+        replay); the requests' drafter bookkeeping advanced."""
+        from bole.spec.drafter import DraftBatch
 
         B = len(reqs)
         Bc, Lc = self.key(B, max(r.num_computed for r in reqs) + max(self.t_max, self.catch_up))
         g = self.graphs.get((Bc, Lc)) or self._build(Bc, Lc)
         self._fill(reqs, Bc, Lc)
+        self._host_np[0, _BVER] = int(b_ver)
         self._upload(Bc)
         for b, r in enumerate(reqs):
             n = r.num_computed - r.mtp_computed
@@ -507,4 +514,4 @@ class DraftGraphs:
         for r in reqs:
             r.mtp_computed = r.num_computed
             r.pending_hidden = None
-        return DraftCandidates(**{k: v[:B] for k, v in self.out.items()})
+        return DraftBatch(**{k: v[:B] for k, v in self.out.items()})

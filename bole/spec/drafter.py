@@ -89,9 +89,10 @@ class DraftBatch:
     source_index: torch.Tensor
     num_nodes: torch.Tensor
 
-    def trimmed(self) -> "DraftBatch":
-        """The same batch padded only to its widest tree (one host sync): kernels tile by the width."""
-        T = int(self.num_nodes.max()) if self.num_nodes.numel() else 0
+    def trimmed(self, width: int | None = None) -> "DraftBatch":
+        """The same batch padded only to its widest tree (one host sync): kernels tile by the width.
+        With ``width`` (a bound on every tree's size known on the host), cut there without a sync."""
+        T = (int(self.num_nodes.max()) if self.num_nodes.numel() else 0) if width is None else int(width)
         return DraftBatch(*(t[:, :T] for t in (self.tokens, self.parents, self.depth, self.rho,
                                                self.source_index)), num_nodes=self.num_nodes)
 

@@ -25,7 +25,7 @@ from bole.engine.sequence import Request
 from bole.engine.spec_graphs import tree_widths
 from bole.models.loader import load_model
 from bole.sampling_params import SamplingParams
-from bole.spec.tree import PackedForest, random_tree
+from bole.spec.tree import MAX_TREE_NODES, PackedForest, random_tree
 
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15], [3] * 14, [5, 1, 6, 2, 8]]
 DEPTH = 4  # tree depth bound with the root
@@ -164,28 +164,29 @@ def test_static_verify_reads_nothing_on_the_host():
 
 def _compare_draft(path, device, capture, tol):
     """Two draft + verify + commit steps of the same requests on an eager runner and a draft-graph
-    runner: the candidates agree (tokens, parents, depths exactly; log-probabilities within tol)."""
-    from bole.spec.drafter import compact
-
+    runner: the selected, compacted drafts agree (tokens, parents, depths, sources and counts
+    exactly; log-probabilities within tol), with a budget that keeps everything, then one that cuts."""
     model = load_model(path, dtype="float32", device=device)
     D, k, beam = 3, 3, 2
     kw = dict(num_blocks=128, block_size=4, num_state_slots=6, max_batch_nodes=4 * 32,
               kv_dtype=torch.float32, device=device)
     eager, graph = ModelRunner(model, **kw), ModelRunner(model, **kw)
-    dg = graph.enable_draft_graphs((1, 2, 4), D, k, beam, capture=capture, min_kv=8)
+    dg = graph.enable_draft_graphs((1, 2, 4), D, k, beam, capture=capture, min_kv=8, max_per_request=127)
     for batch_prompts in (PROMPTS[:1], PROMPTS[:3]):
         re, rg = _requests(eager, batch_prompts, True), _requests(graph, batch_prompts, True)
-        for step in range(2):
+        for step, b_ver in enumerate((100, 2 * len(batch_prompts) + 3)):
             # after the prefill the catch-up is the prompt (> depth + 1 for the longer ones: eager)
             assert dg.supports(rg) == (step > 0 or len(batch_prompts) == 1)
-            c1, c2 = eager.draft(re, D, k, beam), graph.draft(rg, D, k, beam)
-            for f in ("tokens", "parents", "depth", "valid"):
-                assert torch.equal(getattr(c1, f), getattr(c2, f)), (step, f)
-            assert float((c1.rho - c2.rho).abs().max()) <= tol
+            d1 = eager.draft_batch(re, D, k, beam, b_ver, max_per_request=127)
+            d2 = graph.draft_batch(rg, D, k, beam, b_ver, max_per_request=127)
+            for f in ("tokens", "parents", "depth", "source_index", "num_nodes"):
+                assert torch.equal(getattr(d1, f), getattr(d2, f)), (step, f)
+            assert float((d1.rho - d2.rho).nan_to_num(0, 0, 0).abs().max()) <= tol
             assert [(r.mtp_computed, r.pending_hidden) for r in re] == [(r.num_computed, None) for r in rg]
-            # verify every candidate, commit each request's deepest node (paths of different lengths)
-            for runner, reqs, cand in ((eager, re, c1), (graph, rg, c2)):
-                batch = compact(cand, cand.valid).trimmed()
+            assert int(d2.num_nodes.sum()) == min(b_ver, 15 * len(batch_prompts))  # T_max = 3 + 6 + 6
+            # verify the kept drafts, commit each request's deepest node (paths of different lengths)
+            for runner, reqs, d in ((eager, re, d1), (graph, rg, d2)):
+                batch = d.trimmed()
                 res = runner.verify(reqs, batch)
                 deepest = [int(torch.argmax(batch.depth[b])) for b in range(len(reqs))]
                 runner.commit(reqs, res, deepest, keep_hidden=True)
@@ -233,7 +234,8 @@ def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache):
     spec = eng.config.spec
     vg = eng.runner.enable_verify_graphs((1, 2, 4), tree_widths(eng.lookahead), spec.depth + 1,
                                          capture=False, min_kv=8)
-    dg = eng.runner.enable_draft_graphs((1, 2, 4), spec.depth, spec.topk, spec.beam, capture=False, min_kv=8)
+    dg = eng.runner.enable_draft_graphs((1, 2, 4), spec.depth, spec.topk, spec.beam, capture=False, min_kv=8,
+                                        max_per_request=MAX_TREE_NODES - 1)
     assert _run_engine(eng, PROMPTS, max_tokens) == ref
     assert vg.replays > 0 and dg.replays > 0
 
