@@ -92,7 +92,7 @@ def parse_args(argv=None):
     ap.add_argument("--model", default=str(REPO_ROOT / "models" / "bole-tiny-coder"))
     ap.add_argument("--prompts", default=str(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl"))
     ap.add_argument("--batches", type=int, nargs="*", default=None, help="throughput batches (1 2 4 8 16)")
-    ap.add_argument("--max-tokens", type=int, default=None, help="tokens per request (64; smoke 6)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="tokens per request (256; smoke 6)")
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--beam", type=int, default=4)
@@ -116,7 +116,7 @@ def parse_args(argv=None):
     smoke = a.smoke
     pick = lambda v, full, small: v if v is not None else (small if smoke else full)
     a.batches = pick(a.batches, [1, 2, 4, 8, 16], [1, 2])
-    a.max_tokens = pick(a.max_tokens, 64, 6)
+    a.max_tokens = pick(a.max_tokens, 256, 6)
     a.tree_sizes = pick(a.tree_sizes, [8, 16, 32, 64, 128], [4, 8])
     a.share_batches = pick(a.share_batches, [1, 8], [1, 2])
     a.decode_batches = pick(a.decode_batches, [1, 8], [1, 2])
