@@ -40,6 +40,7 @@ the CPU in seconds (tests/bench/test_e2e_harness.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -359,6 +360,24 @@ def _stub_serial(q, k, v, g, beta, forest, initial_state, state_indices=None, sc
     return torch.empty_like(v), torch.empty(N, HV, V, K, dtype=torch.float32, device=v.device)
 
 
+@contextlib.contextmanager
+def _patched(objs, name: str, value):
+    """Set attribute ``name`` of every object to ``value`` for the block (ablations), then restore it
+    (an instance attribute that was not there is removed again)."""
+    missing = object()
+    old = [o.__dict__.get(name, missing) for o in objs]
+    for o in objs:
+        setattr(o, name, value)
+    try:
+        yield
+    finally:
+        for o, v in zip(objs, old, strict=True):
+            if v is missing:
+                delattr(o, name)
+            else:
+                setattr(o, name, v)
+
+
 def _graph_verify_ms(runner, reqs, batch, args, dev) -> float:
     """Median time of the verify forward replayed from a CUDA graph (``bole.engine.spec_graphs``:
     the host's launch cost removed, so shares are of GPU time); the uncaptured static forward on a CPU."""
@@ -398,22 +417,12 @@ def section_gdn_share(rep: Report, tgt: Target, args, decode_ms: dict, t_end: fl
             full_g = graph()
             no_mixer = no_rec = no_mixer_g = no_rec_g = None
             if share:
-                for m in tgt.gdn:
-                    m.forward = zeros
-                try:
+                with _patched(tgt.gdn, "forward", zeros):
                     no_mixer = time_ms(verify, args.warmup, args.reps, dev)
                     no_mixer_g = graph()
-                finally:
-                    for m in tgt.gdn:
-                        del m.forward
-                for m in tgt.gdn:
-                    m.backend = stubbed
-                try:
+                with _patched(tgt.gdn, "backend", stubbed):
                     no_rec = time_ms(verify, args.warmup, args.reps, dev)
                     no_rec_g = graph()
-                finally:
-                    for m in tgt.gdn:
-                        m.backend = backend
             res = runner.verify(reqs, batch)
             deepest = [int(torch.argmax(torch.where(batch.tokens[b] >= 0, batch.depth[b], -1))) + 1
                        if int(batch.num_nodes[b]) else 0 for b in range(B)]

@@ -13,14 +13,14 @@ captures the whole step (embedding → layers → norm → lm_head) once per *gr
 
 Graphs are captured lazily, the first time a key is needed, into one shared memory pool.
 
-Static inputs (one int64 device buffer [max_batch, 3 + max_blocks], written by ONE host-to-device copy
-from a pinned host mirror per step): per row the token id, num_cached (the new token's position), the
-GDN state slot and the block table (padded with the pad block). Everything else is derived INSIDE the
-graph from them: positions, the new token's KV slot, the [Bc, Lc] key slots and their validity mask
-(``bole.models.context.StaticDecode``). Padding rows (the step's batch up to Bc) carry token 0 at
-position 0, the pad block and the pad state slot: a KV block and a GDN slot the runner reserves for
-them, so padding never touches a request's cache. Outputs (hidden states and logits) are copied in the
-graph into buffers allocated outside the graph pool.
+Static inputs (``StaticRows``: one int64 device buffer [max_batch, 3 + max_blocks], written by ONE
+host-to-device copy from a pinned host mirror per step): per row the token id, num_cached (the new
+token's position), the GDN state slot and the block table (padded with the pad block). Everything
+else is derived INSIDE the graph from them: positions, the new token's KV slot, the [Bc, Lc] key
+slots and their validity mask (``bole.models.context.StaticDecode``). Padding rows (the step's batch
+up to Bc) carry token 0 at position 0, the pad block and the pad state slot: a KV block and a GDN
+slot the runner reserves for them, so padding never touches a request's cache. Outputs (hidden
+states and logits) are copied in the graph into buffers allocated outside the graph pool.
 
 Nothing in a captured forward reads a device value on the host: the context is built once per key
 over the static buffers (``ForwardContext.static``), attention runs one batched SDPA call over padded
@@ -72,6 +72,67 @@ def kv_buckets(min_kv: int, capacity: int, block_size: int) -> list[int]:
     return out
 
 
+def sizes_upto(values: Sequence[int], limit: int | None) -> list[int]:
+    """The captured sizes a step of size <= ``limit`` can use: those below it and the first >= it
+    (the largest when none is; all when ``limit`` is None). For ``capture_all``."""
+    if limit is None:
+        return list(values)
+    return [v for v in values if v < limit] + [next((v for v in values if v >= limit), values[-1])]
+
+
+def capture_graph(run: Callable[[], None], pool, device) -> "torch.cuda.CUDAGraph":
+    """Warm ``run`` up twice on a side stream (allocator, Triton autotuning), then capture it into ``pool``."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        run()
+    return graph
+
+
+class StaticRows:
+    """A graph's per-row int64 inputs: the host writes a pinned mirror (``begin`` returns it as a numpy
+    array) and ``upload`` moves its first rows to ``device`` (the buffer the graph reads) in ONE
+    non-blocking copy; an event keeps the next ``begin`` from overwriting a copy still in flight."""
+
+    def __init__(self, rows: int, width: int, device):
+        dev = torch.device(device)
+        self.device = torch.zeros(rows, width, dtype=torch.long, device=dev)
+        self.host = torch.zeros(rows, width, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._np = self.host.numpy()
+        self._copied = torch.cuda.Event() if dev.type == "cuda" else None
+
+    def begin(self):
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the host buffer
+        return self._np
+
+    def upload(self, rows: int) -> None:
+        self.device[:rows].copy_(self.host[:rows], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    def fill_roots(self, reqs, rows: int, num_blocks: int, pad_slot: int, pad_block: int) -> None:
+        """The decode / verify layout (``_TOK``, ``_POS``, ``_SLOT``, ``_TABLE``...): per request its pending
+        root token, num_computed, GDN state slot and first ``num_blocks`` block ids; rows past the
+        requests (padding) token 0 at position 0 with the pad slot and pad block."""
+        h = self.begin()
+        h[:rows, _TOK] = 0
+        h[:rows, _POS] = 0
+        h[:rows, _SLOT] = pad_slot
+        h[:rows, _TABLE:] = pad_block
+        for b, r in enumerate(reqs):
+            h[b, _TOK] = r.all_token_ids[r.num_computed]
+            h[b, _POS] = r.num_computed
+            h[b, _SLOT] = r.state_slot
+            t = r.block_table[:num_blocks]
+            h[b, _TABLE:_TABLE + len(t)] = t
+
+
 @dataclass
 class _Graph:
     batch: int
@@ -102,11 +163,7 @@ class DecodeGraphs:
         self.kv_lengths = kv_buckets(min_kv, kv.num_blocks * bs, bs)
         self.max_blocks = self.kv_lengths[-1] // bs
         dev = runner.device
-        width = _TABLE + self.max_blocks
-        self.inputs = torch.zeros(max(sizes), width, dtype=torch.long, device=dev)
-        self.host = torch.zeros(max(sizes), width, dtype=torch.long, pin_memory=dev.type == "cuda")
-        self._host_np = self.host.numpy()
-        self._copied = torch.cuda.Event() if dev.type == "cuda" else None
+        self.rows = StaticRows(max(sizes), _TABLE + self.max_blocks, dev)
         H, V = self.model.config.hidden_size, self.model.config.vocab_size
         dtype = self.model.lm_head.weight.dtype
         self.out_hidden = torch.zeros(max(sizes), H, dtype=dtype, device=dev)
@@ -134,7 +191,7 @@ class DecodeGraphs:
     # -- building --------------------------------------------------------------------------------
     def _build(self, Bc: int, Lc: int) -> _Graph:
         dev, bs, runner = self.runner.device, self.block_size, self.runner
-        inp = self.inputs[:Bc]
+        inp = self.rows.device[:Bc]
         tables = inp[:, _TABLE:_TABLE + Lc // bs]
         pos = torch.arange(Lc, device=dev)
         key_block, key_off = pos // bs, pos % bs
@@ -166,55 +223,26 @@ class DecodeGraphs:
 
         g = _Graph(Bc, Lc, ctx, run)
         if self.capture:
-            self._fill([], Bc, Lc)  # capture-time warm-up touches the pad block and pad slot only
-            self._upload(Bc)
-            side = torch.cuda.Stream(device=dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    run()
-            torch.cuda.current_stream(dev).wait_stream(side)
+            self._load([], Bc, Lc)  # capture-time warm-up touches the pad block and pad slot only
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            g.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g.graph, pool=self.pool):
-                run()
+            g.graph = capture_graph(run, self.pool, dev)
             logger.info("captured decode graph batch=%d kv_len=%d", Bc, Lc)
         self.graphs[Bc, Lc] = g
         return g
 
-    def _fill(self, reqs, Bc: int, Lc: int) -> None:
-        """Write the step's rows (and padding rows) into the pinned host mirror."""
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copy has left the host buffer
-        h, nblk = self._host_np, Lc // self.block_size
-        h[:Bc, _TOK] = 0
-        h[:Bc, _POS] = 0
-        h[:Bc, _SLOT] = self.pad_slot
-        h[:Bc, _TABLE:] = self.pad_block
-        for b, r in enumerate(reqs):
-            h[b, _TOK] = r.all_token_ids[r.num_computed]
-            h[b, _POS] = r.num_computed
-            h[b, _SLOT] = r.state_slot
-            t = r.block_table[:nblk]
-            h[b, _TABLE:_TABLE + len(t)] = t
-
-    def _upload(self, Bc: int) -> None:
-        self.inputs[:Bc].copy_(self.host[:Bc], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+    def _load(self, reqs, Bc: int, Lc: int) -> None:
+        """The step's rows (and padding rows) into the static inputs."""
+        self.rows.fill_roots(reqs, Bc, Lc // self.block_size, self.pad_slot, self.pad_block)
+        self.rows.upload(Bc)
 
     @torch.inference_mode()
     def capture_all(self, max_batch: int | None = None, max_len: int | None = None) -> int:
         """Build ahead of time every graph a step of <= max_batch requests of <= max_len keys can need
         (all keys when None), so no capture happens inside a timed run; returns how many were built."""
-        sizes = self.batch_sizes if max_batch is None else \
-            [b for b in self.batch_sizes if b < max_batch] + [self.key(min(max_batch, self.batch_sizes[-1]), 1)[0]]
-        lengths = self.kv_lengths if max_len is None else \
-            [L for L in self.kv_lengths if L < max_len] + [self.key(1, min(max_len, self.kv_lengths[-1]))[1]]
         built = 0
-        for Bc in sizes:
-            for Lc in lengths:
+        for Bc in sizes_upto(self.batch_sizes, max_batch):
+            for Lc in sizes_upto(self.kv_lengths, max_len):
                 if (Bc, Lc) not in self.graphs:
                     self._build(Bc, Lc)
                     built += 1
@@ -225,8 +253,7 @@ class DecodeGraphs:
         """Load the step's inputs into the static buffers; return the graph to replay (captured if new)."""
         Bc, Lc = self.key(len(reqs), max(r.num_computed for r in reqs) + 1)
         g = self.graphs.get((Bc, Lc)) or self._build(Bc, Lc)
-        self._fill(reqs, Bc, Lc)
-        self._upload(Bc)
+        self._load(reqs, Bc, Lc)
         return g
 
     @torch.inference_mode()

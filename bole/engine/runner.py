@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -289,34 +289,50 @@ class ModelRunner:
         parent's MTP output (the catch-up output for first-level nodes).
         """
         h_root = self._mtp_catch_up(reqs)
-        root_lp = torch.log_softmax(self.model.mtp.compute_logits(h_root).float(), -1)
-        B, H = h_root.shape
-        dev = self.device
-        t_max = tree_size(root_lp.shape[-1], depth, topk, beam)
-        out_hidden = h_root.new_zeros(B, t_max, H)      # MTP output of each evaluated candidate id
-        local_of = torch.full((B, t_max), -1, dtype=torch.long, device=dev)  # candidate id -> forest idx
-        acc_tok, acc_par, acc_ids = [], [], []
-        rows = torch.arange(B, device=dev)[:, None]
+        B, dev = h_root.shape[0], self.device
 
-        def step(fr: Frontier) -> torch.Tensor:
-            S0 = sum(t.shape[1] for t in acc_tok)
-            M = fr.node_ids.shape[1]
-            local_of[rows.expand(B, M), fr.node_ids] = torch.arange(S0, S0 + M, device=dev).expand(B, M)
-            par_local = torch.where(fr.parent_ids >= 0, local_of.gather(1, fr.parent_ids.clamp(min=0)), -1)
-            acc_tok.append(fr.tokens)
-            acc_par.append(par_local)
-            acc_ids.append(fr.node_ids)
-            tok, par, ids = torch.cat(acc_tok, 1), torch.cat(acc_par, 1), torch.cat(acc_ids, 1)
-            par_ids = torch.gather(ids, 1, par.clamp(min=0))
-            in_hidden = torch.where((par >= 0)[..., None],
-                                    out_hidden.gather(1, par_ids[..., None].expand(-1, -1, H)),
-                                    h_root[:, None, :])
-            forest = PackedForest.from_padded(par, torch.full((B,), par.shape[1], device=dev), fr.depth)
-            ctx = ForwardContext.build("verify", None, [r.num_computed for r in reqs], [0] * B,
-                                       [r.block_table for r in reqs], self.mtp_cache, None, forest=forest,
-                                       factors=_empty_factors(forest.num_nodes, dev), device=dev)
-            h = self.model.mtp(tok.reshape(-1), in_hidden.reshape(-1, H), ctx, step=fr.depth).view(B, -1, H)
-            out_hidden[rows.expand(B, M), fr.node_ids] = h[:, S0:]
-            return torch.log_softmax(self.model.mtp.compute_logits(h[:, S0:]).float(), -1)
+        def tree_ctx(par: torch.Tensor, d: int) -> ForwardContext:
+            forest = PackedForest.from_padded(par, torch.full((B,), par.shape[1], device=dev), d)
+            return ForwardContext.build("verify", None, [r.num_computed for r in reqs], [0] * B,
+                                        [r.block_table for r in reqs], self.mtp_cache, None, forest=forest,
+                                        factors=_empty_factors(forest.num_nodes, dev), device=dev)
 
-        return expand_tree(root_lp, step, depth, topk, beam)
+        return grow_draft_tree(self.model.mtp, h_root, depth, topk, beam, tree_ctx)
+
+
+def grow_draft_tree(mtp, h_root: torch.Tensor, depth: int, topk: int, beam: int,
+                    tree_ctx: Callable[[torch.Tensor, int], ForwardContext]):
+    """``expand_tree`` driven by the MTP head from its catch-up outputs ``h_root`` [B, H]: the eager
+    draft and the draft graph (``bole.engine.spec_graphs``) both run this, with their own ``tree_ctx``.
+
+    ``tree_ctx(parents, d)`` returns the verify-mode context of the frontier forest so far (local
+    parents [B, S], depth <= d) over the drafter's KV cache. A node's input hidden is its parent's MTP
+    output (``h_root`` for first-level nodes); fixed-shape device ops only.
+    """
+    root_lp = torch.log_softmax(mtp.compute_logits(h_root).float(), -1)
+    B, H = h_root.shape
+    dev = h_root.device
+    t_max = tree_size(root_lp.shape[-1], depth, topk, beam)
+    out_hidden = h_root.new_zeros(B, t_max, H)      # MTP output of each evaluated candidate id
+    local_of = torch.full((B, t_max), -1, dtype=torch.long, device=dev)  # candidate id -> forest idx
+    acc_tok, acc_par, acc_ids = [], [], []
+    rows = torch.arange(B, device=dev)[:, None]
+
+    def step(fr: Frontier) -> torch.Tensor:
+        S0 = sum(t.shape[1] for t in acc_tok)
+        M = fr.node_ids.shape[1]
+        local_of[rows.expand(B, M), fr.node_ids] = torch.arange(S0, S0 + M, device=dev).expand(B, M)
+        par_local = torch.where(fr.parent_ids >= 0, local_of.gather(1, fr.parent_ids.clamp(min=0)), -1)
+        acc_tok.append(fr.tokens)
+        acc_par.append(par_local)
+        acc_ids.append(fr.node_ids)
+        tok, par, ids = torch.cat(acc_tok, 1), torch.cat(acc_par, 1), torch.cat(acc_ids, 1)
+        par_ids = torch.gather(ids, 1, par.clamp(min=0))
+        in_hidden = torch.where((par >= 0)[..., None],
+                                out_hidden.gather(1, par_ids[..., None].expand(-1, -1, H)),
+                                h_root[:, None, :])
+        h = mtp(tok.reshape(-1), in_hidden.reshape(-1, H), tree_ctx(par, fr.depth), step=fr.depth).view(B, -1, H)
+        out_hidden[rows.expand(B, M), fr.node_ids] = h[:, S0:]
+        return torch.log_softmax(mtp.compute_logits(h[:, S0:]).float(), -1)
+
+    return expand_tree(root_lp, step, depth, topk, beam)

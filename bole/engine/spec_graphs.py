@@ -52,7 +52,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from bole.engine.cuda_graphs import _POS, _SLOT, _TABLE, _TOK, kv_buckets
+from bole.engine.cuda_graphs import _POS, _SLOT, _TABLE, _TOK, StaticRows, capture_graph, kv_buckets, sizes_upto
 from bole.models.context import ForwardContext, PaddedAttention
 from bole.spec.tree import PackedForest
 
@@ -66,20 +66,6 @@ def tree_widths(lookahead: int, sizes: Sequence[int] = DEFAULT_TREE_SIZES) -> li
     the lookahead itself (the widest tree the engine can verify)."""
     out = sorted({int(t) for t in sizes if 2 <= int(t) < lookahead} | {int(lookahead)})
     return out
-
-
-def _capture(run: Callable[[], None], pool, device) -> "torch.cuda.CUDAGraph":
-    """Warm ``run`` up on a side stream (allocator, autotuning), then capture it into ``pool``."""
-    side = torch.cuda.Stream(device=device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            run()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        run()
-    return graph
 
 
 class StaticTree:
@@ -167,11 +153,7 @@ class VerifyGraphs:
         self.max_blocks = self.kv_lengths[-1] // bs
         dev = runner.device
         Bm, Tm = sizes[-1], widths[-1]
-        width = _TABLE + self.max_blocks
-        self.inputs = torch.zeros(Bm, width, dtype=torch.long, device=dev)
-        self.host = torch.zeros(Bm, width, dtype=torch.long, pin_memory=dev.type == "cuda")
-        self._host_np = self.host.numpy()
-        self._copied = torch.cuda.Event() if dev.type == "cuda" else None
+        self.rows = StaticRows(Bm, _TABLE + self.max_blocks, dev)
         self.draft_tokens = torch.zeros(Bm, Tm, dtype=torch.long, device=dev)
         self.draft_parents = torch.zeros(Bm, Tm, dtype=torch.long, device=dev)
         self.draft_parents[:, 0] = -1  # column 0 is the root of every tree, never overwritten
@@ -189,15 +171,18 @@ class VerifyGraphs:
         and width within the captured sizes, keys within the cache, the factor buffer large enough."""
         if not 0 < len(reqs) <= self.batch_sizes[-1] or width > self.widths[-1]:
             return False
-        Bc, Tc, _ = self.key(len(reqs), width, 1)
+        Bc, Tc = self._sizes(len(reqs), width)
         return max(r.num_computed for r in reqs) + Tc <= self.kv_lengths[-1] and \
             Bc * Tc <= self.runner.factors.k.shape[1]
 
-    def key(self, batch: int, width: int, max_len: int) -> tuple[int, int, int]:
-        Bc = next(b for b in self.batch_sizes if b >= batch)
-        Tc = next(t for t in self.widths if t >= width)
-        Lc = next(L for L in self.kv_lengths if L >= max_len)
-        return Bc, Tc, Lc
+    def _sizes(self, batch: int, width: int) -> tuple[int, int]:
+        return next(b for b in self.batch_sizes if b >= batch), next(t for t in self.widths if t >= width)
+
+    def key(self, batch: int, width: int, max_cached: int) -> tuple[int, int, int]:
+        """(Bc, Tc, Lc) for ``batch`` trees of <= ``width`` nodes whose longest committed prefix has
+        ``max_cached`` tokens (the keys: that prefix and the Tc padded tree nodes)."""
+        Bc, Tc = self._sizes(batch, width)
+        return Bc, Tc, next(L for L in self.kv_lengths if L >= max_cached + Tc)
 
     @property
     def num_captured(self) -> int:
@@ -207,7 +192,7 @@ class VerifyGraphs:
     def _build(self, Bc: int, Tc: int, Lc: int) -> _VGraph:
         runner, bs, D = self.runner, self.block_size, self.max_depth
         N = Bc * Tc
-        inp = self.inputs[:Bc]
+        inp = self.rows.device[:Bc]
         tables = inp[:, _TABLE:_TABLE + Lc // bs]
         draft_tok, draft_par = self.draft_tokens[:Bc, :Tc], self.draft_parents[:Bc, :Tc]
         st = StaticTree(Bc, Tc, Lc, D, runner.kv_cache, runner.state_pool, runner.factors.narrow(N),
@@ -225,48 +210,29 @@ class VerifyGraphs:
 
         g = _VGraph(Bc, Tc, Lc, ctx, run)
         if self.capture:
-            self._fill([], Bc, Lc)  # capture-time warm-up touches the pad block and pad slot only
-            self._upload(Bc)
+            self._load([], Bc, Lc)  # capture-time warm-up touches the pad block and pad slot only
             draft_tok.zero_()
             draft_par[:, 1:].fill_(0)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            g.graph = _capture(run, self.pool, runner.device)
+            g.graph = capture_graph(run, self.pool, runner.device)
             logger.info("captured verify graph batch=%d width=%d kv_len=%d", Bc, Tc, Lc)
         self.graphs[Bc, Tc, Lc] = g
         return g
 
-    def _fill(self, reqs, Bc: int, Lc: int) -> None:
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copy has left the host buffer
-        h, nblk = self._host_np, Lc // self.block_size
-        h[:Bc, _TOK] = 0
-        h[:Bc, _POS] = 0
-        h[:Bc, _SLOT] = self.pad_slot
-        h[:Bc, _TABLE:] = self.pad_block
-        for b, r in enumerate(reqs):
-            h[b, _TOK] = r.all_token_ids[r.num_computed]
-            h[b, _POS] = r.num_computed
-            h[b, _SLOT] = r.state_slot
-            t = r.block_table[:nblk]
-            h[b, _TABLE:_TABLE + len(t)] = t
-
-    def _upload(self, Bc: int) -> None:
-        self.inputs[:Bc].copy_(self.host[:Bc], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+    def _load(self, reqs, Bc: int, Lc: int) -> None:
+        self.rows.fill_roots(reqs, Bc, Lc // self.block_size, self.pad_slot, self.pad_block)
+        self.rows.upload(Bc)
 
     @torch.inference_mode()
     def capture_all(self, max_batch: int | None = None, max_len: int | None = None,
                     max_width: int | None = None) -> int:
         """Build ahead of time every graph a step of <= max_batch requests, trees of <= max_width nodes
         and <= max_len keys can need, so no capture happens inside a timed run; returns how many."""
-        pick = lambda vals, lim: vals if lim is None else [v for v in vals if v < lim] + \
-            [next((v for v in vals if v >= lim), vals[-1])]
         built = 0
-        for Bc in pick(self.batch_sizes, max_batch):
-            for Tc in pick(self.widths, max_width):
-                for Lc in pick(self.kv_lengths, None if max_len is None else max_len + Tc):
+        for Bc in sizes_upto(self.batch_sizes, max_batch):
+            for Tc in sizes_upto(self.widths, max_width):
+                for Lc in sizes_upto(self.kv_lengths, None if max_len is None else max_len + Tc):
                     if (Bc, Tc, Lc) not in self.graphs:
                         self._build(Bc, Tc, Lc)
                         built += 1
@@ -279,11 +245,9 @@ class VerifyGraphs:
         returns (logits [B, 1 + T, V] and hidden [Bc * Tc, H] views of the static outputs, valid until
         the next replay; the context ``commit`` takes, with this step's host lists)."""
         B, T = batch.tokens.shape
-        Bc, Tc, Lc = self.key(B, T + 1, max(r.num_computed for r in reqs) + T + 1)
-        Lc = max(Lc, next(L for L in self.kv_lengths if L >= max(r.num_computed for r in reqs) + Tc))
+        Bc, Tc, Lc = self.key(B, T + 1, max(r.num_computed for r in reqs))
         g = self.graphs.get((Bc, Tc, Lc)) or self._build(Bc, Tc, Lc)
-        self._fill(reqs, Bc, Lc)
-        self._upload(Bc)
+        self._load(reqs, Bc, Lc)
         tok, par = self.draft_tokens[:Bc, :Tc], self.draft_parents[:Bc, :Tc]
         tok.zero_()
         par[:, 1:].fill_(0)  # padding nodes: children of the root
@@ -346,11 +310,7 @@ class DraftGraphs:
         dev = runner.device
         Bm = sizes[-1]
         self.table_col = _DTABLE + C
-        width = self.table_col + self.max_blocks
-        self.inputs = torch.zeros(Bm, width, dtype=torch.long, device=dev)
-        self.host = torch.zeros(Bm, width, dtype=torch.long, pin_memory=dev.type == "cuda")
-        self._host_np = self.host.numpy()
-        self._copied = torch.cuda.Event() if dev.type == "cuda" else None
+        self.rows = StaticRows(Bm, self.table_col + self.max_blocks, dev)
         dtype = self.model.lm_head.weight.dtype
         self.hidden_in = torch.zeros(Bm, C, H, dtype=dtype, device=dev)   # target hiddens to catch up on
         T = self.t_max
@@ -394,13 +354,13 @@ class DraftGraphs:
         return out
 
     def _build(self, Bc: int, Lc: int) -> _DGraph:
-        from bole.engine.runner import _empty_factors
+        from bole.engine.runner import _empty_factors, grow_draft_tree
         from bole.spec.budget import select_nodes
-        from bole.spec.drafter import compact, expand_tree
+        from bole.spec.drafter import compact
 
         runner, dev, C, bs = self.runner, self.runner.device, self.catch_up, self.block_size
         mtp, cache = self.mtp, runner.mtp_cache
-        inp = self.inputs[:Bc]
+        inp = self.rows.device[:Bc]
         tables = inp[:, self.table_col:self.table_col + Lc // bs]
         H = self.hidden_in.shape[-1]
         hidden_in = self.hidden_in[:Bc]
@@ -410,7 +370,6 @@ class DraftGraphs:
         for M in levels:
             S += M
             trees.append(StaticTree(Bc, S, Lc, len(trees) + 1, cache, None, _empty_factors(Bc * S, dev), dev))
-        rows = torch.arange(Bc, device=dev)[:, None]
         out = {k: v[:Bc] for k, v in self.out.items()}
 
         def run():
@@ -418,30 +377,8 @@ class DraftGraphs:
             ctx = catch.fill(inp[:, _MC], chain, tables)
             h = mtp(inp[:, _DTABLE:_DTABLE + C].reshape(-1), hidden_in.reshape(-1, H), ctx).view(Bc, C, H)
             h_root = h[torch.arange(Bc, device=dev), n - 1]                       # [Bc, H]
-            root_lp = torch.log_softmax(mtp.compute_logits(h_root).float(), -1)
-            out_hidden = h_root.new_zeros(Bc, self.t_max, H)
-            local_of = torch.full((Bc, self.t_max), -1, dtype=torch.long, device=dev)
-            acc_tok, acc_par, acc_ids = [], [], []
-
-            def step(fr):  # the eager ModelRunner.draft step over a static forest
-                S0 = sum(t.shape[1] for t in acc_tok)
-                M = fr.node_ids.shape[1]
-                local_of[rows.expand(Bc, M), fr.node_ids] = torch.arange(S0, S0 + M, device=dev).expand(Bc, M)
-                par_local = torch.where(fr.parent_ids >= 0, local_of.gather(1, fr.parent_ids.clamp(min=0)), -1)
-                acc_tok.append(fr.tokens)
-                acc_par.append(par_local)
-                acc_ids.append(fr.node_ids)
-                tok, par, ids = torch.cat(acc_tok, 1), torch.cat(acc_par, 1), torch.cat(acc_ids, 1)
-                par_ids = torch.gather(ids, 1, par.clamp(min=0))
-                in_hidden = torch.where((par >= 0)[..., None],
-                                        out_hidden.gather(1, par_ids[..., None].expand(-1, -1, H)),
-                                        h_root[:, None, :])
-                tctx = trees[fr.depth - 1].fill(nc, par, tables)
-                hh = mtp(tok.reshape(-1), in_hidden.reshape(-1, H), tctx, step=fr.depth).view(Bc, -1, H)
-                out_hidden[rows.expand(Bc, M), fr.node_ids] = hh[:, S0:]
-                return torch.log_softmax(mtp.compute_logits(hh[:, S0:]).float(), -1)
-
-            cand = expand_tree(root_lp, step, self.depth, self.topk, self.beam)
+            cand = grow_draft_tree(mtp, h_root, self.depth, self.topk, self.beam,
+                                   lambda par, d: trees[d - 1].fill(nc, par, tables))
             keep = select_nodes(cand.rho, cand.parents, cand.valid, cand.depth, inp[0, _BVER],
                                 max_per_request=self.max_per_request)
             batch = compact(cand, keep)
@@ -450,41 +387,36 @@ class DraftGraphs:
 
         g = _DGraph(Bc, Lc, run)
         if self.capture:
-            self._fill([], Bc, Lc)
-            self._upload(Bc)
+            self._load([], Bc, Lc, 0)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            g.graph = _capture(run, self.pool, dev)
+            g.graph = capture_graph(run, self.pool, dev)
             logger.info("captured draft graph batch=%d kv_len=%d", Bc, Lc)
         self.graphs[Bc, Lc] = g
         return g
 
-    def _fill(self, reqs, Bc: int, Lc: int) -> None:
-        if self._copied is not None:
-            self._copied.synchronize()
-        h, nblk = self._host_np, Lc // self.block_size
+    def _load(self, reqs, Bc: int, Lc: int, b_ver: int) -> None:
+        """Per row: mtp_computed, num_computed, catch-up length and ids, block table (padding rows: one
+        catch-up position at 0 with the pad block); the step's budget in row 0."""
+        h, nblk = self.rows.begin(), Lc // self.block_size
         h[:Bc, :self.table_col] = 0
         h[:Bc, _NEW] = 1
         h[:Bc, self.table_col:] = self.pad_block
+        h[0, _BVER] = int(b_ver)
         for b, r in enumerate(reqs):
             n = r.num_computed - r.mtp_computed
             h[b, _MC], h[b, _NC], h[b, _NEW] = r.mtp_computed, r.num_computed, n
             h[b, _DTABLE:_DTABLE + n] = r.all_token_ids[r.mtp_computed + 1:r.num_computed + 1]
             t = r.block_table[:nblk]
             h[b, self.table_col:self.table_col + len(t)] = t
-
-    def _upload(self, Bc: int) -> None:
-        self.inputs[:Bc].copy_(self.host[:Bc], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        self.rows.upload(Bc)
 
     @torch.inference_mode()
     def capture_all(self, max_batch: int | None = None, max_len: int | None = None) -> int:
-        pick = lambda vals, lim: vals if lim is None else [v for v in vals if v < lim] + \
-            [next((v for v in vals if v >= lim), vals[-1])]
         built = 0
-        for Bc in pick(self.batch_sizes, max_batch):
-            for Lc in pick(self.kv_lengths, None if max_len is None else max_len + max(self.t_max, self.catch_up)):
+        span = max(self.t_max, self.catch_up)
+        for Bc in sizes_upto(self.batch_sizes, max_batch):
+            for Lc in sizes_upto(self.kv_lengths, None if max_len is None else max_len + span):
                 if (Bc, Lc) not in self.graphs:
                     self._build(Bc, Lc)
                     built += 1
@@ -500,9 +432,7 @@ class DraftGraphs:
         B = len(reqs)
         Bc, Lc = self.key(B, max(r.num_computed for r in reqs) + max(self.t_max, self.catch_up))
         g = self.graphs.get((Bc, Lc)) or self._build(Bc, Lc)
-        self._fill(reqs, Bc, Lc)
-        self._host_np[0, _BVER] = int(b_ver)
-        self._upload(Bc)
+        self._load(reqs, Bc, Lc, b_ver)
         for b, r in enumerate(reqs):
             n = r.num_computed - r.mtp_computed
             self.hidden_in[b, :n] = r.pending_hidden[-n:]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import make_checkpoint
+from engine_helpers import default_table, run_arrivals
 
 from bole.cache.kv_cache import blocks_needed
 from bole.config import EngineConfig
@@ -33,11 +34,6 @@ def ckpt(tmp_path_factory):
     make_checkpoint(path, "dense", 64)
     return str(path)
 
-
-def _table():
-    from bole.llm import resolve_repo_path
-
-    return resolve_repo_path("calibration_tables/default.yaml")
 
 
 def _requests(runner: ModelRunner, prompts, steps: int) -> list[Request]:
@@ -90,22 +86,8 @@ def _compare_decode(path, device, dtype, capture, tol, steps=12):
     return graphs
 
 
-def _run_engine(eng: LLMEngine, prompts, max_tokens) -> list[list[int]]:
-    """Requests arrive one per step (batch sizes vary); returns each request's output tokens."""
-    ids, outs = [], {}
-    pending = list(zip(prompts, max_tokens))
-    while pending or eng.has_unfinished():
-        if pending:
-            p, n = pending.pop(0)
-            ids.append(eng.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)))
-        for o in eng.step():
-            if o.finished:
-                outs[o.request_id] = o.output_token_ids
-    return [outs[i] for i in ids]
-
-
 def _engine(path, device, graphs: bool, **opts):
-    cfg = EngineConfig.from_options(mode="ar", calibration_table=_table(), num_blocks=96, block_size=4,
+    cfg = EngineConfig.from_options(mode="ar", calibration_table=default_table(), num_blocks=96, block_size=4,
                                     max_num_seqs=4, device=device, enable_cuda_graphs=graphs,
                                     cuda_graph_batch_sizes=(1, 2, 4), **opts)
     return LLMEngine(load_model(path, dtype="float32", device=device), cfg)
@@ -194,10 +176,10 @@ def test_static_decode_falls_back_above_captured_sizes(ckpt):
 
 def test_engine_static_decode_tokens_cpu(ckpt):
     max_tokens = [12, 5, 20, 9]
-    ref = _run_engine(_engine(ckpt, "cpu", False), PROMPTS, max_tokens)
+    ref = run_arrivals(_engine(ckpt, "cpu", False), PROMPTS, max_tokens)
     eng = _engine(ckpt, "cpu", False)
     eng.runner.enable_cuda_graphs((1, 2, 4), capture=False, min_kv=8)
-    assert _run_engine(eng, PROMPTS, max_tokens) == ref
+    assert run_arrivals(eng, PROMPTS, max_tokens) == ref
     assert eng.runner.graphs.replays > 0
 
 
@@ -228,11 +210,11 @@ def test_graphed_decode_matches_eager_cuda(ckpt, dtype, tol):
 @pytest.mark.gpu
 def test_engine_cuda_graph_tokens_match_eager(ckpt):
     max_tokens = [12, 5, 20, 9]
-    ref = _run_engine(_engine(ckpt, "cuda", False), PROMPTS, max_tokens)
+    ref = run_arrivals(_engine(ckpt, "cuda", False), PROMPTS, max_tokens)
     eng = _engine(ckpt, "cuda", True)
     assert eng.runner.graphs is not None
     assert eng.runner.allocator.num_free == 96  # the pad block is extra
-    assert _run_engine(eng, PROMPTS, max_tokens) == ref
+    assert run_arrivals(eng, PROMPTS, max_tokens) == ref
     assert eng.runner.graphs.replays > 0 and eng.runner.graphs.num_captured > 0
 
 

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from checkpoints import make_checkpoint
+from engine_helpers import default_table
 
 from bole.config import EngineConfig
 from bole.engine.async_engine import AsyncEngine
@@ -35,14 +36,9 @@ def ckpt(tmp_path_factory):
 def engine(path, mode, **opts):
     opts = {"num_blocks": 96, "block_size": 4, "depth": 3, "topk": 3, "beam": 3, "max_num_seqs": 4,
             "max_num_batched_tokens": 16, **opts}
-    cfg = EngineConfig.from_options(mode=mode, calibration_table=_table(), **opts)
+    cfg = EngineConfig.from_options(mode=mode, calibration_table=default_table(), **opts)
     return LLMEngine(load_model(path, dtype="float32"), cfg)
 
-
-def _table():
-    from bole.llm import resolve_repo_path
-
-    return resolve_repo_path("calibration_tables/default.yaml")
 
 
 def drop_prefix_cache(eng: LLMEngine) -> None:
@@ -263,7 +259,7 @@ def test_min_tokens_suppresses_stop_tokens_in_every_mode(ckpt):
 def test_triton_backend_matches_torch_backend(ckpt, mode):
     """The engine on the Triton kernels (interpreted on CPU) emits what it emits on the torch twins."""
     path, _ = ckpt("dense")
-    cfg = EngineConfig.from_options(mode=mode, calibration_table=_table(), num_blocks=64, block_size=4,
+    cfg = EngineConfig.from_options(mode=mode, calibration_table=default_table(), num_blocks=64, block_size=4,
                                     depth=2, topk=2, beam=2, max_num_seqs=2)
     params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * 2
     outs = [run_staggered(LLMEngine(load_model(path, dtype="float32", backend=b), cfg), PROMPTS[:2], params)
@@ -278,7 +274,7 @@ def test_engine_on_cuda_matches_cpu(ckpt):
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 5, 9, 14, 7)]
     ref = run_staggered(engine(path, "ar", device="cpu"), PROMPTS, params)
     for mode in MODES:
-        cfg = EngineConfig.from_options(mode=mode, calibration_table=_table(), num_blocks=96, block_size=4,
+        cfg = EngineConfig.from_options(mode=mode, calibration_table=default_table(), num_blocks=96, block_size=4,
                                         depth=3, topk=3, beam=3, max_num_seqs=4, max_num_batched_tokens=16,
                                         device="cuda")
         eng = LLMEngine(load_model(path, dtype="float32", device="cuda"), cfg)

@@ -15,6 +15,7 @@ import dataclasses
 import pytest
 import torch
 from checkpoints import make_checkpoint
+from engine_helpers import default_table, run_arrivals
 
 from bole.cache.kv_cache import blocks_needed
 from bole.calibrate import synthetic_batch
@@ -37,11 +38,6 @@ def ckpt(tmp_path_factory):
     make_checkpoint(path, "dense", 64)
     return str(path)
 
-
-def _table():
-    from bole.llm import resolve_repo_path
-
-    return resolve_repo_path("calibration_tables/default.yaml")
 
 
 def _requests(runner: ModelRunner, prompts, keep_hidden: bool = False) -> list[Request]:
@@ -205,21 +201,8 @@ def test_static_draft_matches_eager_cpu(ckpt):
     assert dg.num_captured == 0
 
 
-def _run_engine(eng: LLMEngine, prompts, max_tokens) -> list[list[int]]:
-    ids, outs = [], {}
-    pending = list(zip(prompts, max_tokens))
-    while pending or eng.has_unfinished():
-        if pending:
-            p, n = pending.pop(0)
-            ids.append(eng.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)))
-        for o in eng.step():
-            if o.finished:
-                outs[o.request_id] = o.output_token_ids
-    return [outs[i] for i in ids]
-
-
 def _engine(path, device, mode, graphs: bool, **opts):
-    cfg = EngineConfig.from_options(mode=mode, calibration_table=_table(), num_blocks=128, block_size=4,
+    cfg = EngineConfig.from_options(mode=mode, calibration_table=default_table(), num_blocks=128, block_size=4,
                                     max_num_seqs=4, device=device, enable_cuda_graphs=graphs,
                                     cuda_graph_batch_sizes=(1, 2, 4), depth=3, topk=3, beam=3, **opts)
     return LLMEngine(load_model(path, dtype="float32", device=device), cfg)
@@ -228,7 +211,7 @@ def _engine(path, device, mode, graphs: bool, **opts):
 @pytest.mark.parametrize("mode,prefix_cache", [("bole", True), ("bole", False), ("serial_tree", True)])
 def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache):
     max_tokens = [12, 5, 20, 9]
-    ref = _run_engine(_engine(ckpt, "cpu", "ar", False, enable_prefix_cache=False), PROMPTS, max_tokens)
+    ref = run_arrivals(_engine(ckpt, "cpu", "ar", False, enable_prefix_cache=False), PROMPTS, max_tokens)
     eng = _engine(ckpt, "cpu", mode, False, enable_prefix_cache=prefix_cache)
     assert eng.runner.verify_graphs is None  # the option is ignored on the CPU
     spec = eng.config.spec
@@ -236,7 +219,7 @@ def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache):
                                          capture=False, min_kv=8)
     dg = eng.runner.enable_draft_graphs((1, 2, 4), spec.depth, spec.topk, spec.beam, capture=False, min_kv=8,
                                         max_per_request=MAX_TREE_NODES - 1)
-    assert _run_engine(eng, PROMPTS, max_tokens) == ref
+    assert run_arrivals(eng, PROMPTS, max_tokens) == ref
     assert vg.replays > 0 and dg.replays > 0
 
 
@@ -257,9 +240,9 @@ def test_graphed_draft_matches_eager_cuda(ckpt):
 @pytest.mark.parametrize("mode", ["bole", "serial_tree"])
 def test_engine_verify_graph_tokens_cuda(ckpt, mode):
     max_tokens = [12, 5, 20, 9]
-    ref = _run_engine(_engine(ckpt, "cuda", "ar", False), PROMPTS, max_tokens)
+    ref = run_arrivals(_engine(ckpt, "cuda", "ar", False), PROMPTS, max_tokens)
     eng = _engine(ckpt, "cuda", mode, True)
     vg, dg = eng.runner.verify_graphs, eng.runner.draft_graphs
     assert vg is not None and dg is not None and eng.runner.graphs is None
-    assert _run_engine(eng, PROMPTS, max_tokens) == ref
+    assert run_arrivals(eng, PROMPTS, max_tokens) == ref
     assert vg.replays > 0 and vg.num_captured > 0 and dg.replays > 0 and dg.num_captured > 0
