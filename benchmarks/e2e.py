@@ -106,7 +106,9 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--budget-s", type=float, default=330.0, help="no new point starts after this")
-    ap.add_argument("--throughput-s", type=float, default=150.0, help="c's engine runs stop after this")
+    ap.add_argument("--throughput-s", type=float, default=240.0, help="c's engine runs stop after this")
+    ap.add_argument("--repeats", type=int, default=3, help="c: timed runs per point (the median is reported)")
+    ap.add_argument("--graphs-only", action="store_true", help="c: on a GPU, only the CUDA-graph runs of each mode")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     names = [SECTIONS.get(s, s) for s in a.sections]
@@ -229,6 +231,8 @@ def section_throughput(rep: Report, args, device: torch.device, t_end: float) ->
     cuda = device.type == "cuda"
     configs = [("ar", False)] + ([("ar", True)] if cuda else []) + [("serial_tree", False), ("bole", False)] + \
         ([("serial_tree", True), ("bole", True)] if cuda else [])
+    if cuda and args.graphs_only:
+        configs = [c for c in configs if c[1]]
     opts = dict(device=str(device), dtype=args.tiny_dtype, num_blocks=2048)
     for batch in args.batches:
         ref = None
@@ -239,10 +243,12 @@ def section_throughput(rep: Report, args, device: torch.device, t_end: float) ->
                 continue
             t0 = time.time()
             row, toks = run_mode(path, mode, batch, prompts, args.max_tokens, args.depth, args.topk,
-                                 args.beam, enable_cuda_graphs=graphs, max_num_seqs=batch, **opts)
+                                 args.beam, repeats=args.repeats, enable_cuda_graphs=graphs, max_num_seqs=batch,
+                                 **opts)
             ref = toks if ref is None else ref
             rep.add("throughput", dict(model=name, mode=mode, batch=batch, tokens_per_s=row["tokens_per_s"],
-                                       mat=row["mat"], cuda_graphs=graphs, mean_tree_nodes=row["mean_tree_nodes"],
+                                       tokens_per_s_runs=row["tokens_per_s_runs"], mat=row["mat"], cuda_graphs=graphs,
+                                       mean_tree_nodes=row["mean_tree_nodes"],
                                        exact_vs_ar=toks == ref, source="engine", max_tokens=args.max_tokens))
             print(f"[{time.time() - T0:6.1f}s] throughput {label:<18} batch={batch:<3} "
                   f"{row['tokens_per_s']:8.1f} tok/s  MAT={row['mat']:.2f}  exact={toks == ref}  "
@@ -384,7 +390,8 @@ def _graph_verify_ms(runner, reqs, batch, args, dev) -> float:
     from bole.engine.spec_graphs import VerifyGraphs
 
     T = batch.tokens.shape[1]
-    vg = VerifyGraphs(runner, [len(reqs)], [T + 1], TREE_DEPTH, *runner._padding(), capture=dev.type == "cuda")
+    vg = VerifyGraphs(runner, [len(reqs)], [T + 1], TREE_DEPTH, *runner._padding(), capture=dev.type == "cuda",
+                      tail=False)
     vg.run(reqs, batch)  # builds (captures) the one graph
     g = next(iter(vg.graphs.values()))
     ms = time_ms(g.graph.replay if g.graph is not None else torch.inference_mode()(g.run), args.warmup, args.reps, dev)

@@ -31,10 +31,11 @@ MODES = ("ar", "serial_tree", "bole")
 
 
 def run_mode(path: str, mode: str, batch: int, prompts, max_tokens: int = 48, depth: int = 4, topk: int = 3,
-             beam: int = 3, **engine_opts) -> tuple[dict, list[list[int]]]:
+             beam: int = 3, repeats: int = 1, **engine_opts) -> tuple[dict, list[list[int]]]:
     """One (mode, batch) point: a fresh engine, a short warm-up (4 tokens of the same prompts; CUDA
-    graphs captured beforehand), then ``prompts[:batch]`` run together,
-    greedy; returns (row: mode, batch, tokens_per_s, mat, mean_tree_nodes; the output token lists).
+    graphs captured beforehand), then ``prompts[:batch]`` run together ``repeats`` times, greedy;
+    returns (row: mode, batch, tokens_per_s (the median run), tokens_per_s_runs, mat, mean_tree_nodes;
+    the output token lists). Each run includes its prefills (offline throughput).
 
     ``engine_opts`` go to ``bole.LLM`` (device, dtype, enable_cuda_graphs, ...); the calibration table
     defaults to the repository's default one.
@@ -46,18 +47,20 @@ def run_mode(path: str, mode: str, batch: int, prompts, max_tokens: int = 48, de
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     runner = llm.engine.runner
     longest = max(len(llm._encode(p)) for p in prompts[:batch]) + max_tokens + 1
-    if runner.graphs is not None:  # CUDA-graph decode: capture every graph the run can need before timing it
-        runner.graphs.capture_all(batch, longest)
-    if runner.verify_graphs is not None:  # and every verify graph (batch, tree width, KV length)
-        runner.verify_graphs.capture_all(batch, longest)
+    # CUDA graphs: capture every graph the run can need (batch, tree width, KV length) before timing it
+    for graphs in (runner.graphs, runner.verify_graphs, runner.draft_graphs):
+        if graphs is not None:
+            graphs.capture_all(batch, longest)
     llm.generate(prompts[:batch], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    rates, outs = [], None
     llm.engine.metrics.__init__()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts[:batch], sp)
-    dt = time.perf_counter() - t0
-    n = sum(len(o.token_ids) for o in outs)
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts[:batch], sp)
+        rates.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
     m = llm.engine.metrics.snapshot()
-    row = dict(mode=mode, batch=batch, tokens_per_s=round(n / dt, 1), mat=round(m["mat"], 3),
+    row = dict(mode=mode, batch=batch, tokens_per_s=round(sorted(rates)[len(rates) // 2], 1),
+               tokens_per_s_runs=[round(r, 1) for r in rates], mat=round(m["mat"], 3),
                mean_tree_nodes=round(m["mean_tree_nodes"], 1))
     return row, [o.token_ids for o in outs]
 

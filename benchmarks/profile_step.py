@@ -10,6 +10,9 @@ Cases (``--cases``):
   ar_tiny      one engine step of ``ar`` on the embedded model, batch 1 (eager)
   bole_tiny    one engine step of ``bole`` on the embedded model, batch 1 (draft, budget, verify, commit)
   ar_tiny_graphs, bole_tiny_graphs   the same with CUDA graphs (decode / verify forwards replayed)
+  decode9b_graph, verify9b_graph     the 9B forwards replayed from CUDA graphs (their kernels listed)
+  {ar,serial_tree,bole}_tiny_graphs_b16   engine steps at batch 16 with graphs
+Each case also lists the top GPU kernels by device time.
 
     python benchmarks/profile_step.py --out benchmarks/results/profile_h200.json
     python benchmarks/profile_step.py --smoke          # CPU, tiny shapes
@@ -61,12 +64,17 @@ def profile(fn, device: torch.device, warmup: int = 3, reps: int = 5, top: int =
             counts[e.key] += e.count
     rows = sorted((e for e in ev if e.device_type != torch.autograd.DeviceType.CUDA),
                   key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    kernels = sorted((e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.device_time_total, reverse=True)[:top]
     wall = sorted(walls)[len(walls) // 2]
     return dict(wall_ms=round(wall, 3), gpu_busy_ms=round(gpu_us / 1e3, 3),
                 host_overhead_ms=round(max(0.0, wall - gpu_us / 1e3), 3),
                 launches=sum(counts[k] for k in LAUNCH_EVENTS), counts={k: v for k, v in counts.items() if v},
                 top_self_cpu=[dict(op=e.key, calls=e.count, self_cpu_ms=round(e.self_cpu_time_total / 1e3, 3))
                               for e in rows],
+                top_gpu=[dict(kernel=e.key[:120], calls=e.count, gpu_ms=round(e.device_time_total / 1e3, 3))
+                         for e in kernels],
+                gpu_kernel_calls=sum(e.count for e in ev if e.device_type == torch.autograd.DeviceType.CUDA),
                 table=prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
 
 
@@ -81,36 +89,50 @@ def case_target(name: str, args, device) -> dict:
     runner = tgt.runner
     if name == "decode9b":
         return profile(lambda: runner.decode_forward(reqs, use_graphs=False), device)
+    if name == "decode9b_graph":  # kernels inside the replayed graph (CUPTI records them)
+        runner.enable_cuda_graphs([1], capture=device.type == "cuda")
+        runner.decode_forward(reqs)
+        return profile(lambda: runner.decode_forward(reqs), device)
     batch = synthetic_batch(63, 1, 8, tgt.cfg.vocab_size, tgt.gen, device)
+    if name == "verify9b_graph":
+        runner.enable_verify_graphs([1], [64], 9, capture=device.type == "cuda")
+        runner.verify(reqs, batch)
     return profile(lambda: runner.verify(reqs, batch), device)
 
 
-def case_engine(mode: str, args, device, graphs: bool = False) -> dict:
+def case_engine(mode: str, args, device, graphs: bool = False, batch: int = 1) -> dict:
     from bole import LLM, SamplingParams
 
     dtype = "float32" if args.smoke else "bfloat16"
     llm = LLM(str(REPO_ROOT / "models" / "bole-tiny-coder"), mode=mode, depth=4, topk=4, beam=4,
-              device=str(device), dtype=dtype, num_blocks=1024, max_num_seqs=1,
+              device=str(device), dtype=dtype, num_blocks=1024, max_num_seqs=batch,
               calibration_table="calibration_tables/default.yaml", enable_cuda_graphs=graphs)
-    prompt = json.loads(open(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl").readline())["prompt"]
+    lines = open(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl").readlines()
     eng = llm.engine
-    eng.add_request(llm._encode(prompt), SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True))
-    eng.step()  # prefill
-    for g in (eng.runner.graphs, eng.runner.verify_graphs):
+    for i in range(batch):
+        eng.add_request(llm._encode(json.loads(lines[i % len(lines)])["prompt"]),
+                        SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True))
+    while any(not r.prefilled for r in eng.requests.values()):
+        eng.step()  # prefill (and the first steps)
+    for g in (eng.runner.graphs, eng.runner.verify_graphs, eng.runner.draft_graphs):
         if g is not None:
-            g.capture_all(1, 1024)
+            g.capture_all(batch, 1024)
     return profile(eng.step, device, warmup=3, reps=5)
 
 
 CASES = {"decode9b": case_target, "verify9b": case_target,
          "ar_tiny": lambda n, a, d: case_engine("ar", a, d), "bole_tiny": lambda n, a, d: case_engine("bole", a, d),
          "ar_tiny_graphs": lambda n, a, d: case_engine("ar", a, d, True),
-         "bole_tiny_graphs": lambda n, a, d: case_engine("bole", a, d, True)}
+         "bole_tiny_graphs": lambda n, a, d: case_engine("bole", a, d, True),
+         "decode9b_graph": case_target, "verify9b_graph": case_target,
+         **{f"{m}_tiny_graphs_b16": (lambda n, a, d, m=m: case_engine(m, a, d, True, 16))
+            for m in ("ar", "serial_tree", "bole")}}
+DEFAULT_CASES = ["decode9b", "verify9b", "ar_tiny", "bole_tiny", "ar_tiny_graphs", "bole_tiny_graphs"]
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cases", nargs="*", default=list(CASES))
+    ap.add_argument("--cases", nargs="*", default=DEFAULT_CASES, choices=list(CASES))
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

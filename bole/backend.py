@@ -6,23 +6,29 @@ transposed [.., V, K]):
 
     prefill(q, k, v, g, beta, scale, initial_state, state_indices, cu_seqlens, use_qk_l2norm)
         -> (o [1, N, HV, V], final_state [B, HV, V, K])              (reads the pool, never writes)
-    decode(...same...)                                                one token per sequence, batched,
-                                                                      no host sync (CUDA-graph capturable)
+    decode_step(q, k, v, a, b, A_log, dt_bias, ssm_state, state_indices)
+        -> o [N, HV, V]; the pool updated in place                    one token per sequence, batched,
+                                                                      gating (g, beta) from the raw a / b
+                                                                      projections; no host sync
+    conv_update(x, weight, conv_state, state_indices) -> y [N, C]    the decode conv (state in place)
     tree_verify(q, k, v, g, beta, forest, initial_state, state_indices, scale, use_qk_l2norm)
         -> (o, u [N, HV, V], logp [N, HV])                            closed form, read only
     commit(state_pool, k, u, logp, accepted_nodes, state_indices, use_qk_l2norm)
         -> state_pool, updated in place for all layers at once        eq. (10)
 
 Registered backends:
-    "torch":  bole.ops twins; chunked WY prefill (bole.ops.gdn_chunk), batched single-step decode.
+    "torch":  bole.ops twins; chunked WY prefill (bole.ops.gdn_chunk), batched single-step decode
+              (bole.ops.gdn_decode), torch norms.
     "triton": kernels.gdn_tree_verify / kernels.gdn_commit (and kernels.gdn_tree_serial for the
               serial_tree baseline); prefill with flash-linear-attention's
-              chunk_gated_delta_rule when importable (else the torch chunk); decode as "torch".
+              chunk_gated_delta_rule when importable (else the torch chunk); decode and its conv with
+              kernels.gdn_decode; norms with kernels.rmsnorm.
     "auto":   "triton" on CUDA when the kernels import, else "torch". Resolved once, logged.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -30,7 +36,8 @@ from typing import Callable
 import torch
 
 from bole.ops.gdn import gdn_commit, gdn_tree_serial, gdn_tree_verify
-from bole.ops.gdn_chunk import gdn_chunk, gdn_decode
+from bole.ops.gdn_chunk import gdn_chunk
+from bole.ops.gdn_decode import causal_conv1d_update_ref, gdn_decode_step_ref
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +46,13 @@ logger = logging.getLogger(__name__)
 class GDNBackend:
     name: str
     prefill: Callable
-    decode: Callable
+    decode_step: Callable
+    conv_update: Callable
     tree_verify: Callable
     commit: Callable
     tree_serial: Callable = gdn_tree_serial   # the serial_tree baseline (per-node snapshots)
+    rms_norm: Callable | None = None          # fused norms (kernels.rmsnorm); None: the torch twins
+    gated_rms_norm: Callable | None = None
 
 
 _REGISTRY: dict[str, Callable[[], GDNBackend]] = {}
@@ -61,7 +71,8 @@ def available_backends() -> list[str]:
 
 @register_backend("torch")
 def _torch_backend() -> GDNBackend:
-    return GDNBackend("torch", prefill=gdn_chunk, decode=gdn_decode, tree_verify=gdn_tree_verify,
+    return GDNBackend("torch", prefill=gdn_chunk, decode_step=gdn_decode_step_ref,
+                      conv_update=causal_conv1d_update_ref, tree_verify=gdn_tree_verify,
                       commit=gdn_commit)
 
 
@@ -91,8 +102,10 @@ def _fla_prefill():
 @register_backend("triton")
 def _triton_backend() -> GDNBackend:
     from kernels.gdn_commit import gdn_commit as triton_commit
+    from kernels.gdn_decode import causal_conv1d_update, gdn_decode_step
     from kernels.gdn_tree_serial import gdn_tree_serial as triton_serial
     from kernels.gdn_tree_verify import gdn_tree_verify as triton_verify
+    from kernels.rmsnorm import gated_rms_norm, rms_norm
 
     try:
         prefill = _fla_prefill()
@@ -100,8 +113,12 @@ def _triton_backend() -> GDNBackend:
     except ImportError:
         prefill, prefill_name = gdn_chunk, "torch chunk"
     logger.info("GDN triton backend: prefill via %s", prefill_name)
-    return GDNBackend("triton", prefill=prefill, decode=gdn_decode, tree_verify=triton_verify,
-                      commit=triton_commit, tree_serial=triton_serial)
+    # the measured per-shape launch table for half-precision activations (kernels.gdn_tree_verify._TUNED_LOWP)
+    tree_verify = functools.partial(triton_verify, tuned=True)
+    return GDNBackend("triton", prefill=prefill, decode_step=gdn_decode_step, conv_update=causal_conv1d_update,
+                      tree_verify=tree_verify,
+                      commit=triton_commit, tree_serial=triton_serial, rms_norm=rms_norm,
+                      gated_rms_norm=gated_rms_norm)
 
 
 def resolve_backend(name: str = "auto", device: torch.device | str | None = None) -> GDNBackend:

@@ -135,7 +135,7 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0):
                 p.normal_(0.0, 0.02, generator=gen)
             else:  # zero-centred norms, A_log = 0, dt_bias = 1 (the layers' own initial values)
                 p.fill_(1.0 if name.endswith("dt_bias") else 0.0)
-    return model.eval()
+    return model.eval().fuse_projections()
 
 
 # ------------------------------------------------------------------------------------ measuring

@@ -24,7 +24,8 @@ _PRECISIONS = ("ieee", "tf32", "tf32x3")
 @triton.jit
 def gdn_commit_kernel(
     state, k, u, logp, accepted, state_indices,   # [L, slots, HV, V, K], [L, N, HK, K], [L, N, HV, V],
-    B, N, SLOTS,                                  # [L, N, HV], [B, D], [B]
+    out, out_indices,                             # [L, N, HV], [B, D], [B]; the output pool and its slots
+    B, N, SLOTS, OUT_SLOTS,                       # (state and state_indices when in place)
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, D: tl.constexpr,
     BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_L2NORM: tl.constexpr, PRECISION: tl.constexpr,
@@ -63,11 +64,13 @@ def gdn_commit_kernel(
         m_s = m_v[:, None] & m_k[None, :]
         b_s = tl.load(p_s, mask=m_s, other=0).to(tl.float32)  # S_preᵀ tile [BV, BK]
         b_s = tl.dot(tl.trans(b_uw), b_k, acc=b_s * tl.exp(lp_a), input_precision=PRECISION)
-        tl.store(p_s, b_s.to(state.dtype.element_ty), mask=m_s)
+        i_out = tl.load(out_indices + i_b).to(tl.int64)
+        p_o = out + ((i_l * OUT_SLOTS + i_out) * HV + i_h) * V * K + o_v[:, None] * K + o_k[None, :]
+        tl.store(p_o, b_s.to(out.dtype.element_ty), mask=m_s)
 
 
 def launch_gdn_commit(state_pool, k, u, logp, accepted_nodes, state_indices, use_qk_l2norm,
-                      block_v: int, num_warps: int, input_precision: str):
+                      block_v: int, num_warps: int, input_precision: str, out_pool=None, out_indices=None):
     """Launcher: grid (L·B, HV, V / BV), whole K rows per program (K ≤ 256)."""
     L, slots, HV, V, K = state_pool.shape
     N, HK = k.shape[1], k.shape[2]
@@ -75,18 +78,21 @@ def launch_gdn_commit(state_pool, k, u, logp, accepted_nodes, state_indices, use
     BD = max(16, triton.next_power_of_2(D))  # tl.dot needs an inner dim >= 16; padding is masked
     BK = max(16, triton.next_power_of_2(K))
     grid = (L * B, HV, triton.cdiv(V, block_v))
+    out_pool = state_pool if out_pool is None else out_pool
+    out_indices = state_indices if out_indices is None else out_indices
     gdn_commit_kernel[grid](
         state_pool, k.contiguous(), u.contiguous(), logp.contiguous(),
         accepted_nodes.to(torch.int32).contiguous(), state_indices.contiguous(),
-        B, N, slots,
+        out_pool, out_indices.contiguous(),
+        B, N, slots, out_pool.shape[1],
         HK=HK, HV=HV, K=K, V=V, D=D, BD=BD, BK=BK, BV=block_v,
         USE_L2NORM=bool(use_qk_l2norm), PRECISION=input_precision, num_warps=num_warps,
     )
-    return state_pool
+    return out_pool
 
 
-def gdn_commit(state_pool, k, u, logp, accepted_nodes, state_indices, use_qk_l2norm=False, *,
-               block_v: int | None = None, num_warps: int = 4, input_precision: str = "ieee"):
+def gdn_commit(state_pool, k, u, logp, accepted_nodes, state_indices, use_qk_l2norm=False, out_pool=None,
+               out_indices=None, *, block_v: int | None = None, num_warps: int = 4, input_precision: str = "ieee"):
     """Commit each request's accepted path into the GDN state pool, all layers in one launch (eq. 10).
 
     Twin: `bole.ops.gdn.gdn_commit`. Slots of requests with a non-empty path must be distinct.
@@ -102,8 +108,11 @@ def gdn_commit(state_pool, k, u, logp, accepted_nodes, state_indices, use_qk_l2n
         block_v: value tile (power of two >= 16; default 32 for K <= 128, else 16, so a [BV, K] fp32
             tile stays at <= 32 registers/thread with 4 warps).
         input_precision: precision of the fp32 tl.dot, "ieee" (exact, default), "tf32" or "tf32x3".
+        out_pool, out_indices: optional pool of state_pool's layout and dtype and int [B] slots that
+            receive the committed states instead (state_pool is then read only: a prefix-cache
+            checkpoint of a path prefix); both or neither. Requests with an empty path write nothing.
     Returns:
-        state_pool.
+        state_pool (or out_pool).
     """
     if not isinstance(state_pool, torch.Tensor) or state_pool.dim() != 5:
         raise ValueError(f"state_pool must be [L, slots, HV, V, K], got {getattr(state_pool, 'shape', None)}")
@@ -143,7 +152,19 @@ def gdn_commit(state_pool, k, u, logp, accepted_nodes, state_indices, use_qk_l2n
         block_v = 32 if K <= 128 else 16
     if block_v < 16 or block_v & (block_v - 1):
         raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
+    if (out_pool is None) != (out_indices is None):
+        raise ValueError("pass out_pool and out_indices together")
+    if out_pool is not None:
+        if out_pool.dim() != 5 or out_pool.shape[0] != L or tuple(out_pool.shape[2:]) != (HV, V, K) \
+                or out_pool.dtype != state_pool.dtype or not out_pool.is_contiguous() \
+                or out_pool.device != state_pool.device:
+            raise ValueError(f"out_pool must be a contiguous {state_pool.dtype} [{L}, slots, {HV}, {V}, {K}] "
+                             f"tensor on {state_pool.device}, got {out_pool.dtype} {tuple(out_pool.shape)}")
+        if out_indices.dim() != 1 or out_indices.numel() != B or out_indices.dtype not in (torch.int32, torch.int64) \
+                or out_indices.device != state_pool.device:
+            raise ValueError(f"out_indices must be int32/int64 [{B}] on {state_pool.device}, got "
+                             f"{out_indices.dtype} {tuple(out_indices.shape)}")
     if B == 0 or accepted_nodes.shape[1] == 0:
-        return state_pool
+        return state_pool if out_pool is None else out_pool
     return launch_gdn_commit(state_pool, k, u, logp, accepted_nodes, state_indices, use_qk_l2norm,
-                             block_v, num_warps, input_precision)
+                             block_v, num_warps, input_precision, out_pool, out_indices)

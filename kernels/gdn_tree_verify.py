@@ -260,6 +260,31 @@ def default_config(K: int, V: int, BT: int, num_heads_x_requests: int | None = N
     return VerifyConfig(block_k=bk, block_v=block_v, num_warps=num_warps, num_stages=2 if K > bk else 1)
 
 
+# The engine's dispatch for half-precision q/k (``gdn_tree_verify(..., tuned=True)``): the fastest
+# validated configuration per tree tile BT and grid size (requests x value heads), measured on the H200
+# at Qwen3.5-9B shapes (HV=32, K=V=128, bf16 q/k, fp32 pool) by benchmarks/gdn_verify.py
+# (benchmarks/results/gdn_verify_h200.json, bole_config; rel_err <= 7e-3 against SGLang's serial O,
+# within bf16 input rounding). Rows: (max requests x heads, config, method, input_precision).
+# tf32 products err by ~2^-11 relative, below the bf16 rounding of q/k/v themselves (2^-9); fp32
+# activations keep the exact "ieee" default (``tuned`` changes nothing for them).
+_TUNED_LOWP = {
+    16: [(128, VerifyConfig(64, 32, 4, 2), "neumann", "tf32"), (256, VerifyConfig(64, 64, 4, 2), "neumann", "ieee"),
+         (None, VerifyConfig(64, 64, 4, 2), "inverse", "ieee")],
+    32: [(128, VerifyConfig(64, 16, 4, 2), "neumann", "tf32"), (None, VerifyConfig(64, 64, 8, 2), "inverse", "ieee")],
+    64: [(512, VerifyConfig(32, 64, 4, 2), "neumann", "tf32"), (None, VerifyConfig(32, 128, 8, 2), "neumann", "tf32")],
+    128: [(None, VerifyConfig(32, 32, 8, 2), "neumann", "tf32")],
+}
+
+
+def tuned_launch(BT: int, num_heads_x_requests: int, K: int, V: int) -> tuple[VerifyConfig, str, str]:
+    """(config, method, input_precision) from ``_TUNED_LOWP`` for half-precision q/k; tiles clamped to
+    K and V (the table's shapes are Qwen3.5's K = V = 128)."""
+    _, cfg, method, precision = next(row for row in _TUNED_LOWP[BT] if row[0] is None or num_heads_x_requests <= row[0])
+    vmax, kmax = max(16, triton.next_power_of_2(V)), max(16, triton.next_power_of_2(K))
+    bk = min(cfg.block_k, kmax)
+    return VerifyConfig(bk, min(cfg.block_v, vmax), cfg.num_warps, cfg.num_stages if K > bk else 1), method, precision
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -320,7 +345,7 @@ def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state
                     scale=None, use_qk_l2norm=False, num_rounds=None, u_out=None, logp_out=None,
                     o_out=None, *, block_v: int | None = None, config: VerifyConfig | None = None,
                     input_precision: str = "ieee", method: str = "neumann",
-                    workspace: torch.Tensor | None = None):
+                    workspace: torch.Tensor | None = None, tuned: bool = False):
     """Closed-form parallel GDN tree verification (Theorem 1, eq. 2); twin: `bole.ops.gdn.gdn_tree_verify`.
 
     Args:
@@ -341,6 +366,9 @@ def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state
             value tile; `config` is the second pass's).
         workspace: two_pass only, optional fp32 scratch of at least `two_pass_workspace_numel(B, HV, max_nodes)`
             elements; allocated per call if None.
+        tuned: with fp16/bf16 q and k (and no explicit config), take config, method and precision
+            from the measured table `_TUNED_LOWP` (`tuned_launch`; tf32 products for most shapes):
+            the engine's setting. fp32 inputs ignore it.
     Returns:
         o [1, N, HV, V] in v's dtype, u [N, HV, V] fp32 and logp [N, HV] fp32 (the commit's factors).
     """
@@ -393,6 +421,9 @@ def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state
         raise ValueError(f"num_rounds must be >= 1, got {num_rounds}")
 
     BT = max(16, triton.next_power_of_2(forest.max_nodes))
+    if tuned and config is None and block_v is None and q.dtype in (torch.float16, torch.bfloat16) \
+            and num_rounds is None and workspace is None:
+        config, method, input_precision = tuned_launch(BT, B * HV, K, V)
     if config is None:
         config = default_config(K, V, BT, B * HV, block_v, method)
     elif block_v is not None:

@@ -202,16 +202,21 @@ class PrefixCache:
         c = (start + n - 1) // self.interval * self.interval
         return c - start if c > start else 0
 
-    def new_checkpoint(self, state_slot: int) -> int | None:
-        """A checkpoint slot holding a copy of ``state_slot``, evicting the LRU checkpoint if the pool
-        is full; None if every slot is taken by this step's checkpoints."""
+    def reserve_checkpoint(self) -> int | None:
+        """A free checkpoint slot (contents undefined), evicting the LRU checkpoint if the pool is
+        full; None if every slot is taken by this step's checkpoints. ``attach`` or free it."""
         if not self.checkpoints.can_allocate(1):
             if not self._by_checkpoint:
                 return None
             self._drop_checkpoint(min(self._by_checkpoint.values(), key=lambda n: n.last_use))
             self.evicted_checkpoints += 1
-        slot = self.checkpoints.allocate(zero=False)
-        self.state_pool.copy_slot(state_slot, self.checkpoints, slot)
+        return self.checkpoints.allocate(zero=False)
+
+    def new_checkpoint(self, state_slot: int) -> int | None:
+        """A checkpoint slot holding a copy of ``state_slot`` (``reserve_checkpoint``, then the copy)."""
+        slot = self.reserve_checkpoint()
+        if slot is not None:
+            self.state_pool.copy_slot(state_slot, self.checkpoints, slot)
         return slot
 
     def attach(self, req, end: int, slot: int) -> None:

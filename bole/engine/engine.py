@@ -96,12 +96,15 @@ class LLMEngine:
         self.prefix_cache = PrefixCache(self.runner.allocator, self.runner.state_pool, cc.block_size,
                                         cc.checkpoint_interval_blocks, cc.num_checkpoint_slots,
                                         track_mtp=self.mode != "ar") if cc.enable_prefix_cache else None
+        if self.prefix_cache is not None and self.runner.verify_graphs is not None:
+            self.runner.verify_graphs.enable_checkpoints(self.prefix_cache.checkpoints, cc.checkpoint_interval)
         self.scheduler = Scheduler(self.runner.allocator, self.runner.state_pool, config.cache.block_size,
                                    config.max_num_seqs, config.max_num_batched_tokens, self.prefix_cache)
         self.capacity_tokens = config.cache.num_blocks * config.cache.block_size
         self.metrics = EngineMetrics()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self._finishing: list[tuple[Request, str]] = []  # finished during this step (``_finish``)
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self.eos_token_ids = tuple(config.eos_token_ids) or ((eos,) if eos is not None else ())
 
@@ -195,7 +198,8 @@ class LLMEngine:
                 for r, t in zip(done, toks):
                     outputs.append(self._emit(r, [t]))
             stats.prefill_tokens = sum(n for _, n in sched.prefill)
-        decode = [r for r in sched.decode if not r.is_finished]
+        ending = {id(r) for r, _ in self._finishing}  # finished by this step's prefill sampling
+        decode = [r for r in sched.decode if not r.is_finished and id(r) not in ending]
         if decode:
             t0 = time.perf_counter()
             if self.mode == "ar":
@@ -213,6 +217,7 @@ class LLMEngine:
                 outputs.append(self._emit(r, toks))
             stats.decode_requests = len(decode)
             stats.emitted_tokens = sum(len(t) for t in emitted)
+        self._finish()
         stats.preempted = len(sched.preempted)
         stats.end = time.perf_counter()
         self.metrics.record_step(stats)
@@ -236,6 +241,19 @@ class LLMEngine:
         D = spec.depth
         B, T1 = res.logits.shape[:2]
         greedy = all(r.params.temperature <= 0 for r in reqs)
+        if greedy and self.runner.can_accept_in_graph(res) and not any(r.params.min_tokens for r in reqs):
+            slots = self._reserve_checkpoints(reqs)
+            if slots is not False:
+                # acceptance, commit and checkpoints inside the verify graph's captured tail: one
+                # device-to-host read
+                starts = [r.num_computed for r in reqs]
+                host = self.runner.accept_commit_in_graph(reqs, res, slots)
+                emitted = [h[2:2 + h[1]] for h in host]
+                pending = self._tail_checkpoints(starts, [h[1] for h in host], slots)
+                self._cache_committed(reqs, pending, emitted)
+                stats.tree_nodes = int(batch.num_nodes.sum()) + len(reqs)
+                stats.b_ver = int(b_ver)
+                return emitted
         row_depth = torch.cat([torch.zeros_like(batch.depth[:, :1]), batch.depth], 1).clamp(max=D)
         if greedy:  # argmax walk: no uniforms, no per-request parameters (no host-to-device copies)
             temp = top_k = top_p = 0.0
@@ -266,6 +284,46 @@ class LLMEngine:
         return emitted
 
     # -- prefix cache ----------------------------------------------------------------------------
+    def _reserve_checkpoints(self, reqs: list[Request]) -> "list[int | None] | None | bool":
+        """For the verify graph's tail: a checkpoint slot for every request whose path could jump over
+        a checkpoint boundary this step (None for the others; None overall without a prefix cache);
+        False when the tail cannot take them (no slot left, or a tail without checkpoints)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return None
+        longest = self.config.spec.depth + 1
+        may = [cache.path_cut(r.num_computed, longest) > 0 for r in reqs]
+        if not any(may):
+            return None
+        if self.runner.verify_graphs.checkpoints is None:
+            return False
+        slots = []
+        for m in may:
+            s = cache.reserve_checkpoint() if m else None
+            if m and s is None:
+                for t in slots:
+                    if t is not None:
+                        cache.checkpoints.free(t)
+                return False
+            slots.append(s)
+        return slots
+
+    def _tail_checkpoints(self, starts: list[int], lengths: list[int], slots) -> list | None:
+        """After the tail: (boundary, slot) per request whose path crossed a boundary (its reserved slot
+        now holds the state there), None for the others, whose reserved slots are given back."""
+        if not slots:
+            return None
+        cache, out = self.prefix_cache, []
+        for start, n, s in zip(starts, lengths, slots, strict=True):
+            cut = cache.path_cut(start, n)
+            if s is not None and cut:
+                out.append((start + cut, s))
+            else:
+                if s is not None:
+                    cache.checkpoints.free(s)
+                out.append(None)
+        return out
+
     def _checkpoint_paths(self, reqs: list[Request], res, accepted: list[int], lengths: list[int]) -> list | None:
         """Before a commit: checkpoint the block boundary each accepted path jumps over (if any), by
         materialising the path cut there into a checkpoint slot; [(length, slot) | None] per request.
@@ -295,6 +353,22 @@ class LLMEngine:
                 cache.attach(r, *pending[i])
             cache.checkpoint(r)
 
+    def _finish(self) -> None:
+        """Release the requests that finished this step. With a prefix cache in a speculative mode,
+        first complete the drafter KV of their cached blocks (so speculative matches can use them),
+        in one drafter forward for all of them."""
+        done, self._finishing = self._finishing, []
+        if not done:
+            return
+        if self.prefix_cache is not None and self.mode != "ar":
+            self.runner.catch_up_drafter([r for r, _ in done])
+            for r, _ in done:
+                self.prefix_cache.mark_drafted(r)
+        for r, reason in done:
+            r.metrics.finish_time = time.monotonic()
+            self.scheduler.finish(r, reason)
+            self.metrics.record_finish(r)
+
     # -- emission --------------------------------------------------------------------------------
     def _emit(self, req: Request, tokens: list[int]) -> RequestOutput:
         """Append tokens one by one with stop checks; finish the request if one fires."""
@@ -322,13 +396,7 @@ class LLMEngine:
                     full, reason = full[:hit], "stop"
             new_text, req.output_text = full[len(req.output_text):], full
         if reason is not None:
-            if self.prefix_cache is not None and self.mode != "ar":
-                # complete the drafter KV of its cached blocks so speculative matches can use them
-                self.runner.catch_up_drafter([req])
-                self.prefix_cache.mark_drafted(req)
-            req.metrics.finish_time = time.monotonic()
-            self.scheduler.finish(req, reason)
-            self.metrics.record_finish(req)
+            self._finishing.append((req, reason))  # released at the end of the step (``_finish``)
         return RequestOutput(req.request_id, new, new_text, reason is not None, reason,
                              list(req.output_token_ids), req.output_text,
                              req.metrics.num_steps, req.metrics.num_accepted_drafts)

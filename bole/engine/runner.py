@@ -47,6 +47,7 @@ class VerifyResult:
     ctx: ForwardContext
     hidden: torch.Tensor          # [N, H] flat over the forest
     forest: PackedForest
+    graph: object = None          # the verify graph replayed (``VerifyGraphs``), None when eager
 
 
 def _empty_factors(num_nodes: int, device) -> TreeFactors:
@@ -178,8 +179,8 @@ class ModelRunner:
         B, T = batch.tokens.shape
         vg = self.verify_graphs
         if vg is not None and vg.supports(reqs, T + 1):
-            logits, hidden, ctx = vg.run(reqs, batch)
-            return VerifyResult(logits=logits, ctx=ctx, hidden=hidden, forest=ctx.forest)
+            logits, hidden, ctx, g = vg.run(reqs, batch)
+            return VerifyResult(logits=logits, ctx=ctx, hidden=hidden, forest=ctx.forest, graph=g)
         dev = batch.tokens.device
         roots = torch.tensor([r.all_token_ids[r.num_computed] for r in reqs], device=dev)
         tokens = torch.cat([roots[:, None], batch.tokens], 1)                        # [B, 1 + T]
@@ -222,6 +223,26 @@ class ModelRunner:
             r.num_computed += lengths[b]
         return lengths[:len(reqs)]
 
+    def can_accept_in_graph(self, res: VerifyResult) -> bool:
+        """Whether ``accept_commit_in_graph`` applies: the verify forward was a replayed graph with a tail."""
+        return res.graph is not None and res.graph.tail is not None
+
+    @torch.inference_mode()
+    def accept_commit_in_graph(self, reqs: list[Request], res: VerifyResult,
+                               checkpoint_slots: list[int | None] | None = None) -> list[list[int]]:
+        """Greedy acceptance + commit of every request from the verify graph's captured tail
+        (``VerifyGraphs.run_tail``, with its prefix-cache checkpoint slots); advances num_computed and
+        queues the accepted path's hiddens for the drafter. Returns per request [accepted node, emitted
+        count, emitted tokens...]."""
+        host = self.verify_graphs.run_tail(res.graph, len(reqs), checkpoint_slots)
+        path_hidden = self.verify_graphs.out_path_hidden[:len(reqs)].clone()  # [B, D, H]
+        for b, r in enumerate(reqs):
+            n = host[b][1]
+            h = path_hidden[b, :n]
+            r.pending_hidden = h if r.pending_hidden is None else torch.cat([r.pending_hidden, h])
+            r.num_computed += n
+        return host
+
     @torch.inference_mode()
     def commit_path_prefix(self, res: VerifyResult, accepted_node: list[int], keep: list[int],
                            pool: StatePool, slots: list[int]) -> None:
@@ -249,21 +270,26 @@ class ModelRunner:
         if reqs:
             self._mtp_catch_up(reqs)
 
-    def _mtp_catch_up(self, reqs: list[Request]) -> torch.Tensor:
-        """Feed the MTP the committed positions it has not seen; return its hidden at the last one [B, H].
+    def _mtp_catch_up(self, reqs: list[Request], leave: int = 0) -> torch.Tensor:
+        """Feed the MTP the committed positions it has not seen but the last ``leave`` of each request;
+        return its hidden at the last position fed [B, H].
 
         Position p of the drafter takes (target hidden at p, token p+1); the last one (p = num_computed-1)
-        pairs with the pending root token and predicts the first draft level.
+        pairs with the pending root token and predicts the first draft level. With ``leave`` > 0 the
+        requests keep their last ``leave`` positions (and target hiddens) pending: the draft graph's
+        catch-up then runs them (``draft_batch`` after a prefill).
         """
-        new = [r.num_computed - r.mtp_computed for r in reqs]
-        ids = torch.cat([torch.tensor(r.all_token_ids[r.mtp_computed + 1:r.num_computed + 1]) for r in reqs])
-        hid = torch.cat([r.pending_hidden[-n:] for r, n in zip(reqs, new)])
+        new = [r.num_computed - r.mtp_computed - leave for r in reqs]
+        ids = torch.cat([torch.tensor(r.all_token_ids[r.mtp_computed + 1:r.mtp_computed + 1 + n])
+                         for r, n in zip(reqs, new)])
+        end = lambda r: r.pending_hidden.shape[0] - leave
+        hid = torch.cat([r.pending_hidden[end(r) - n:end(r)] for r, n in zip(reqs, new)])
         ctx = ForwardContext.build("prefill", new, [r.mtp_computed for r in reqs], [0] * len(reqs),
                                    [r.block_table for r in reqs], self.mtp_cache, None, device=self.device)
         h = self.model.mtp(ids.to(self.device), hid, ctx)
-        for r in reqs:
-            r.mtp_computed = r.num_computed
-            r.pending_hidden = None
+        for r, n in zip(reqs, new):
+            r.mtp_computed += n
+            r.pending_hidden = r.pending_hidden[end(r):] if leave else None
         return h[torch.tensor(ctx.cu_host[1:], device=self.device) - 1]
 
     @torch.inference_mode()
@@ -273,8 +299,14 @@ class ModelRunner:
         the step's ``DraftBatch`` [B, T_max] (untrimmed). From the draft graph when it applies."""
         dg = self.draft_graphs
         if dg is not None and (dg.depth, dg.topk, dg.beam, dg.max_per_request) == \
-                (depth, topk, beam, max_per_request) and dg.supports(reqs):
-            return dg.run(reqs, b_ver)
+                (depth, topk, beam, max_per_request):
+            # a catch-up longer than the graph's (the first draft after a prefill): its head eagerly
+            long = [r for r in reqs if r.num_computed - r.mtp_computed > dg.catch_up and r.pending_hidden is not None
+                    and r.pending_hidden.shape[0] >= r.num_computed - r.mtp_computed]
+            if long and len(reqs) <= dg.batch_sizes[-1]:
+                self._mtp_catch_up(long, leave=dg.catch_up)
+            if dg.supports(reqs):
+                return dg.run(reqs, b_ver)
         cand = self.draft(reqs, depth, topk, beam)
         keep = select_nodes(cand.rho, cand.parents, cand.valid, cand.depth, b_ver, max_per_request=max_per_request)
         return compact(cand, keep)

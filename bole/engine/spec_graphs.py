@@ -128,13 +128,15 @@ class _VGraph:
     ctx: ForwardContext
     run: Callable[[], None]
     graph: "torch.cuda.CUDAGraph | None" = None
+    tail: "_VGraph | None" = None   # the greedy acceptance + commit after this forward (``run_tail``)
 
 
 class VerifyGraphs:
     """Captured verify forwards of one ``ModelRunner``; see the module docstring."""
 
     def __init__(self, runner, batch_sizes: Sequence[int], tree_sizes: Sequence[int], max_depth: int,
-                 pad_block: int, pad_slot: int, capture: bool = True, min_kv: int = 256, pool=None):
+                 pad_block: int, pad_slot: int, capture: bool = True, min_kv: int = 256, pool=None,
+                 tail: bool = True):
         sizes = sorted({int(b) for b in batch_sizes})
         widths = sorted({int(t) for t in tree_sizes})
         if not sizes or sizes[0] < 1 or not widths or widths[0] < 2:
@@ -146,6 +148,7 @@ class VerifyGraphs:
             raise ValueError(f"CUDA graphs need a CUDA device, the runner is on {runner.device}")
         self.runner, self.model = runner, runner.model
         self.batch_sizes, self.widths, self.max_depth, self.capture = sizes, widths, int(max_depth), capture
+        self.tail = tail
         self.pad_block, self.pad_slot = int(pad_block), int(pad_slot)
         kv = runner.kv_cache
         self.block_size = bs = kv.block_size
@@ -154,16 +157,21 @@ class VerifyGraphs:
         dev = runner.device
         Bm, Tm = sizes[-1], widths[-1]
         self.rows = StaticRows(Bm, _TABLE + self.max_blocks, dev)
-        self.draft_tokens = torch.zeros(Bm, Tm, dtype=torch.long, device=dev)
+        self.draft_tokens = torch.full((Bm, Tm), -1, dtype=torch.long, device=dev)  # -1: padding node
         self.draft_parents = torch.zeros(Bm, Tm, dtype=torch.long, device=dev)
         self.draft_parents[:, 0] = -1  # column 0 is the root of every tree, never overwritten
         H, V = self.model.config.hidden_size, self.model.config.vocab_size
         dtype = self.model.lm_head.weight.dtype
         self.out_hidden = torch.zeros(Bm * Tm, H, dtype=dtype, device=dev)
         self.out_logits = torch.zeros(Bm * Tm, V, dtype=dtype, device=dev)
+        # the tail's outputs: per row accepted node, emitted count, the emitted tokens (one host read),
+        # and the target hiddens along the accepted path (the drafter's next catch-up inputs)
+        self.out_accept = torch.zeros(Bm, 2 + self.max_depth, dtype=torch.long, device=dev)
+        self.out_path_hidden = torch.zeros(Bm, self.max_depth, H, dtype=dtype, device=dev)
         self.graphs: dict[tuple[int, int, int], _VGraph] = {}
         self.pool = pool
-        self.replays = 0
+        self.replays = self.tail_replays = 0
+        self.checkpoints = None   # (StatePool, interval, ckpt slot rows): ``enable_checkpoints``
 
     # -- selection -------------------------------------------------------------------------------
     def supports(self, reqs, width: int) -> bool:
@@ -201,7 +209,7 @@ class VerifyGraphs:
         model, out_h, out_l = self.model, self.out_hidden[:N], self.out_logits[:N]
 
         def run():
-            tok = draft_tok.clone()
+            tok = draft_tok.clamp(min=0)  # padding nodes (-1) verify token 0 and are never accepted
             tok[:, 0] = inp[:, _TOK]
             st.fill(inp[:, _POS], draft_par, tables, inp[:, _SLOT])
             hidden = model(tok.reshape(-1), ctx)
@@ -211,12 +219,14 @@ class VerifyGraphs:
         g = _VGraph(Bc, Tc, Lc, ctx, run)
         if self.capture:
             self._load([], Bc, Lc)  # capture-time warm-up touches the pad block and pad slot only
-            draft_tok.zero_()
+            draft_tok.fill_(-1)
             draft_par[:, 1:].fill_(0)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             g.graph = capture_graph(run, self.pool, runner.device)
             logger.info("captured verify graph batch=%d width=%d kv_len=%d", Bc, Tc, Lc)
+        if self.tail:
+            self._build_tail(g)
         self.graphs[Bc, Tc, Lc] = g
         return g
 
@@ -249,12 +259,11 @@ class VerifyGraphs:
         g = self.graphs.get((Bc, Tc, Lc)) or self._build(Bc, Tc, Lc)
         self._load(reqs, Bc, Lc)
         tok, par = self.draft_tokens[:Bc, :Tc], self.draft_parents[:Bc, :Tc]
-        tok.zero_()
+        tok.fill_(-1)
         par[:, 1:].fill_(0)  # padding nodes: children of the root
         if T:
-            drafts = batch.tokens >= 0
-            tok[:B, 1:T + 1] = batch.tokens.clamp(min=0)
-            par[:B, 1:T + 1] = torch.where(drafts, batch.parents + 1, 0)
+            tok[:B, 1:T + 1] = batch.tokens
+            par[:B, 1:T + 1] = torch.where(batch.tokens >= 0, batch.parents + 1, 0)
         if g.graph is not None:
             g.graph.replay()
         else:
@@ -265,7 +274,89 @@ class VerifyGraphs:
         ctx = dataclasses.replace(g.ctx, num_cached_host=[r.num_computed for r in reqs] + [0] * (Bc - B),
                                   block_tables=[list(r.block_table) for r in reqs] +
                                   [[self.pad_block]] * (Bc - B))
-        return logits, self.out_hidden[:Bc * Tc], ctx
+        return logits, self.out_hidden[:Bc * Tc], ctx, g
+
+    def enable_checkpoints(self, pool, interval: int) -> None:
+        """Prefix-cache checkpoints inside the tail (before any graph is built): a row whose accepted
+        path jumps over a multiple of ``interval`` tokens gets the state at that boundary committed into
+        ``pool`` at the slot ``run_tail`` names for it (the host reserved it: ``PrefixCache``)."""
+        if self.graphs:
+            raise ValueError("enable_checkpoints must precede the first graph")
+        self.checkpoints = (pool, int(interval), StaticRows(self.batch_sizes[-1], 1, self.runner.device),
+                            pool.allocate(zero=False))  # the slot of rows that cannot cross (never written)
+
+    # -- the tail: greedy acceptance and the commit, after a replayed forward ----------------------------
+    def _build_tail(self, g: _VGraph) -> _VGraph:
+        """Capture (per forward graph) the greedy ``accept_tree`` walk over the forward's logits and the
+        commit of the accepted paths (``commit_paths``: GDN state, conv windows, K/V), writing the
+        host's one read (``out_accept``) and the path's hiddens (``out_path_hidden``)."""
+        from bole.spec.sampling import accept_tree
+
+        Bc, Tc, dev, D = g.batch, g.width, self.runner.device, self.max_depth
+        V = self.out_logits.shape[1]
+        logits, hidden = self.out_logits[:Bc * Tc].view(Bc, Tc, V), self.out_hidden[:Bc * Tc]
+        drafts, parents = self.draft_tokens[:Bc, 1:Tc], self.draft_parents[:Bc, 1:Tc]
+        inp, out, out_h = self.rows.device[:Bc], self.out_accept[:Bc], self.out_path_hidden[:Bc]
+        uniforms = torch.zeros(Bc, Tc, device=dev)  # unused by a greedy walk
+        model, forest, ctx = self.model, g.ctx.forest, g.ctx
+
+        ckpt = self.checkpoints
+        cols = torch.arange(D, device=dev)
+
+        def run():
+            acc = accept_tree(drafts, parents - 1, uniforms, logits=logits, temperature=0.0, top_k=0, top_p=0.0,
+                              max_depth=D - 1)
+            # padding rows (the pad state slot) commit nothing; a real row always keeps its root
+            real = inp[:, _SLOT] != self.pad_slot
+            local = torch.where(real, acc.accepted_node + 1, -1)
+            paths = forest.accepted_path_nodes(local)                          # [Bc, D] global ids
+            if ckpt is not None:
+                # the path prefix up to the last checkpoint boundary strictly inside the commit of
+                # [start, start + n) (PrefixCache.path_cut), committed into the row's checkpoint slot
+                pool_c, interval, slots_c = ckpt[0], ckpt[1], ckpt[2].device[:Bc, 0]
+                start = inp[:, _POS]
+                c = (start + acc.num_emitted - 1) // interval * interval
+                cut = torch.where(real & (c > start), c - start, 0)
+                model.commit_paths(ctx, torch.where(cols[None] < cut[:, None], paths, -1), out=(pool_c, slots_c))
+            model.commit_paths(ctx, paths)
+            out_h.copy_(hidden[paths.clamp(min=0).long()])
+            out[:, 0] = acc.accepted_node
+            out[:, 1] = acc.num_emitted
+            out[:, 2:] = acc.tokens
+
+        tail = _VGraph(Bc, Tc, g.kv_len, ctx, run)
+        if g.graph is not None:
+            # warm-up and capture with every row a padding row (the forward's capture loaded them):
+            # nothing is committed; called from ``_build``, before a step loads its rows
+            tail.graph = capture_graph(run, self.pool, dev)
+            logger.info("captured verify tail graph batch=%d width=%d kv_len=%d", Bc, Tc, g.kv_len)
+        g.tail = tail
+        return tail
+
+    @torch.inference_mode()
+    def run_tail(self, g: _VGraph, batch: int, checkpoint_slots: Sequence[int | None] | None = None) -> list[list[int]]:
+        """After ``run`` returned ``g`` (every request greedy): accept and commit in the captured tail;
+        per request [accepted node, emitted count, tokens...] (the step's one device-to-host read).
+        ``out_path_hidden`` then holds each request's accepted-path hiddens, valid until the next tail.
+        ``checkpoint_slots`` (with ``enable_checkpoints``): per request the checkpoint slot its path's
+        boundary state goes to, None for a request whose path cannot cross a boundary this step."""
+        tail = g.tail
+        if tail is None:
+            raise ValueError("this VerifyGraphs was built with tail=False")
+        if self.checkpoints is not None:
+            rows, dummy = self.checkpoints[2], self.checkpoints[3]
+            h = rows.begin()
+            h[:g.batch, 0] = dummy
+            for b, s in enumerate(checkpoint_slots or ()):
+                if s is not None:
+                    h[b, 0] = s
+            rows.upload(g.batch)
+        if tail.graph is not None:
+            tail.graph.replay()
+        else:
+            tail.run()
+        self.tail_replays += 1
+        return self.out_accept[:batch].tolist()
 
 
 # -------------------------------------------------------------------------------------------- draft

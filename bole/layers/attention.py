@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from bole.layers.linear import FusedLinear
 from bole.layers.norm import RMSNorm
 from bole.layers.rotary import RotaryEmbedding
 from bole.parallel import local_heads, split_heads
@@ -63,14 +64,23 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
+        self.qkv_proj: FusedLinear | None = None
+
+    def fuse_projections(self) -> None:
+        """One GEMM for q_proj (queries and gate) | k_proj | v_proj (``bole.layers.linear``)."""
+        self.qkv_proj = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         N, D = x.shape[0], self.head_dim
-        q, gate = self.q_proj(x).view(N, self.num_heads, 2 * D).chunk(2, dim=-1)
+        if self.qkv_proj is not None:
+            qg, k, v = self.qkv_proj(x)
+        else:
+            qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, gate = qg.view(N, self.num_heads, 2 * D).chunk(2, dim=-1)
         gate = gate.reshape(N, self.num_heads * D)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(N, self.num_kv_heads, D))
-        v = self.v_proj(x).view(N, self.num_kv_heads, D)
+        k = self.k_norm(k.view(N, self.num_kv_heads, D))
+        v = v.view(N, self.num_kv_heads, D)
         cos, sin = self.rotary.cos_sin(ctx.positions)
         q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
 

@@ -9,8 +9,8 @@ Modes (``ctx.mode``):
     prefill: conv over each request's new tokens continuing from the conv pool (updated in place);
         GDN from the ssm pool slot through the backend's chunked prefill; final state written back.
     decode (eager, or over a static context ``ctx.static`` for CUDA graphs): one token per request,
-        the batched one-token conv and the backend's ``decode``, neither of which reads a device
-        value on the host (a per-request loop here cost ~4 host syncs per GDN layer per step).
+        the backend's ``conv_update`` and ``decode_step`` (gating, q/k norm, one recurrence step, the
+        pool slot updated in place), neither of which reads a device value on the host.
     verify: tree conv and closed-form tree GDN reading the committed pools only; the layer stores
         the commit factors (raw k, u, logP, conv inputs) in ``ctx.factors`` at its GDN index.
 
@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bole.layers.linear import FusedLinear
 from bole.layers.norm import GatedRMSNorm
-from bole.ops.conv import causal_conv1d, causal_conv1d_decode, causal_conv1d_tree
+from bole.ops.conv import causal_conv1d, causal_conv1d_tree
 from bole.parallel import local_heads, split_heads
 
 
@@ -51,28 +52,39 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, H, bias=False)
+        self.in_proj: FusedLinear | None = None
+
+    def fuse_projections(self) -> None:
+        """One GEMM for in_proj_qkv | in_proj_z | in_proj_b | in_proj_a (``bole.layers.linear``)."""
+        self.in_proj = FusedLinear([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         N = x.shape[0]
-        mixed = self.in_proj_qkv(x)  # [N, conv_dim]
-        z = self.in_proj_z(x).view(N, self.num_v_heads, self.head_v_dim)
-        beta = torch.sigmoid(self.in_proj_b(x))
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-
+        if self.in_proj is not None:
+            mixed, z, b, a = self.in_proj(x)  # column views of one [N, conv_dim + value_dim + 2 HV] GEMM
+        else:
+            mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        z = z.view(N, self.num_v_heads, self.head_v_dim)
         pool, i = ctx.state_pool, self.gdn_index
         weight = self.conv1d.weight[:, 0, :]
+        split = lambda y: (y[:, :self.key_dim].view(N, self.num_k_heads, self.head_k_dim),
+                           y[:, self.key_dim:2 * self.key_dim].view(N, self.num_k_heads, self.head_k_dim),
+                           y[:, 2 * self.key_dim:].view(N, self.num_v_heads, self.head_v_dim))
+        if ctx.mode == "decode":
+            # one token per request, batched, no host sync (eager or graphed): the conv window update
+            # and one recurrence step with its gating, each one launch on the GPU (kernels.gdn_decode)
+            q, k, v = split(self.backend.conv_update(mixed, weight, pool.conv[i], ctx.state_slots))
+            o = self.backend.decode_step(q, k, v, a, b, self.A_log, self.dt_bias, pool.ssm[i], ctx.state_slots)
+            return self.out_proj(self.norm(o.to(x.dtype), z).reshape(N, self.value_dim))
+
+        beta = torch.sigmoid(b)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         if ctx.mode == "verify":
             ctx.factors.conv_x[i] = mixed
             y = causal_conv1d_tree(mixed, weight, None, pool.conv[i], ctx.state_slots, ctx.forest)
-        elif ctx.mode == "decode":
-            # one token per request: the batched form (no per-request loop, no host sync), eager or graphed
-            y = causal_conv1d_decode(mixed, weight, None, pool.conv[i], ctx.state_slots)
         else:
             y = causal_conv1d(mixed, weight, None, pool.conv[i], ctx.state_slots, ctx.cu_seqlens)
-        q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(1, N, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(1, N, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(1, N, self.num_v_heads, self.head_v_dim)
+        q, k, v = (t[None] for t in split(y))
 
         if ctx.mode == "verify" and ctx.factors.snapshots is not None:
             # serial_tree baseline: per-node state snapshots, committed by copy
@@ -86,9 +98,9 @@ class GatedDeltaNet(nn.Module):
             ctx.factors.u[i] = u
             ctx.factors.logp[i] = logp
         else:
-            fn = self.backend.decode if ctx.mode == "decode" else self.backend.prefill
-            o, final = fn(q, k, v, g[None], beta[None], initial_state=pool.ssm[i],
-                          state_indices=ctx.state_slots, cu_seqlens=ctx.cu_seqlens, use_qk_l2norm=True)
+            o, final = self.backend.prefill(q, k, v, g[None], beta[None], initial_state=pool.ssm[i],
+                                            state_indices=ctx.state_slots, cu_seqlens=ctx.cu_seqlens,
+                                            use_qk_l2norm=True)
             pool.ssm[i, ctx.state_slots] = final.to(pool.ssm.dtype)
         o = self.norm(o[0].to(x.dtype), z)
         return self.out_proj(o.reshape(N, self.value_dim))

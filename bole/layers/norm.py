@@ -1,15 +1,24 @@
 """RMS norms of the Qwen3.5 / Qwen3-Next decoder.
 
 ``RMSNorm`` is zero-centred: y = x̂ · (1 + w), computed in fp32 and cast back (decoder norms, q/k
-norms, MTP norms; weights are stored as offsets from one). ``GatedRMSNorm`` is the GDN output norm:
-plain weight (not zero-centred), normalised per value head, then multiplied by silu(z).
+norms, MTP norms; weights are stored as offsets from one). With ``residual`` it first forms
+s = x + residual and returns (norm(s), s): the decoder's residual add fused into its next norm.
+``GatedRMSNorm`` is the GDN output norm: plain weight (not zero-centred), normalised per value head,
+then multiplied by silu(z).
+
+The math is ``bole.ops.norm`` (the twins); ``kernel`` / ``gated_kernel`` set by the model from its
+backend (``bole.backend``: the Triton kernels of ``kernels.rmsnorm`` on the GPU, one launch per norm)
+replace it with the same signature.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from bole.ops.norm import gated_rms_norm_ref, rms_norm_ref
 
 
 class RMSNorm(nn.Module):
@@ -17,11 +26,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
+        self.kernel: Callable = rms_norm_ref
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).type_as(x)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x [..., dim] -> normed x; with ``residual`` (x's shape) -> (norm(x + residual), x + residual)."""
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if residual is None:
+            return self.kernel(x2, self.weight, self.eps).view(shape)
+        y, s = self.kernel(x2, self.weight, self.eps, residual.reshape(-1, shape[-1]))
+        return y.view(shape), s.view(shape)
 
 
 class GatedRMSNorm(nn.Module):
@@ -29,10 +43,8 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.kernel: Callable = gated_rms_norm_ref
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """x, gate: [..., dim] (one value head per row)."""
-        dtype = x.dtype
-        xf = x.float()
-        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
-        return (self.weight * y * F.silu(gate.float())).to(dtype)
+        return self.kernel(x, gate, self.weight, self.eps)

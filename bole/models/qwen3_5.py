@@ -46,7 +46,7 @@ from bole.layers.attention import GatedAttention
 from bole.layers.gdn import GatedDeltaNet
 from bole.layers.mlp import MLP
 from bole.layers.moe import SparseMoE
-from bole.layers.norm import RMSNorm
+from bole.layers.norm import GatedRMSNorm, RMSNorm
 from bole.ops.conv import conv_state_commit_layers
 from bole.parallel import local_model_config
 
@@ -75,11 +75,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(self, x: torch.Tensor, ctx, residual: torch.Tensor | None = None):
+        """Returns (mlp output, residual stream): the layer's output is their sum, which the next
+        layer's input norm (or the final norm) forms fused with its own normalisation.
+        ``residual`` None: x is the residual stream itself (the first layer)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
         mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
-        x = x + self.tp_reduce(mixer(h, ctx))
-        return x + self.tp_reduce(self.mlp(self.post_attention_layernorm(x)))
+        h, residual = self.post_attention_layernorm(self.tp_reduce(mixer(h, ctx)), residual)
+        return self.tp_reduce(self.mlp(h)), residual
 
 
 class HybridModel(nn.Module):
@@ -97,10 +103,10 @@ class HybridModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, ctx)
-        return self.norm(x)
+            x, residual = layer(x, ctx, residual)
+        return self.norm(x, residual)[0]
 
 
 class MTPDrafter(nn.Module):
@@ -134,8 +140,8 @@ and lm_head are the target's (shared, not registered here).
         e = self.pre_fc_norm_embedding(embed(input_ids))
         h = self.pre_fc_norm_hidden(target_hidden.to(e.dtype))
         x = self.fc(torch.cat([e, h], dim=-1))
-        x = self.layers[step % len(self.layers)](x, ctx)
-        return self.norm(x)
+        x, residual = self.layers[step % len(self.layers)](x, ctx)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._shared[1](hidden)
@@ -157,6 +163,19 @@ class HybridForCausalLM(nn.Module):
         n_mtp = cfg.num_mtp_layers if num_mtp_layers is None else num_mtp_layers
         self.mtp = MTPDrafter(cfg, n_mtp, self.backend, self.model.embed_tokens, self.lm_head, tp_size,
                               tp_reduce) if n_mtp > 0 else None
+        for m in self.modules():  # the backend's norm kernels (the torch twins by default)
+            if isinstance(m, RMSNorm) and self.backend.rms_norm is not None:
+                m.kernel = self.backend.rms_norm
+            elif isinstance(m, GatedRMSNorm) and self.backend.gated_rms_norm is not None:
+                m.kernel = self.backend.gated_rms_norm
+
+    def fuse_projections(self) -> "HybridForCausalLM":
+        """Concatenate the projections that share an input into one GEMM each (``bole.layers.linear``);
+        called once the weights are loaded (``load_model``, ``bole.calibrate.random_model``)."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "fuse_projections"):
+                m.fuse_projections()
+        return self
 
     def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
         if input_ids.dim() != 1 or input_ids.numel() != ctx.num_tokens:
@@ -178,22 +197,32 @@ class HybridForCausalLM(nn.Module):
         """
         if ctx.mode != "verify":
             raise ValueError(f"commit follows a verify step, not {ctx.mode}")
-        forest, f = ctx.forest, ctx.factors
-        paths = forest.accepted_path_nodes(accepted)  # [B, D] global node ids, -1 padded
+        paths = ctx.forest.accepted_path_nodes(accepted)  # [B, D] global node ids, -1 padded
         lengths = (paths >= 0).sum(1).tolist() if lengths is None else [int(n) for n in lengths]
-        pool = ctx.state_pool
+        self.commit_paths(ctx, paths, move_kv=any(lengths))
+        return lengths
+
+    @torch.no_grad()
+    def commit_paths(self, ctx, paths: torch.Tensor, move_kv: bool = True, out=None) -> None:
+        """``commit`` from the accepted paths [B, D] (global node ids, root first, -1 padded): device
+        ops only, nothing read on the host, so a CUDA graph can capture it (``VerifyGraphs``' tail).
+
+        ``out`` = (StatePool, slots [B]): write the GDN states and conv windows there instead, the
+        request's pool slot read only (a prefix-cache checkpoint of a path prefix; K/V untouched)."""
+        f, pool = ctx.factors, ctx.state_pool
+        slots = ctx.state_slots.long()
+        dst, dst_slots = (pool, slots) if out is None else (out[0], out[1].long())
         if pool is not None and self.config.num_gdn_layers and f.snapshots is not None:
             # serial_tree baseline: copy the accepted node's snapshot of every layer
             last = paths.gather(1, (paths >= 0).sum(1, keepdim=True).clamp(min=1) - 1)[:, 0].long()
-            slots = ctx.state_slots.long()
-            old = pool.ssm[:, slots]
-            snap = f.snapshots[:, last.clamp(min=0)].to(pool.ssm.dtype)
-            pool.ssm[:, slots] = torch.where((last >= 0)[None, :, None, None, None], snap, old)
-            conv_state_commit_layers(pool.conv, f.conv_x, slots, paths)
+            snap = f.snapshots[:, last.clamp(min=0)].to(dst.ssm.dtype)
+            dst.ssm[:, dst_slots] = torch.where((last >= 0)[None, :, None, None, None], snap, dst.ssm[:, dst_slots])
+            conv_state_commit_layers(pool.conv, f.conv_x, slots, paths, *(() if out is None else (dst.conv, dst_slots)))
         elif pool is not None and self.config.num_gdn_layers:
-            self.backend.commit(pool.ssm, f.k, f.u, f.logp, paths, ctx.state_slots, use_qk_l2norm=True)
-            conv_state_commit_layers(pool.conv, f.conv_x, ctx.state_slots, paths)
-        if ctx.kv_cache is not None and self.config.num_attn_layers and any(lengths):
+            self.backend.commit(pool.ssm, f.k, f.u, f.logp, paths, ctx.state_slots, use_qk_l2norm=True,
+                                **({} if out is None else dict(out_pool=dst.ssm, out_indices=dst_slots)))
+            conv_state_commit_layers(pool.conv, f.conv_x, slots, paths, *(() if out is None else (dst.conv, dst_slots)))
+        if out is None and ctx.kv_cache is not None and self.config.num_attn_layers and move_kv:
             # node j of a request's path moves to position num_cached + j, whose slot is the one its
             # local node j was written to (kv position = num_cached + local index): no host read.
             # An entry j past a path copies the request's node min(j, T_b - 1) onto itself: a slot
@@ -208,6 +237,4 @@ class HybridForCausalLM(nn.Module):
             j = torch.arange(D, device=sm.device)[None]
             own = sm[start + torch.minimum(j, size - 1)]
             src = torch.where(ok, sm[p.clamp(min=0)], own)
-            dst = own
-            ctx.kv_cache.move(src.reshape(-1), dst.reshape(-1))
-        return lengths
+            ctx.kv_cache.move(src.reshape(-1), own.reshape(-1))

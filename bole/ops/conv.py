@@ -130,19 +130,23 @@ def conv_state_commit(conv_state, x, forest: PackedForest, state_indices, accept
     return conv_state
 
 
-def conv_state_commit_layers(conv_state, x, state_indices, accepted: torch.Tensor):
+def conv_state_commit_layers(conv_state, x, state_indices, accepted: torch.Tensor, out_state=None,
+                             out_indices=None):
     """``conv_state_commit`` for every layer at once, with no host sync (the engine's commit).
 
     conv_state [L, slots, C, W-1]; x [L, N, C] every layer's conv inputs of the forest's nodes;
     accepted int [B, D] global node indices of each path (root first, -1 padded). Requests with an
     empty path keep their window (rewritten with its own values: slots must be distinct, or repeat
-    only with empty paths).
+    only with empty paths). ``out_state`` / ``out_indices``: write the windows there instead (the
+    committed pool read only); an empty path then rewrites its out slot with that slot's own values.
     """
+    if (out_state is None) != (out_indices is None):
+        raise ValueError("pass out_state and out_indices together")
     W1 = conv_state.shape[-1]
     acc = accepted.long().to(x.device)
     B, D = acc.shape
     if B == 0 or D == 0:
-        return conv_state
+        return conv_state if out_state is None else out_state
     n = (acc >= 0).sum(1)
     k = n[:, None] + torch.arange(W1, device=acc.device)[None]         # [B, W1] index into [old | path]
     node = acc.gather(1, (k - W1).clamp(min=0, max=D - 1)).clamp(min=0)
@@ -152,5 +156,10 @@ def conv_state_commit_layers(conv_state, x, state_indices, accepted: torch.Tenso
     from_old = old.gather(3, k.clamp(max=W1 - 1)[None, :, None, :].expand(L, B, C, W1))
     from_x = x[:, node].permute(0, 1, 3, 2).to(conv_state.dtype)      # [L, B, C, W1]
     new = torch.where((k < W1)[None, :, None, :], from_old, from_x)
-    conv_state[:, slots] = torch.where((n > 0)[None, :, None, None], new, old)
-    return conv_state
+    if out_state is None:
+        conv_state[:, slots] = torch.where((n > 0)[None, :, None, None], new, old)
+        return conv_state
+    out_slots = torch.as_tensor(out_indices, device=out_state.device).long()
+    out_state[:, out_slots] = torch.where((n > 0)[None, :, None, None], new.to(out_state.dtype),
+                                          out_state[:, out_slots])
+    return out_state

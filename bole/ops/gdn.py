@@ -188,8 +188,10 @@ def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state
     return o.to(v.dtype)[None], u_all, logp_all
 
 
-def gdn_commit(state_pool, k, u, logp, accepted_nodes, state_indices, use_qk_l2norm=False):
-    """Factorized commit (eq. 10) for every GDN layer and request, in place on the pool.
+def gdn_commit(state_pool, k, u, logp, accepted_nodes, state_indices, use_qk_l2norm=False, out_pool=None,
+               out_indices=None):
+    """Factorized commit (eq. 10) for every GDN layer and request, in place on the pool (or into
+    ``out_pool``'s slots ``out_indices``, the pool read only: a prefix-cache checkpoint).
 
     S_new = P_a S_pre + Σ_{j ∈ path(a)} (P_a / P_j) k_j u_jᵀ   (stored transposed: u_j k_jᵀ).
 
@@ -200,8 +202,14 @@ def gdn_commit(state_pool, k, u, logp, accepted_nodes, state_indices, use_qk_l2n
         accepted_nodes: int [B, D] global node indices of each accepted path, root first,
             padded with -1; an all -1 row leaves that request's state untouched.
         state_indices: int [B] pool slot of each request.
+        out_pool, out_indices: optional [L, slots', HV, V, K] pool and int [B] slots receiving the
+            committed states (requests with an empty path leave theirs untouched); both or neither.
     """
     L, slots, HV, V, K = state_pool.shape
+    if (out_pool is None) != (out_indices is None):
+        raise ValueError("pass out_pool and out_indices together")
+    out_pool = state_pool if out_pool is None else out_pool
+    out_indices = state_indices if out_indices is None else out_indices
     if k.dim() != 4 or k.shape[0] != L or u.shape[:1] != (L,) or logp.shape[:1] != (L,):
         raise ValueError(f"factor shapes k{tuple(k.shape)} u{tuple(u.shape)} logp{tuple(logp.shape)} "
                          f"do not match {L} layers")
@@ -224,5 +232,5 @@ def gdn_commit(state_pool, k, u, logp, accepted_nodes, state_indices, use_qk_l2n
             w = (lp[-1][None] - lp).exp()  # P_a / P_j, [P, HV]
             S = state_pool[layer, slot].to(dt) * lp[-1].exp()[:, None, None]
             S = S + torch.einsum("ph,phv,phk->hvk", w, u[layer, path].to(dt), kl)
-            state_pool[layer, slot] = S.to(state_pool.dtype)
-    return state_pool
+            out_pool[layer, int(out_indices[b])] = S.to(out_pool.dtype)
+    return out_pool

@@ -153,7 +153,7 @@ def test_static_verify_reads_nothing_on_the_host():
     batch = synthetic_batch(9, 3, DEPTH, 64, torch.Generator().manual_seed(0), "cpu")
     batch = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to("meta")
                                           for f in dataclasses.fields(batch)})
-    logits, hidden, ctx = vg.run(reqs, batch)
+    logits, hidden, ctx, _ = vg.run(reqs, batch)
     assert logits.shape == (3, batch.tokens.shape[1] + 1, 64) and logits.device.type == "meta"
     assert hidden.shape == (4 * 8, 32) and ctx.forest.num_requests == 4
 
@@ -192,7 +192,7 @@ def _compare_draft(path, device, capture, tol):
             for r in reqs:
                 runner.allocator.free(r.block_table)
                 runner.state_pool.free(r.state_slot)
-    assert {key[0] for key in dg.graphs} == {1, 4} and dg.replays == 3
+    assert {key[0] for key in dg.graphs} == {1, 4} and dg.replays == 4
     return dg
 
 
@@ -219,8 +219,105 @@ def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache):
                                          capture=False, min_kv=8)
     dg = eng.runner.enable_draft_graphs((1, 2, 4), spec.depth, spec.topk, spec.beam, capture=False, min_kv=8,
                                         max_per_request=MAX_TREE_NODES - 1)
+    if prefix_cache:  # as the engine wires them when it builds the graphs itself
+        vg.enable_checkpoints(eng.prefix_cache.checkpoints, eng.config.cache.checkpoint_interval)
     assert run_arrivals(eng, PROMPTS, max_tokens) == ref
     assert vg.replays > 0 and dg.replays > 0
+    # every greedy step accepts, commits and checkpoints in the verify graph's tail
+    assert vg.tail_replays == vg.replays
+    if prefix_cache:  # paths jumped over checkpoint boundaries, and the tail took those checkpoints
+        assert eng.prefix_cache.num_checkpoints > 0
+
+
+@pytest.mark.parametrize("mode", ["bole", "serial_tree"])
+def test_tail_checkpoints_equal_eager_checkpoints_cpu(ckpt, mode):
+    # the same arrivals through the tail (checkpoints committed out of place in the graph) and eagerly
+    # (the host's _checkpoint_paths): the same cached blocks, and checkpoint states that agree
+    max_tokens = [12, 5, 20, 9]
+    engines = []
+    for tail in (False, True):
+        eng = _engine(ckpt, "cpu", mode, False, enable_prefix_cache=True)
+        spec = eng.config.spec
+        vg = eng.runner.enable_verify_graphs((1, 2, 4), tree_widths(eng.lookahead), spec.depth + 1,
+                                             capture=False, min_kv=8, tail=tail)
+        if tail:
+            vg.enable_checkpoints(eng.prefix_cache.checkpoints, eng.config.cache.checkpoint_interval)
+        toks = run_arrivals(eng, PROMPTS, max_tokens)
+        engines.append((eng, toks, vg))
+    (e1, t1, v1), (e2, t2, v2) = engines
+    assert t1 == t2 and v1.tail_replays == 0 and v2.tail_replays == v2.replays > 0
+    c1, c2 = e1.prefix_cache, e2.prefix_cache
+    n1 = {n.hash: n for n in c1._nodes}
+    n2 = {n.hash: n for n in c2._nodes}
+    assert n1.keys() == n2.keys()
+    compared = 0
+    for h, a in n1.items():
+        b = n2[h]
+        assert (a.checkpoint is None) == (b.checkpoint is None)
+        if a.checkpoint is not None:
+            for pa, pb in ((c1.checkpoints.ssm, c2.checkpoints.ssm), (c1.checkpoints.conv, c2.checkpoints.conv)):
+                assert float((pa[:, a.checkpoint] - pb[:, b.checkpoint]).abs().max()) <= 1e-4
+            compared += 1
+    assert compared > 0
+
+
+def _greedy_drafts(runner: ModelRunner, reqs, batch):
+    """Rewrite the drafts so each node's first child carries the target's argmax after it (siblings
+    kept distinct): greedy acceptance then walks long paths. One verify per depth level."""
+    tok, par = batch.tokens.clone(), batch.parents.tolist()
+    for _ in range(int(batch.depth.max()) + 1):
+        am = runner.verify(reqs, dataclasses.replace(batch, tokens=tok)).logits.argmax(-1).tolist()
+        for b, row in enumerate(par):
+            seen = set()
+            for i, p in enumerate(row):
+                if int(tok[b, i]) < 0:
+                    continue
+                want = am[b][p + 1]
+                t = want if p not in seen else (want + 1 + i) % 64
+                seen.add(p)
+                tok[b, i] = t
+    return dataclasses.replace(batch, tokens=tok)
+
+
+def _compare_tail(path, device, capture, tol):
+    """Greedy acceptance + commit in the verify graph's tail against the eager ``accept_tree`` and
+    ``commit`` of the same verified drafts: the same accepted nodes and tokens, then the same GDN
+    state, conv windows, K/V and drafter hiddens."""
+    from bole.spec.sampling import accept_tree
+
+    model = load_model(path, dtype="float32", device=device)
+    kw = dict(num_blocks=128, block_size=4, num_state_slots=6, max_batch_nodes=4 * 16,
+              kv_dtype=torch.float32, device=device)
+    eager, graph = ModelRunner(model, **kw), ModelRunner(model, **kw)
+    vg = graph.enable_verify_graphs((1, 2, 4), (8, 16), DEPTH, capture=capture, min_kv=8)
+    gen = torch.Generator().manual_seed(1)
+    for batch_prompts, drafts in ((PROMPTS[:1], 6), (PROMPTS[:3], 20)):
+        B = len(batch_prompts)
+        re, rg = _requests(eager, batch_prompts), _requests(graph, batch_prompts)
+        batch = _greedy_drafts(eager, re, synthetic_batch(drafts, B, DEPTH, 64, gen, device))
+        r1, r2 = eager.verify(re, batch), graph.verify(rg, batch)
+        acc = accept_tree(batch.tokens, batch.parents, torch.zeros(B, batch.tokens.shape[1] + 1, device=device),
+                          logits=r1.logits, temperature=0.0, top_k=0, top_p=0.0, max_depth=DEPTH - 1)
+        host = graph.accept_commit_in_graph(rg, r2)
+        assert [h[0] for h in host] == acc.accepted_node.tolist() and max(acc.num_emitted.tolist()) >= 3
+        assert [h[1] for h in host] == acc.num_emitted.tolist()
+        assert [h[2:2 + h[1]] for h in host] == [t[:n] for t, n in zip(acc.tokens.tolist(), acc.num_emitted.tolist())]
+        eager.commit(re, r1, acc.accepted_node, keep_hidden=True, lengths=acc.num_emitted.tolist())
+        assert [r.num_computed for r in re] == [r.num_computed for r in rg]
+        for a, b in zip(re, rg, strict=True):
+            for pa, pb in ((eager.state_pool.ssm, graph.state_pool.ssm),
+                           (eager.state_pool.conv, graph.state_pool.conv)):
+                assert float((pa[:, a.state_slot] - pb[:, b.state_slot]).abs().max()) <= tol
+            sa = eager.kv_cache.slots_for(a.block_table, torch.arange(a.num_computed)).to(device)
+            sb = graph.kv_cache.slots_for(b.block_table, torch.arange(b.num_computed)).to(device)
+            assert float((eager.kv_cache.gather(0, sa)[0] - graph.kv_cache.gather(0, sb)[0]).abs().max()) <= tol
+            assert float((a.pending_hidden - b.pending_hidden).abs().max()) <= tol
+    assert vg.tail_replays == 2
+    return vg
+
+
+def test_verify_tail_matches_eager_cpu(ckpt):
+    _compare_tail(ckpt, "cpu", capture=False, tol=1e-4)
 
 
 # ------------------------------------------------------------------------------------------- GPU
@@ -228,6 +325,12 @@ def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache):
 def test_graphed_verify_matches_eager_cuda(ckpt):
     vg = _compare_verify(ckpt, "cuda", capture=True, tol=1e-3)
     assert vg.num_captured == len(vg.graphs) >= 2
+
+
+@pytest.mark.gpu
+def test_graphed_verify_tail_matches_eager_cuda(ckpt):
+    vg = _compare_tail(ckpt, "cuda", capture=True, tol=1e-3)
+    assert all(g.tail is not None and g.tail.graph is not None for g in vg.graphs.values())
 
 
 @pytest.mark.gpu
@@ -246,3 +349,4 @@ def test_engine_verify_graph_tokens_cuda(ckpt, mode):
     assert vg is not None and dg is not None and eng.runner.graphs is None
     assert run_arrivals(eng, PROMPTS, max_tokens) == ref
     assert vg.replays > 0 and vg.num_captured > 0 and dg.replays > 0 and dg.num_captured > 0
+    assert vg.tail_replays > 0

@@ -158,3 +158,27 @@ def test_bad_inputs_raise(device, case):
 def test_gpu_qwen_shapes(device):
     s = setup(device, L=3, HK=2, HV=4, K=128, V=128, dtype=torch.bfloat16, seed=5)
     check_commit(s, [6, 2, 4], 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("impl", ["kernel", "twin"])
+def test_out_of_place_commit(device, impl):
+    # a prefix-cache checkpoint: the committed state written into another pool's slots, the request's
+    # own pool read only; an empty path writes nothing
+    s = setup(device, L=2, HK=1, HV=2, seed=3)
+    fn = gdn_commit if impl == "kernel" else ref.gdn_commit
+    accepted_local = [4, -1, 2]
+    accepted = s["forest"].accepted_path_nodes(accepted_local)
+    pool = s["pool"].clone()
+    out = torch.full((2, 4, 2, 16, 16), float("nan"), device=device)
+    out_idx = torch.tensor([3, 1, 0], device=device)
+    fn(pool, s["k"], s["u"], s["logp"], accepted, s["idx"], use_qk_l2norm=True, out_pool=out, out_indices=out_idx)
+    assert torch.equal(pool, s["pool"])
+    in_place, _ = commit_both(s, accepted_local)
+    for b, a in enumerate(accepted_local):
+        if a < 0:
+            assert torch.isnan(out[:, int(out_idx[b])]).all()
+        else:
+            assert rel_err(out[:, int(out_idx[b])], in_place[:, int(s["idx"][b])]) <= 1e-6
+    assert torch.isnan(out[:, 2]).all()
+    with pytest.raises(ValueError, match="together"):
+        fn(pool, s["k"], s["u"], s["logp"], accepted, s["idx"], out_pool=out)

@@ -264,3 +264,32 @@ def test_gpu_all_configs_qwen_shapes(device):
             o, u, _ = gdn_tree_verify(q, k, v, g, beta, forest, pool, idx, use_qk_l2norm=True, config=cfg,
                                       method=method)
             assert rel_err(u, u_r) < 1e-5, (cfg, method)
+
+
+def test_tuned_launch_table():
+    # the engine's measured dispatch: every tile has a catch-all row, tiles clamp to small heads
+    from kernels.gdn_tree_verify import _TUNED_LOWP, tuned_launch
+
+    for BT, rows in _TUNED_LOWP.items():
+        assert rows[-1][0] is None
+        for n in (1, 32, 512, 4096):
+            cfg, method, precision = tuned_launch(BT, n, 128, 128)
+            assert method in ("neumann", "inverse") and precision in ("ieee", "tf32")
+    cfg, _, precision = tuned_launch(64, 32, 128, 128)  # Qwen3.5-9B, batch 1, 64 nodes
+    assert (cfg.block_k, cfg.block_v, cfg.num_warps, precision) == (32, 64, 4, "tf32")
+    cfg, _, _ = tuned_launch(64, 32, 16, 16)
+    assert cfg.block_v == 16 and cfg.block_k == 16 and cfg.num_stages == 1
+
+
+@pytest.mark.parametrize("sizes", [[5, 1, 9], [20, 33]])
+def test_tuned_matches_twin_fp16(device, sizes):
+    # fp16 q/k take the tuned launch (BT 16 and 64 rows); on the CPU the interpreter runs it exactly,
+    # on a GPU its tf32 products must stay within the half-precision tolerance
+    forest = make_forest(sizes, seed=31, device=device, depth=6)
+    q, k, v, g, beta, pool, idx = make_inputs(forest, 2, 4, 32, 16, torch.float16, torch.float32, 32, device)
+    o, u, logp = gdn_tree_verify(q, k, v, g, beta, forest, pool, idx, use_qk_l2norm=True, tuned=True,
+                                 **poisoned(q, v, 4))
+    o_r, u_r, lp_r = reference(q, k, v, g, beta, forest, pool, idx, use_qk_l2norm=True)
+    tol = 1e-5 if device == "cpu" else 1e-2
+    assert rel_err(o, o_r) < max(tol, O_TOL[torch.float16]) and rel_err(u, u_r) < tol
+    assert rel_err(logp, lp_r) < 1e-5

@@ -62,3 +62,26 @@ def test_tree_windows_equal_the_recursive_definition():
             ref[i, :, : W - 1] = state[int(idx[rid[i]])].to(x.dtype) if gpar[i] < 0 else ref[gpar[i], :, 1:]
             ref[i, :, W - 1] = x[i]
         assert torch.equal(_tree_windows(x, f, state, idx, W), ref)
+
+
+def test_conv_commit_layers_matches_per_layer_commit_and_writes_out_of_place():
+    from bole.ops.conv import conv_state_commit_layers
+
+    gen = torch.Generator().manual_seed(5)
+    forest = PackedForest.from_trees([random_tree(9, 4, gen), random_tree(4, 3, gen), random_tree(6, 5, gen)])
+    L, C, W1, slots = 2, 5, 3, 6
+    x = torch.randn(L, forest.num_nodes, C, generator=gen)
+    state = torch.randn(L, slots, C, W1, generator=gen)
+    idx = torch.tensor([4, 0, 2])
+    accepted = forest.accepted_path_nodes([6, -1, 3])
+    want = state.clone()
+    for layer in range(L):
+        conv_state_commit(want[layer], x[layer], forest, idx, accepted)
+    got = conv_state_commit_layers(state.clone(), x, idx, accepted)
+    assert torch.equal(got, want)
+    out = torch.full((L, 4, C, W1), float("nan"))
+    before = state.clone()
+    conv_state_commit_layers(state, x, idx, accepted, out, torch.tensor([1, 3, 0]))
+    assert torch.equal(state, before)  # the committed pool is read only
+    assert torch.equal(out[:, 1], want[:, 4]) and torch.equal(out[:, 0], want[:, 2])
+    assert torch.isnan(out[:, 3]).all() and torch.isnan(out[:, 2]).all()  # empty path: its out slot as it was
