@@ -22,7 +22,8 @@ Registered backends:
     "triton": kernels.gdn_tree_verify / kernels.gdn_commit (and kernels.gdn_tree_serial for the
               serial_tree baseline); prefill with flash-linear-attention's
               chunk_gated_delta_rule when importable (else the torch chunk); decode and its conv with
-              kernels.gdn_decode; norms with kernels.rmsnorm.
+              kernels.gdn_decode; norms with kernels.rmsnorm; the graphed decode's attention with
+              kernels.paged_decode_attention (keys read in place from the paged cache).
     "auto":   "triton" on CUDA when the kernels import, else "torch". Resolved once, logged.
 """
 
@@ -53,6 +54,7 @@ class GDNBackend:
     tree_serial: Callable = gdn_tree_serial   # the serial_tree baseline (per-node snapshots)
     rms_norm: Callable | None = None          # fused norms (kernels.rmsnorm); None: the torch twins
     gated_rms_norm: Callable | None = None
+    decode_attention: Callable | None = None  # paged decode attention (kernels.paged_decode_attention)
 
 
 _REGISTRY: dict[str, Callable[[], GDNBackend]] = {}
@@ -105,6 +107,7 @@ def _triton_backend() -> GDNBackend:
     from kernels.gdn_decode import causal_conv1d_update, gdn_decode_step
     from kernels.gdn_tree_serial import gdn_tree_serial as triton_serial
     from kernels.gdn_tree_verify import gdn_tree_verify as triton_verify
+    from kernels.paged_decode_attention import paged_decode_attention
     from kernels.rmsnorm import gated_rms_norm, rms_norm
 
     try:
@@ -118,7 +121,7 @@ def _triton_backend() -> GDNBackend:
     return GDNBackend("triton", prefill=prefill, decode_step=gdn_decode_step, conv_update=causal_conv1d_update,
                       tree_verify=tree_verify,
                       commit=triton_commit, tree_serial=triton_serial, rms_norm=rms_norm,
-                      gated_rms_norm=gated_rms_norm)
+                      gated_rms_norm=gated_rms_norm, decode_attention=paged_decode_attention)
 
 
 def resolve_backend(name: str = "auto", device: torch.device | str | None = None) -> GDNBackend:

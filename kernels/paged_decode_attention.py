@@ -15,8 +15,9 @@ cache through the flat slot list ``kv_index`` and never touches key positions >=
 The grid depends on shapes only (B, Hkv, L, block_n) and lengths are read on the device, so a call
 is CUDA-graph capturable; splits follow the row's own length, so short rows of a long KV bucket
 still spread over all S programs. K/V are cast to q's dtype before the dots (as the layer's
-``.to(dtype)``); scores, softmax and accumulation are fp32, the probabilities are rounded to the
-value dtype for the P·V dot (as flash / memory-efficient SDPA do). A row with kv_len <= 0 has no
+``.to(dtype)``); scores, softmax, accumulation and the P·V dot are fp32 (flash / memory-efficient
+SDPA round P to the value dtype first; decode attention reads memory, so the exact form costs nothing
+measurable and stays closer to the twin's fp32 result). A row with kv_len <= 0 has no
 keys and gets zeros (the engine never makes one: the new token is always a key).
 Twin: bole.ops.attention.paged_decode_attention_ref.
 """
@@ -51,8 +52,10 @@ def _attend_block(b_q, b_m, b_l, b_acc, p_i, p_k, p_v, start, hi, stride_in, str
     b_p = tl.exp2(b_s - b_ref[:, None])
     b_alpha = tl.exp2(b_m - b_ref)
     # masked rows load 0, never the cache: NaN or garbage past kv_len cannot reach 0 · v
-    b_v = tl.load(p_v + i_slot[:, None] * stride_vn + o_d[None, :], mask=m_nd, other=0).to(b_q.dtype)
-    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
+    # P stays fp32 for P·V (exact fp32 products): no half-precision rounding of the probabilities,
+    # which flash kernels take; decode attention reads memory, the extra FMA work is free
+    b_v = tl.load(p_v + i_slot[:, None] * stride_vn + o_d[None, :], mask=m_nd, other=0).to(tl.float32)
+    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
     return b_mn, b_l * b_alpha + tl.sum(b_p, axis=1), b_acc
 
 

@@ -200,7 +200,8 @@ class DecodeGraphs:
         slot_mapping = torch.zeros(Bc, dtype=torch.long, device=dev)
         state_slots = torch.zeros(Bc, dtype=torch.long, device=dev)
         static = StaticDecode(kv_index=torch.zeros(Bc, Lc, dtype=torch.long, device=dev),
-                              kv_valid=torch.zeros(Bc, Lc, dtype=torch.bool, device=dev))
+                              kv_valid=torch.zeros(Bc, Lc, dtype=torch.bool, device=dev),
+                              kv_len=torch.zeros(Bc, dtype=torch.long, device=dev))
         ctx = ForwardContext(
             mode="decode", cu_seqlens=torch.arange(Bc + 1, dtype=torch.int32, device=dev),
             num_cached=inp[:, _POS], positions=positions, kv_positions=positions, slot_mapping=slot_mapping,
@@ -217,6 +218,7 @@ class DecodeGraphs:
             slot_mapping.copy_(block * bs + nc % bs)
             static.kv_index.copy_(tables[:, key_block] * bs + key_off)
             static.kv_valid.copy_(pos[None, :] <= nc[:, None])
+            static.kv_len.copy_(nc + 1)
             hidden = model(ids, ctx)
             out_h[:Bc].copy_(hidden)
             out_l[:Bc].copy_(model.compute_logits(hidden))

@@ -251,7 +251,7 @@ class LLMEngine:
                 emitted = [h[2:2 + h[1]] for h in host]
                 pending = self._tail_checkpoints(starts, [h[1] for h in host], slots)
                 self._cache_committed(reqs, pending, emitted)
-                stats.tree_nodes = int(batch.num_nodes.sum()) + len(reqs)
+                stats.tree_nodes = sum(h[-1] for h in host) + len(reqs)
                 stats.b_ver = int(b_ver)
                 return emitted
         row_depth = torch.cat([torch.zeros_like(batch.depth[:, :1]), batch.depth], 1).clamp(max=D)

@@ -233,7 +233,7 @@ class ModelRunner:
         """Greedy acceptance + commit of every request from the verify graph's captured tail
         (``VerifyGraphs.run_tail``, with its prefix-cache checkpoint slots); advances num_computed and
         queues the accepted path's hiddens for the drafter. Returns per request [accepted node, emitted
-        count, emitted tokens...]."""
+        count, the tokens (the first ``emitted count`` are emitted), verified drafts]."""
         host = self.verify_graphs.run_tail(res.graph, len(reqs), checkpoint_slots)
         path_hidden = self.verify_graphs.out_path_hidden[:len(reqs)].clone()  # [B, D, H]
         for b, r in enumerate(reqs):

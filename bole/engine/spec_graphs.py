@@ -166,7 +166,7 @@ class VerifyGraphs:
         self.out_logits = torch.zeros(Bm * Tm, V, dtype=dtype, device=dev)
         # the tail's outputs: per row accepted node, emitted count, the emitted tokens (one host read),
         # and the target hiddens along the accepted path (the drafter's next catch-up inputs)
-        self.out_accept = torch.zeros(Bm, 2 + self.max_depth, dtype=torch.long, device=dev)
+        self.out_accept = torch.zeros(Bm, 3 + self.max_depth, dtype=torch.long, device=dev)
         self.out_path_hidden = torch.zeros(Bm, self.max_depth, H, dtype=dtype, device=dev)
         self.graphs: dict[tuple[int, int, int], _VGraph] = {}
         self.pool = pool
@@ -322,7 +322,8 @@ class VerifyGraphs:
             out_h.copy_(hidden[paths.clamp(min=0).long()])
             out[:, 0] = acc.accepted_node
             out[:, 1] = acc.num_emitted
-            out[:, 2:] = acc.tokens
+            out[:, 2:2 + D] = acc.tokens
+            out[:, 2 + D] = (drafts >= 0).sum(1)  # verified drafts (the step's statistics)
 
         tail = _VGraph(Bc, Tc, g.kv_len, ctx, run)
         if g.graph is not None:
@@ -336,7 +337,8 @@ class VerifyGraphs:
     @torch.inference_mode()
     def run_tail(self, g: _VGraph, batch: int, checkpoint_slots: Sequence[int | None] | None = None) -> list[list[int]]:
         """After ``run`` returned ``g`` (every request greedy): accept and commit in the captured tail;
-        per request [accepted node, emitted count, tokens...] (the step's one device-to-host read).
+        per request [accepted node, emitted count, D tokens (padded), verified drafts] (the step's one
+        device-to-host read).
         ``out_path_hidden`` then holds each request's accepted-path hiddens, valid until the next tail.
         ``checkpoint_slots`` (with ``enable_checkpoints``): per request the checkpoint slot its path's
         boundary state goes to, None for a request whose path cannot cross a boundary this step."""

@@ -65,6 +65,7 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
         self.qkv_proj: FusedLinear | None = None
+        self.decode_attention = None  # the backend's paged decode kernel (set by the model)
 
     def fuse_projections(self) -> None:
         """One GEMM for q_proj (queries and gate) | k_proj | v_proj (``bole.layers.linear``)."""
@@ -131,7 +132,13 @@ class GatedAttention(nn.Module):
         return out
 
     def _static_decode(self, q: torch.Tensor, cache, static, dtype) -> torch.Tensor:
-        """One query token per row over its padded key list: q [B, Hq, D] -> [B, Hq, D]."""
+        """One query token per row over its padded key list: q [B, Hq, D] -> [B, Hq, D]. With the
+        backend's ``decode_attention`` (kernels.paged_decode_attention on the GPU) the keys are read
+        in place from the paged cache, split over the key length; else gathered for one SDPA call."""
+        if self.decode_attention is not None and static.kv_len is not None:
+            return self.decode_attention(q.to(dtype), cache.k(self.cache_index).flatten(0, 1),
+                                         cache.v(self.cache_index).flatten(0, 1), static.kv_index, static.kv_len,
+                                         self.head_dim ** -0.5)
         B, D, Hkv = q.shape[0], self.head_dim, self.num_kv_heads
         kb, vb = cache.gather(self.cache_index, static.kv_index)  # [B, L, Hkv, D]
         kb, vb = kb.to(dtype).transpose(1, 2), vb.to(dtype).transpose(1, 2)  # [B, Hkv, L, D]

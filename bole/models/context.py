@@ -100,10 +100,12 @@ class StaticDecode:
 
     kv_index  int64 [B, L]  flat KV slot of key position p of row b (block_table[p // bs] * bs + p % bs)
     kv_valid  bool  [B, L]  p <= num_cached[b] (the committed prefix plus the new token)
+    kv_len    int64 [B]     num_cached[b] + 1, the valid keys (the paged decode kernel's form)
     """
 
     kv_index: torch.Tensor
     kv_valid: torch.Tensor
+    kv_len: torch.Tensor | None = None
 
 
 @dataclass

@@ -168,6 +168,8 @@ class HybridForCausalLM(nn.Module):
                 m.kernel = self.backend.rms_norm
             elif isinstance(m, GatedRMSNorm) and self.backend.gated_rms_norm is not None:
                 m.kernel = self.backend.gated_rms_norm
+            elif isinstance(m, GatedAttention):
+                m.decode_attention = self.backend.decode_attention
 
     def fuse_projections(self) -> "HybridForCausalLM":
         """Concatenate the projections that share an input into one GEMM each (``bole.layers.linear``);

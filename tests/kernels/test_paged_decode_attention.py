@@ -64,7 +64,7 @@ def static_decode_sdpa(q, cache, layer, kv_index, kv_len):
     return o.reshape(B, HQ, D)
 
 
-TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 5e-3}  # o rounded once to q's dtype
 
 
 @pytest.mark.parametrize("lens,HQ,HKV,D,L", [
@@ -153,8 +153,8 @@ def test_gpu_qwen35_9b_matches_static_decode(device, lens):
                                                      torch.bfloat16, seed=len(lens), junk=0.5)
     kv_index = kv_index.clamp_max(cache.num_blocks * cache.block_size - 1)
     o_k = paged_decode_attention(q, kc, vc, kv_index, kv_len)
-    assert rel_err(o_k, static_decode_sdpa(q, cache, 1, kv_index, kv_len)) <= 1e-2
-    assert rel_err(o_k, paged_decode_attention_ref(q, kc, vc, kv_index, kv_len)) <= 1e-2
+    assert rel_err(o_k, static_decode_sdpa(q, cache, 1, kv_index, kv_len)) <= 1e-2  # SDPA rounds P to bf16
+    assert rel_err(o_k, paged_decode_attention_ref(q, kc, vc, kv_index, kv_len)) <= 5e-3
 
 
 @pytest.mark.gpu
