@@ -496,7 +496,8 @@ def plot(doc: dict, path: Path) -> str | None:
         ax.legend(fontsize=7)
     ax = axes[1]
     tiny = [r for r in doc["throughput"] if r.get("source") == "engine"]
-    for mode, graphs in (("ar", False), ("ar", True), ("serial_tree", False), ("bole", False)):
+    for mode, graphs in (("ar", False), ("ar", True), ("serial_tree", False), ("bole", False),
+                         ("serial_tree", True), ("bole", True)):
         pts = sorted((r["batch"], r["tokens_per_s"], r["mat"]) for r in tiny
                      if r["mode"] == mode and r["cuda_graphs"] == graphs)
         if pts:
