@@ -35,7 +35,8 @@ def run_mode(path: str, mode: str, batch: int, prompts, max_tokens: int = 48, de
     """One (mode, batch) point: a fresh engine, a short warm-up (4 tokens of the same prompts; CUDA
     graphs captured beforehand), then ``prompts[:batch]`` run together ``repeats`` times, greedy;
     returns (row: mode, batch, tokens_per_s (the median run), tokens_per_s_runs, mat, mean_tree_nodes;
-    the output token lists). Each run includes its prefills (offline throughput).
+    the output token lists). Each run includes its prefills (offline throughput); with the engine's
+    default prefix cache, prompts the warm-up (or an earlier run) cached restore from it.
 
     ``engine_opts`` go to ``bole.LLM`` (device, dtype, enable_cuda_graphs, ...); the calibration table
     defaults to the repository's default one.

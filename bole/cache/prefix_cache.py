@@ -85,7 +85,11 @@ class PrefixCache:
             raise ValueError("block_size and checkpoint_interval_blocks must be >= 1")
         self.allocator, self.state_pool, self.block_size = allocator, state_pool, block_size
         self.interval = checkpoint_interval_blocks * block_size
-        self.checkpoints = StatePool.like(state_pool, num_checkpoint_slots)
+        # one slot more than the budget: ``scratch_slot``, never a checkpoint (a CUDA graph's target for
+        # rows that take no checkpoint; it is never written)
+        self.checkpoints = StatePool.like(state_pool, num_checkpoint_slots + 1)
+        self.scratch_slot = self.checkpoints.allocate(zero=False)
+        self.checkpoint_budget = num_checkpoint_slots
         self.track_mtp = track_mtp
         self.root = CachedBlock((), -1, None, 0, _SEED)
         self._nodes: dict[CachedBlock, None] = {}          # every cached block, least recently used first
@@ -202,10 +206,13 @@ class PrefixCache:
         c = (start + n - 1) // self.interval * self.interval
         return c - start if c > start else 0
 
-    def reserve_checkpoint(self) -> int | None:
+    def reserve_checkpoint(self, evict: bool = True) -> int | None:
         """A free checkpoint slot (contents undefined), evicting the LRU checkpoint if the pool is
-        full; None if every slot is taken by this step's checkpoints. ``attach`` or free it."""
+        full (``evict``); None if none is free (or every slot is taken by this step's checkpoints).
+        ``attach`` or free it."""
         if not self.checkpoints.can_allocate(1):
+            if not evict:
+                return None
             if not self._by_checkpoint:
                 return None
             self._drop_checkpoint(min(self._by_checkpoint.values(), key=lambda n: n.last_use))
@@ -217,6 +224,19 @@ class PrefixCache:
         slot = self.reserve_checkpoint()
         if slot is not None:
             self.state_pool.copy_slot(state_slot, self.checkpoints, slot)
+        return slot
+
+    def checkpoint_victims(self, k: int) -> list:
+        """The ``k`` least recently used checkpointed blocks (fewer if there are fewer): tentative
+        targets for a speculative step's checkpoints that may not happen (``take_checkpoint_slot``)."""
+        return heapq.nsmallest(k, self._by_checkpoint.values(), key=lambda n: n.last_use)
+
+    def take_checkpoint_slot(self, node) -> int:
+        """Detach ``node``'s checkpoint and hand its slot over (not freed): its state was overwritten."""
+        slot = node.checkpoint
+        del self._by_checkpoint[slot]
+        node.checkpoint = None
+        self.evicted_checkpoints += 1
         return slot
 
     def attach(self, req, end: int, slot: int) -> None:

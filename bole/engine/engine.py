@@ -97,7 +97,8 @@ class LLMEngine:
                                         cc.checkpoint_interval_blocks, cc.num_checkpoint_slots,
                                         track_mtp=self.mode != "ar") if cc.enable_prefix_cache else None
         if self.prefix_cache is not None and self.runner.verify_graphs is not None:
-            self.runner.verify_graphs.enable_checkpoints(self.prefix_cache.checkpoints, cc.checkpoint_interval)
+            self.runner.verify_graphs.enable_checkpoints(self.prefix_cache.checkpoints, cc.checkpoint_interval,
+                                                         self.prefix_cache.scratch_slot)
         self.scheduler = Scheduler(self.runner.allocator, self.runner.state_pool, config.cache.block_size,
                                    config.max_num_seqs, config.max_num_batched_tokens, self.prefix_cache)
         self.capacity_tokens = config.cache.num_blocks * config.cache.block_size
@@ -183,6 +184,7 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._finish()  # requests a failed step left finishing
         sched = self.scheduler.schedule(self.lookahead)
         outputs: list[RequestOutput] = []
         stats = StepStats(time.perf_counter())
@@ -247,7 +249,13 @@ class LLMEngine:
                 # acceptance, commit and checkpoints inside the verify graph's captured tail: one
                 # device-to-host read
                 starts = [r.num_computed for r in reqs]
-                host = self.runner.accept_commit_in_graph(reqs, res, slots)
+                try:
+                    host = self.runner.accept_commit_in_graph(reqs, res, slots and [t and t[0] for t in slots])
+                except BaseException:
+                    for t in slots or ():
+                        if t is not None and t[1] is None:
+                            self.prefix_cache.checkpoints.free(t[0])
+                    raise
                 emitted = [h[2:2 + h[1]] for h in host]
                 pending = self._tail_checkpoints(starts, [h[1] for h in host], slots)
                 self._cache_committed(reqs, pending, emitted)
@@ -284,10 +292,12 @@ class LLMEngine:
         return emitted
 
     # -- prefix cache ----------------------------------------------------------------------------
-    def _reserve_checkpoints(self, reqs: list[Request]) -> "list[int | None] | None | bool":
+    def _reserve_checkpoints(self, reqs: list[Request]):
         """For the verify graph's tail: a checkpoint slot for every request whose path could jump over
-        a checkpoint boundary this step (None for the others; None overall without a prefix cache);
-        False when the tail cannot take them (no slot left, or a tail without checkpoints)."""
+        a checkpoint boundary this step, (slot, victim) per request, None for the others (None overall
+        without a prefix cache); False when the tail cannot take them (no slot, or no checkpoints in the
+        tail). A free slot comes with victim None; with none free, the slot of a least recently used
+        checkpoint (its victim block), which stays intact unless the path really crosses."""
         cache = self.prefix_cache
         if cache is None:
             return None
@@ -297,45 +307,56 @@ class LLMEngine:
             return None
         if self.runner.verify_graphs.checkpoints is None:
             return False
-        slots = []
+        free = [cache.reserve_checkpoint(evict=False) for _ in range(sum(may))]
+        taken = [s for s in free if s is not None]
+        victims = iter(cache.checkpoint_victims(len(free) - len(taken)))
+        out = []
         for m in may:
-            s = cache.reserve_checkpoint() if m else None
-            if m and s is None:
-                for t in slots:
-                    if t is not None:
-                        cache.checkpoints.free(t)
-                return False
-            slots.append(s)
-        return slots
+            if not m:
+                out.append(None)
+            elif taken:
+                out.append((taken.pop(), None))
+            else:
+                v = next(victims, None)
+                if v is None:  # nothing to write into: give the slots back, take the eager path
+                    for t in out:
+                        if t is not None and t[1] is None:
+                            cache.checkpoints.free(t[0])
+                    return False
+                out.append((v.checkpoint, v))
+        return out
 
-    def _tail_checkpoints(self, starts: list[int], lengths: list[int], slots) -> list | None:
+    def _tail_checkpoints(self, starts: list[int], lengths: list[int], reserved) -> list | None:
         """After the tail: (boundary, slot) per request whose path crossed a boundary (its reserved slot
-        now holds the state there), None for the others, whose reserved slots are given back."""
-        if not slots:
+        now holds the state there; a victim's checkpoint is dropped), None for the others (their free
+        slots given back, their victims' checkpoints untouched)."""
+        if not reserved:
             return None
         cache, out = self.prefix_cache, []
-        for start, n, s in zip(starts, lengths, slots, strict=True):
+        for start, n, r in zip(starts, lengths, reserved, strict=True):
             cut = cache.path_cut(start, n)
-            if s is not None and cut:
-                out.append((start + cut, s))
+            if r is not None and cut:
+                slot = cache.take_checkpoint_slot(r[1]) if r[1] is not None else r[0]
+                out.append((start + cut, slot))
             else:
-                if s is not None:
-                    cache.checkpoints.free(s)
+                if r is not None and r[1] is None:
+                    cache.checkpoints.free(r[0])
                 out.append(None)
         return out
 
     def _checkpoint_paths(self, reqs: list[Request], res, accepted: list[int], lengths: list[int]) -> list | None:
         """Before a commit: checkpoint the block boundary each accepted path jumps over (if any), by
-        materialising the path cut there into a checkpoint slot; [(length, slot) | None] per request.
-        ``lengths``: each path's node count (root included)."""
+        committing the path cut there into a reserved checkpoint slot; [(length, slot) | None] per
+        request. ``lengths``: each path's node count (root included)."""
         cache = self.prefix_cache
         # a path of n nodes commits [num_computed, num_computed + n)
         cuts = [cache.path_cut(r.num_computed, n) for r, n in zip(reqs, lengths, strict=True)]
-        slots = [cache.new_checkpoint(r.state_slot) if c else None for r, c in zip(reqs, cuts, strict=True)]
+        slots = [cache.reserve_checkpoint() if c else None for c in cuts]
         if all(s is None for s in slots):
             return None
         keep = [c if s is not None else 0 for c, s in zip(cuts, slots, strict=True)]
-        self.runner.commit_path_prefix(res, accepted, keep, cache.checkpoints, [s or 0 for s in slots])
+        self.runner.commit_path_prefix(res, accepted, keep, cache.checkpoints,
+                                       [cache.scratch_slot if s is None else s for s in slots], cache.scratch_slot)
         return [None if s is None else (r.num_computed + c, s)
                 for r, c, s in zip(reqs, keep, slots, strict=True)]
 

@@ -22,7 +22,6 @@ target's verify mode: every node attends to the committed prefix, its ancestors 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -139,8 +138,7 @@ class ModelRunner:
         for b, (req, n) in enumerate(chunks):
             s, e = ctx.cu_host[b], ctx.cu_host[b + 1]
             if keep_hidden:
-                req.pending_hidden = hidden[s:e] if req.pending_hidden is None else torch.cat(
-                    [req.pending_hidden, hidden[s:e]])
+                req.queue_hidden(hidden[s:e])
             req.num_computed += n
             if req.num_computed == req.num_tokens:
                 out[req.request_id] = self.model.compute_logits(hidden[e - 1:e])[0]
@@ -168,8 +166,7 @@ class ModelRunner:
         for b, r in enumerate(reqs):
             r.num_computed += 1
             if keep_hidden:
-                r.pending_hidden = hidden[b:b + 1] if r.pending_hidden is None else torch.cat(
-                    [r.pending_hidden, hidden[b:b + 1]])
+                r.queue_hidden(hidden[b:b + 1])
         return logits
 
     @torch.inference_mode()
@@ -218,8 +215,7 @@ class ModelRunner:
         paths = res.forest.accepted_path_nodes(local) if keep_hidden else None
         for b, r in enumerate(reqs):
             if keep_hidden:
-                h = res.hidden[paths[b, : lengths[b]].long()]
-                r.pending_hidden = h if r.pending_hidden is None else torch.cat([r.pending_hidden, h])
+                r.queue_hidden(res.hidden[paths[b, : lengths[b]].long()])
             r.num_computed += lengths[b]
         return lengths[:len(reqs)]
 
@@ -237,28 +233,25 @@ class ModelRunner:
         host = self.verify_graphs.run_tail(res.graph, len(reqs), checkpoint_slots)
         path_hidden = self.verify_graphs.out_path_hidden[:len(reqs)].clone()  # [B, D, H]
         for b, r in enumerate(reqs):
-            n = host[b][1]
-            h = path_hidden[b, :n]
-            r.pending_hidden = h if r.pending_hidden is None else torch.cat([r.pending_hidden, h])
-            r.num_computed += n
+            r.queue_hidden(path_hidden[b, :host[b][1]])
+            r.num_computed += host[b][1]
         return host
 
     @torch.inference_mode()
     def commit_path_prefix(self, res: VerifyResult, accepted_node: list[int], keep: list[int],
-                           pool: StatePool, slots: list[int]) -> None:
+                           pool: StatePool, slots: list[int], pad_slot: int) -> None:
         """Materialise the first ``keep[b]`` nodes of each accepted path (root first) into ``pool`` slot
-        ``slots[b]``, GDN state and conv window only; the slot must hold the request's committed state.
-
-        ``keep[b] == 0`` leaves request b alone. Call before ``commit`` (which overwrites S_pre): the
-        prefix cache checkpoints a block boundary that a commit jumps over this way.
+        ``slots[b]``, GDN state and conv window only, the request's own slot read only (out of place:
+        ``commit_paths(out=...)``); ``keep[b] == 0`` writes nothing there. Call before ``commit``
+        (which overwrites S_pre): the prefix cache checkpoints a block boundary a commit jumps over.
+        ``pad_slot``: a slot of ``pool`` never used otherwise, for a graph's padding rows.
         """
         pad = res.forest.num_requests - len(accepted_node)  # a graph's padding rows: nothing
-        paths = res.forest.accepted_path_nodes([a + 1 for a in accepted_node] + [-1] * pad).cpu()
-        cut = [int(paths[b, k - 1]) - res.ctx.cu_host[b] if k else -1 for b, k in enumerate(keep)] + [-1] * pad
-        ctx = dataclasses.replace(res.ctx, kv_cache=None, state_pool=pool,
-                                  state_slots=torch.tensor(list(slots) + [slots[0]] * pad, dtype=torch.long,
-                                                           device=self.device))
-        self.model.commit(ctx, cut)
+        paths = res.forest.accepted_path_nodes([a + 1 for a in accepted_node] + [-1] * pad)
+        cols = torch.arange(paths.shape[1], device=paths.device)
+        cut = torch.tensor(list(keep) + [0] * pad, device=paths.device)
+        out = torch.tensor(list(slots) + [pad_slot] * pad, dtype=torch.long, device=self.device)
+        self.model.commit_paths(res.ctx, torch.where(cols[None] < cut[:, None], paths, -1), out=(pool, out))
 
     # -- drafting ----------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -68,6 +68,10 @@ class Request:
     output_text: str = ""
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
+    def queue_hidden(self, h: torch.Tensor) -> None:
+        """Append target hiddens [n, H] of newly committed positions for the drafter's catch-up."""
+        self.pending_hidden = h if self.pending_hidden is None else torch.cat([self.pending_hidden, h])
+
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

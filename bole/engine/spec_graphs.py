@@ -276,14 +276,15 @@ class VerifyGraphs:
                                   [[self.pad_block]] * (Bc - B))
         return logits, self.out_hidden[:Bc * Tc], ctx, g
 
-    def enable_checkpoints(self, pool, interval: int) -> None:
+    def enable_checkpoints(self, pool, interval: int, scratch_slot: int) -> None:
         """Prefix-cache checkpoints inside the tail (before any graph is built): a row whose accepted
         path jumps over a multiple of ``interval`` tokens gets the state at that boundary committed into
-        ``pool`` at the slot ``run_tail`` names for it (the host reserved it: ``PrefixCache``)."""
+        ``pool`` at the slot ``run_tail`` names for it (the host reserved it: ``PrefixCache``). A row
+        whose path does not cross writes nothing there; rows without a slot name ``scratch_slot``."""
         if self.graphs:
             raise ValueError("enable_checkpoints must precede the first graph")
         self.checkpoints = (pool, int(interval), StaticRows(self.batch_sizes[-1], 1, self.runner.device),
-                            pool.allocate(zero=False))  # the slot of rows that cannot cross (never written)
+                            int(scratch_slot))
 
     # -- the tail: greedy acceptance and the commit, after a replayed forward ----------------------------
     def _build_tail(self, g: _VGraph) -> _VGraph:

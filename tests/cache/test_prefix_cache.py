@@ -54,7 +54,7 @@ class Harness:
     def assert_accounted(self, private: int = 0) -> None:
         c = self.cache
         assert self.alloc.num_free + c.num_cached_blocks + private == self.alloc.num_blocks
-        assert c.checkpoints.num_free + c.num_checkpoints == c.checkpoints.num_slots
+        assert c.checkpoints.num_free + c.num_checkpoints == c.checkpoint_budget
 
 
 def test_chain_hashes_are_the_routers():

@@ -105,7 +105,7 @@ def assert_all_released(eng: LLMEngine) -> None:
     assert cache.num_cached_blocks == 0 and cache.num_checkpoints == 0
     assert eng.runner.allocator.num_free == eng.config.cache.num_blocks
     assert eng.runner.state_pool.num_free == eng.runner.state_pool.num_slots
-    assert cache.checkpoints.num_free == cache.checkpoints.num_slots
+    assert cache.checkpoints.num_free == cache.checkpoint_budget
 
 
 @pytest.mark.parametrize("mode", MODES)

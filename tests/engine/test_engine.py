@@ -48,7 +48,7 @@ def drop_prefix_cache(eng: LLMEngine) -> None:
         assert cache.stats()["referenced_blocks"] == 0
         cache.clear()
         assert cache.num_cached_blocks == 0
-        assert cache.checkpoints.num_free == cache.checkpoints.num_slots
+        assert cache.checkpoints.num_free == cache.checkpoint_budget
 
 
 def run_staggered(eng: LLMEngine, prompts, params_list, arrive_every=2):

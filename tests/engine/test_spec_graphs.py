@@ -220,7 +220,8 @@ def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache):
     dg = eng.runner.enable_draft_graphs((1, 2, 4), spec.depth, spec.topk, spec.beam, capture=False, min_kv=8,
                                         max_per_request=MAX_TREE_NODES - 1)
     if prefix_cache:  # as the engine wires them when it builds the graphs itself
-        vg.enable_checkpoints(eng.prefix_cache.checkpoints, eng.config.cache.checkpoint_interval)
+        vg.enable_checkpoints(eng.prefix_cache.checkpoints, eng.config.cache.checkpoint_interval,
+                              eng.prefix_cache.scratch_slot)
     assert run_arrivals(eng, PROMPTS, max_tokens) == ref
     assert vg.replays > 0 and dg.replays > 0
     # every greedy step accepts, commits and checkpoints in the verify graph's tail
@@ -241,7 +242,8 @@ def test_tail_checkpoints_equal_eager_checkpoints_cpu(ckpt, mode):
         vg = eng.runner.enable_verify_graphs((1, 2, 4), tree_widths(eng.lookahead), spec.depth + 1,
                                              capture=False, min_kv=8, tail=tail)
         if tail:
-            vg.enable_checkpoints(eng.prefix_cache.checkpoints, eng.config.cache.checkpoint_interval)
+            vg.enable_checkpoints(eng.prefix_cache.checkpoints, eng.config.cache.checkpoint_interval,
+                                  eng.prefix_cache.scratch_slot)
         toks = run_arrivals(eng, PROMPTS, max_tokens)
         engines.append((eng, toks, vg))
     (e1, t1, v1), (e2, t2, v2) = engines
@@ -282,7 +284,10 @@ def _greedy_drafts(runner: ModelRunner, reqs, batch):
 def _compare_tail(path, device, capture, tol):
     """Greedy acceptance + commit in the verify graph's tail against the eager ``accept_tree`` and
     ``commit`` of the same verified drafts: the same accepted nodes and tokens, then the same GDN
-    state, conv windows, K/V and drafter hiddens."""
+    state, conv windows, K/V and drafter hiddens; and the tail's prefix-cache checkpoints (the state
+    at the last multiple of 4 tokens inside each commit, written into a reserved slot) equal the eager
+    ``commit_path_prefix``, while a reserved slot of a path that crosses nothing stays untouched."""
+    from bole.cache.state_pool import StatePool
     from bole.spec.sampling import accept_tree
 
     model = load_model(path, dtype="float32", device=device)
@@ -290,7 +295,12 @@ def _compare_tail(path, device, capture, tol):
               kv_dtype=torch.float32, device=device)
     eager, graph = ModelRunner(model, **kw), ModelRunner(model, **kw)
     vg = graph.enable_verify_graphs((1, 2, 4), (8, 16), DEPTH, capture=capture, min_kv=8)
+    interval = 4
+    ck_graph, ck_eager = StatePool.like(graph.state_pool, 6), StatePool.like(eager.state_pool, 6)
+    vg.enable_checkpoints(ck_graph, interval, scratch_slot=5)
+    path_cut = lambda start, n: max(0, (start + n - 1) // interval * interval - start)  # PrefixCache.path_cut
     gen = torch.Generator().manual_seed(1)
+    crossed = 0
     for batch_prompts, drafts in ((PROMPTS[:1], 6), (PROMPTS[:3], 20)):
         B = len(batch_prompts)
         re, rg = _requests(eager, batch_prompts), _requests(graph, batch_prompts)
@@ -298,7 +308,34 @@ def _compare_tail(path, device, capture, tol):
         r1, r2 = eager.verify(re, batch), graph.verify(rg, batch)
         acc = accept_tree(batch.tokens, batch.parents, torch.zeros(B, batch.tokens.shape[1] + 1, device=device),
                           logits=r1.logits, temperature=0.0, top_k=0, top_p=0.0, max_depth=DEPTH - 1)
-        host = graph.accept_commit_in_graph(rg, r2)
+        starts, lengths = [r.num_computed for r in rg], acc.num_emitted.tolist()
+        with torch.no_grad():
+            ck_graph.ssm.fill_(float("nan"))
+            ck_graph.conv.fill_(float("nan"))
+        host = graph.accept_commit_in_graph(rg, r2, list(range(B)))  # request b's checkpoint -> slot b
+        cuts = [path_cut(st, n) for st, n in zip(starts, lengths, strict=True)]
+        # eager: the engine's _checkpoint_paths (the path prefix committed out of place), and the same
+        # from a copy of the committed state committed in place, the way checkpoints were first made
+        eager.commit_path_prefix(r1, acc.accepted_node.tolist(), cuts, ck_eager, list(range(B)), pad_slot=5)
+        ck_copy = StatePool.like(eager.state_pool, B)
+        for b, r in enumerate(re):
+            eager.state_pool.copy_slot(r.state_slot, ck_copy, b)
+        ctx = dataclasses.replace(r1.ctx, kv_cache=None, state_pool=ck_copy,
+                                  state_slots=torch.arange(B, device=device))
+        model.commit(ctx, [int(p[c - 1]) - r1.ctx.cu_host[b] if c else -1
+                           for b, (p, c) in enumerate(zip(r1.forest.accepted_path_nodes(
+                               (acc.accepted_node + 1).tolist()).tolist(), cuts, strict=True))])
+        for b, c in enumerate(cuts):
+            if c:
+                assert float((ck_copy.ssm[:, b] - ck_eager.ssm[:, b]).abs().max()) <= tol
+                assert float((ck_copy.conv[:, b] - ck_eager.conv[:, b]).abs().max()) <= tol
+        for b, c in enumerate(cuts):
+            for pg, pe in ((ck_graph.ssm, ck_eager.ssm), (ck_graph.conv, ck_eager.conv)):
+                if c:
+                    assert float((pg[:, b] - pe[:, b]).abs().max()) <= tol
+                else:
+                    assert torch.isnan(pg[:, b]).all()  # nothing crossed: nothing written
+        crossed += sum(1 for c in cuts if c)
         assert [h[0] for h in host] == acc.accepted_node.tolist() and max(acc.num_emitted.tolist()) >= 3
         assert [h[1] for h in host] == acc.num_emitted.tolist()
         assert [h[2:2 + h[1]] for h in host] == [t[:n] for t, n in zip(acc.tokens.tolist(), acc.num_emitted.tolist())]
@@ -312,8 +349,35 @@ def _compare_tail(path, device, capture, tol):
             sb = graph.kv_cache.slots_for(b.block_table, torch.arange(b.num_computed)).to(device)
             assert float((eager.kv_cache.gather(0, sa)[0] - graph.kv_cache.gather(0, sb)[0]).abs().max()) <= tol
             assert float((a.pending_hidden - b.pending_hidden).abs().max()) <= tol
-    assert vg.tail_replays == 2
+    assert vg.tail_replays == 2 and crossed >= 2
     return vg
+
+
+def test_tail_checkpoints_under_pool_pressure_cpu(ckpt):
+    # a full checkpoint pool: the tail's reservations must not evict checkpoints for steps that cross
+    # no boundary (only a real crossing takes an LRU checkpoint's slot), so a prompt cached before
+    # unrelated decoding restores as much as on the eager path
+    P = [(7 * i + 3) % 60 + 1 for i in range(21)]
+    Q = [11, 12, 13, 14, 15]
+    results = []
+    for tail in (False, True):
+        eng = _engine(ckpt, "cpu", "bole", False, enable_prefix_cache=True, num_checkpoint_slots=2)
+        spec, cache = eng.config.spec, eng.prefix_cache
+        vg = eng.runner.enable_verify_graphs((1, 2, 4), tree_widths(eng.lookahead), spec.depth + 1,
+                                             capture=False, min_kv=8, tail=tail)
+        if tail:
+            vg.enable_checkpoints(cache.checkpoints, eng.config.cache.checkpoint_interval, cache.scratch_slot)
+        restored = []
+
+        def share(req, chain, restored=restored, share=cache.share):
+            restored.append(chain[-1].end if chain else 0)
+            return share(req, chain)
+        cache.share = share
+        for prompt, n in ((P, 1), (Q, 3), (P + [9], 1)):
+            run_arrivals(eng, [prompt], [n])
+        results.append((restored[-1], cache.evicted_checkpoints, cache.checkpoints.num_free))
+        assert vg.tail_replays == (vg.replays if tail else 0)
+    assert results[0] == results[1] and results[0][0] > 0
 
 
 def test_verify_tail_matches_eager_cpu(ckpt):
