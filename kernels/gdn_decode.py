@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._checks import check_tensor
+
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX = (torch.int32, torch.int64)
 _ACTIVATIONS = {None: False, "identity": False, "silu": True, "swish": True}
@@ -69,17 +71,8 @@ def launch_causal_conv1d_update(x, weight, conv_state, state_indices, silu: bool
     return out
 
 
-def _check_common(name, t, dim, dtypes, device):
-    if not isinstance(t, torch.Tensor) or t.dim() != dim:
-        raise ValueError(f"{name} must be a {dim}-d tensor, got {getattr(t, 'shape', type(t))}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must be one of {dtypes}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected {device}")
-
-
 def _check_out(out, shape, dtype, device):
-    _check_common("out", out, len(shape), (dtype,), device)
+    check_tensor("out", out, len(shape), (dtype,), device)
     if tuple(out.shape) != shape or out.stride(-1) != 1:
         raise ValueError(f"out must be {shape} with a contiguous last dim, got {tuple(out.shape)} "
                          f"strides {out.stride()}")
@@ -103,18 +96,18 @@ def causal_conv1d_update(x, weight, conv_state, state_indices, activation="silu"
     Returns:
         y [N, C] in x's dtype: act(Σ_j window[:, j] · weight[:, j]) summed in fp32.
     """
-    _check_common("x", x, 2, _FLOATS, x.device if isinstance(x, torch.Tensor) else None)
+    check_tensor("x", x, 2, _FLOATS, x.device if isinstance(x, torch.Tensor) else None)
     N, C = x.shape
     if x.stride(1) != 1:
         raise ValueError(f"x must have a contiguous last dim, got strides {x.stride()}")
-    _check_common("weight", weight, 2, _FLOATS, x.device)
+    check_tensor("weight", weight, 2, _FLOATS, x.device)
     W = weight.shape[1]
     if weight.shape[0] != C or W < 2:
         raise ValueError(f"weight must be [{C}, W >= 2], got {tuple(weight.shape)}")
-    _check_common("conv_state", conv_state, 3, _FLOATS, x.device)
+    check_tensor("conv_state", conv_state, 3, _FLOATS, x.device)
     if tuple(conv_state.shape[1:]) != (C, W - 1):
         raise ValueError(f"conv_state must be [slots, {C}, {W - 1}], got {tuple(conv_state.shape)}")
-    _check_common("state_indices", state_indices, 1, _INDEX, x.device)
+    check_tensor("state_indices", state_indices, 1, _INDEX, x.device)
     if state_indices.shape[0] != N:
         raise ValueError(f"state_indices must be [{N}], got {tuple(state_indices.shape)}")
     if activation not in _ACTIVATIONS:
@@ -213,7 +206,7 @@ def gdn_decode_step(q, k, v, a, b, A_log, dt_bias, ssm_state, state_indices, sca
     """
     dev = q.device if isinstance(q, torch.Tensor) else None
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_common(name, t, 3, _FLOATS, dev)
+        check_tensor(name, t, 3, _FLOATS, dev)
         if t.stride(2) != 1:
             raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
     if k.shape != q.shape:
@@ -225,18 +218,18 @@ def gdn_decode_step(q, k, v, a, b, A_log, dt_bias, ssm_state, state_indices, sca
     if K > 256 or V > 256:
         raise ValueError(f"head dims K={K}, V={V} exceed 256")
     for name, t in (("a", a), ("b", b)):
-        _check_common(name, t, 2, _FLOATS, dev)
+        check_tensor(name, t, 2, _FLOATS, dev)
         if tuple(t.shape) != (N, HV):
             raise ValueError(f"{name} must be [{N}, {HV}], got {tuple(t.shape)}")
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
-        _check_common(name, t, 1, _FLOATS, dev)
+        check_tensor(name, t, 1, _FLOATS, dev)
         if t.shape[0] != HV:
             raise ValueError(f"{name} must be [{HV}], got {tuple(t.shape)}")
-    _check_common("ssm_state", ssm_state, 4, (torch.float32, torch.bfloat16), dev)
+    check_tensor("ssm_state", ssm_state, 4, (torch.float32, torch.bfloat16), dev)
     if tuple(ssm_state.shape[1:]) != (HV, V, K) or ssm_state.stride()[1:] != (V * K, K, 1):
         raise ValueError(f"ssm_state must be [slots, {HV}, {V}, {K}] with contiguous slots, got "
                          f"{tuple(ssm_state.shape)} strides {ssm_state.stride()}")
-    _check_common("state_indices", state_indices, 1, _INDEX, dev)
+    check_tensor("state_indices", state_indices, 1, _INDEX, dev)
     if state_indices.shape[0] != N:
         raise ValueError(f"state_indices must be [{N}], got {tuple(state_indices.shape)}")
     if block_v is None:

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._checks import check_tensor
+
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX = (torch.int32, torch.int64)
 
@@ -169,15 +171,6 @@ def default_num_splits(B: int, HKV: int, L: int, block_n: int, device: torch.dev
     return max(1, min(triton.cdiv(L, block_n), triton.cdiv(2 * _num_sms(device), B * HKV), 32))
 
 
-def _check(name, t, dim, dtypes, device):
-    if not isinstance(t, torch.Tensor) or t.dim() != dim:
-        raise ValueError(f"{name} must be a {dim}-d tensor, got {getattr(t, 'shape', type(t))}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must be one of {dtypes}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected {device}")
-
-
 def paged_decode_attention(q, k_cache, v_cache, kv_index, kv_len, scale=None, out=None, *,
                            block_n: int | None = None, num_splits: int | None = None, num_warps: int = 4):
     """softmax(q kᵀ · scale) v for one query token per row over its first kv_len[b] paged keys.
@@ -200,12 +193,12 @@ def paged_decode_attention(q, k_cache, v_cache, kv_index, kv_len, scale=None, ou
         o [B, Hq, D] in q's dtype.
     """
     dev = q.device if isinstance(q, torch.Tensor) else None
-    _check("q", q, 3, _FLOATS, dev)
+    check_tensor("q", q, 3, _FLOATS, dev)
     B, HQ, D = q.shape
     if D > 256 or D < 1:
         raise ValueError(f"head dim {D} must be in [1, 256]")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        _check(name, t, 3, _FLOATS, dev)
+        check_tensor(name, t, 3, _FLOATS, dev)
         if t.stride(2) != 1:
             raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
     HKV = k_cache.shape[1]
@@ -214,8 +207,8 @@ def paged_decode_attention(q, k_cache, v_cache, kv_index, kv_len, scale=None, ou
                          f"got {tuple(k_cache.shape)}")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
-    _check("kv_index", kv_index, 2, _INDEX, dev)
-    _check("kv_len", kv_len, 1, _INDEX, dev)
+    check_tensor("kv_index", kv_index, 2, _INDEX, dev)
+    check_tensor("kv_len", kv_len, 1, _INDEX, dev)
     if kv_index.shape[0] != B or kv_len.shape[0] != B:
         raise ValueError(f"kv_index must be [{B}, L] and kv_len [{B}], got {tuple(kv_index.shape)} "
                          f"and {tuple(kv_len.shape)}")
@@ -231,7 +224,7 @@ def paged_decode_attention(q, k_cache, v_cache, kv_index, kv_len, scale=None, ou
     if out is None:
         out = torch.empty(B, HQ, D, dtype=q.dtype, device=q.device)
     else:
-        _check("out", out, 3, (q.dtype,), dev)
+        check_tensor("out", out, 3, (q.dtype,), dev)
         if tuple(out.shape) != (B, HQ, D) or out.stride(2) != 1:
             raise ValueError(f"out must be [{B}, {HQ}, {D}] with a contiguous last dim, got "
                              f"{tuple(out.shape)} strides {out.stride()}")

@@ -23,3 +23,21 @@ def run_arrivals(eng, prompts, max_tokens) -> list[list[int]]:
             if o.finished:
                 outs[o.request_id] = o.output_token_ids
     return [outs[i] for i in ids]
+
+
+def meta_model():
+    """A small hybrid model (3 GDN layers + 1 attention layer, torch twins, no MTP) on the meta device:
+    any host read of a device value raises there, so a forward run on it proves it is sync-free."""
+    import torch
+
+    from bole.config import ModelConfig
+    from bole.models.qwen3_5 import HybridForCausalLM
+
+    cfg = ModelConfig(model_type="qwen3_5_text", vocab_size=64, hidden_size=32, num_hidden_layers=4,
+                      layer_types=("linear_attention",) * 3 + ("full_attention",), num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, rope_theta=1e4, partial_rotary_factor=0.25,
+                      attention_bias=False, linear_num_key_heads=2, linear_num_value_heads=4,
+                      linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                      gdn_layout="split", intermediate_size=64)
+    with torch.device("meta"):
+        return HybridForCausalLM(cfg, backend="torch", num_mtp_layers=0)

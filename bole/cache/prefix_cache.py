@@ -45,6 +45,8 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import torch
+
 from bole.cache.kv_cache import BlockAllocator
 from bole.cache.state_pool import StatePool
 
@@ -75,6 +77,13 @@ class CachedBlock:
     @property
     def hash(self) -> int:
         return int.from_bytes(self.digest, "little", signed=True)
+
+
+def boundary_cut(start, n, interval: int):
+    """``PrefixCache.path_cut`` for ints or (on the device, inside a CUDA graph) int tensors: the
+    path nodes of a commit of [start, start + n) up to the last multiple of ``interval`` inside it."""
+    cut = (start + n - 1) // interval * interval - start
+    return cut.clamp(min=0) if isinstance(cut, torch.Tensor) else max(cut, 0)
 
 
 class PrefixCache:
@@ -203,8 +212,7 @@ class PrefixCache:
     def path_cut(self, start: int, n: int) -> int:
         """For a commit of [start, start + n): nodes of the path up to the deepest boundary strictly
         inside it (0 = none; a commit landing on a boundary is checkpointed by ``checkpoint``)."""
-        c = (start + n - 1) // self.interval * self.interval
-        return c - start if c > start else 0
+        return boundary_cut(start, n, self.interval)
 
     def reserve_checkpoint(self, evict: bool = True) -> int | None:
         """A free checkpoint slot (contents undefined), evicting the LRU checkpoint if the pool is

@@ -72,6 +72,11 @@ def kv_buckets(min_kv: int, capacity: int, block_size: int) -> list[int]:
     return out
 
 
+def smallest_at_least(values: Sequence[int], n: int) -> int:
+    """The first of the ascending captured sizes ``values`` that is >= n (the caller checked one is)."""
+    return next(v for v in values if v >= n)
+
+
 def sizes_upto(values: Sequence[int], limit: int | None) -> list[int]:
     """The captured sizes a step of size <= ``limit`` can use: those below it and the first >= it
     (the largest when none is; all when ``limit`` is None). For ``capture_all``."""
@@ -180,9 +185,7 @@ class DecodeGraphs:
 
     def key(self, batch: int, max_len: int) -> tuple[int, int]:
         """(Bc, Lc) for a step of ``batch`` requests whose longest has ``max_len`` keys (new token included)."""
-        Bc = next(b for b in self.batch_sizes if b >= batch)
-        Lc = next(L for L in self.kv_lengths if L >= max_len)
-        return Bc, Lc
+        return smallest_at_least(self.batch_sizes, batch), smallest_at_least(self.kv_lengths, max_len)
 
     @property
     def num_captured(self) -> int:

@@ -36,7 +36,7 @@ from bole.engine.spec_graphs import DraftGraphs, VerifyGraphs
 from bole.models.context import ForwardContext, TreeFactors
 from bole.spec.budget import select_nodes
 from bole.spec.drafter import DraftBatch, Frontier, compact, expand_tree, tree_size
-from bole.spec.tree import PackedForest
+from bole.spec.tree import PackedForest, path_prefixes
 
 logger = logging.getLogger(__name__)
 
@@ -248,10 +248,8 @@ class ModelRunner:
         """
         pad = res.forest.num_requests - len(accepted_node)  # a graph's padding rows: nothing
         paths = res.forest.accepted_path_nodes([a + 1 for a in accepted_node] + [-1] * pad)
-        cols = torch.arange(paths.shape[1], device=paths.device)
-        cut = torch.tensor(list(keep) + [0] * pad, device=paths.device)
         out = torch.tensor(list(slots) + [pad_slot] * pad, dtype=torch.long, device=self.device)
-        self.model.commit_paths(res.ctx, torch.where(cols[None] < cut[:, None], paths, -1), out=(pool, out))
+        self.model.commit_paths(res.ctx, path_prefixes(paths, torch.tensor(list(keep) + [0] * pad)), out=(pool, out))
 
     # -- drafting ----------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -52,9 +52,19 @@ from typing import Callable, Sequence
 
 import torch
 
-from bole.engine.cuda_graphs import _POS, _SLOT, _TABLE, _TOK, StaticRows, capture_graph, kv_buckets, sizes_upto
+from bole.engine.cuda_graphs import (
+    _POS,
+    _SLOT,
+    _TABLE,
+    _TOK,
+    StaticRows,
+    capture_graph,
+    kv_buckets,
+    sizes_upto,
+    smallest_at_least,
+)
 from bole.models.context import ForwardContext, PaddedAttention
-from bole.spec.tree import PackedForest
+from bole.spec.tree import PackedForest, path_prefixes
 
 logger = logging.getLogger(__name__)
 
@@ -184,13 +194,13 @@ class VerifyGraphs:
             Bc * Tc <= self.runner.factors.k.shape[1]
 
     def _sizes(self, batch: int, width: int) -> tuple[int, int]:
-        return next(b for b in self.batch_sizes if b >= batch), next(t for t in self.widths if t >= width)
+        return smallest_at_least(self.batch_sizes, batch), smallest_at_least(self.widths, width)
 
     def key(self, batch: int, width: int, max_cached: int) -> tuple[int, int, int]:
         """(Bc, Tc, Lc) for ``batch`` trees of <= ``width`` nodes whose longest committed prefix has
         ``max_cached`` tokens (the keys: that prefix and the Tc padded tree nodes)."""
         Bc, Tc = self._sizes(batch, width)
-        return Bc, Tc, next(L for L in self.kv_lengths if L >= max_cached + Tc)
+        return Bc, Tc, smallest_at_least(self.kv_lengths, max_cached + Tc)
 
     @property
     def num_captured(self) -> int:
@@ -291,6 +301,7 @@ class VerifyGraphs:
         """Capture (per forward graph) the greedy ``accept_tree`` walk over the forward's logits and the
         commit of the accepted paths (``commit_paths``: GDN state, conv windows, K/V), writing the
         host's one read (``out_accept``) and the path's hiddens (``out_path_hidden``)."""
+        from bole.cache.prefix_cache import boundary_cut
         from bole.spec.sampling import accept_tree
 
         Bc, Tc, dev, D = g.batch, g.width, self.runner.device, self.max_depth
@@ -302,7 +313,6 @@ class VerifyGraphs:
         model, forest, ctx = self.model, g.ctx.forest, g.ctx
 
         ckpt = self.checkpoints
-        cols = torch.arange(D, device=dev)
 
         def run():
             acc = accept_tree(drafts, parents - 1, uniforms, logits=logits, temperature=0.0, top_k=0, top_p=0.0,
@@ -315,10 +325,8 @@ class VerifyGraphs:
                 # the path prefix up to the last checkpoint boundary strictly inside the commit of
                 # [start, start + n) (PrefixCache.path_cut), committed into the row's checkpoint slot
                 pool_c, interval, slots_c = ckpt[0], ckpt[1], ckpt[2].device[:Bc, 0]
-                start = inp[:, _POS]
-                c = (start + acc.num_emitted - 1) // interval * interval
-                cut = torch.where(real & (c > start), c - start, 0)
-                model.commit_paths(ctx, torch.where(cols[None] < cut[:, None], paths, -1), out=(pool_c, slots_c))
+                cut = torch.where(real, boundary_cut(inp[:, _POS], acc.num_emitted, interval), 0)
+                model.commit_paths(ctx, path_prefixes(paths, cut), out=(pool_c, slots_c))
             model.commit_paths(ctx, paths)
             out_h.copy_(hidden[paths.clamp(min=0).long()])
             out[:, 0] = acc.accepted_node
@@ -429,9 +437,7 @@ class DraftGraphs:
         return max(r.num_computed for r in reqs) + max(self.t_max, self.catch_up) <= self.kv_lengths[-1]
 
     def key(self, batch: int, max_len: int) -> tuple[int, int]:
-        Bc = next(b for b in self.batch_sizes if b >= batch)
-        Lc = next(L for L in self.kv_lengths if L >= max_len)
-        return Bc, Lc
+        return smallest_at_least(self.batch_sizes, batch), smallest_at_least(self.kv_lengths, max_len)
 
     @property
     def num_captured(self) -> int:

@@ -298,6 +298,13 @@ class PackedForest:
         return out.to(torch.int32)
 
 
+def path_prefixes(paths: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The first ``keep[b]`` nodes of each accepted path (``PackedForest.accepted_path_nodes``, [B, D],
+    -1 padded), the rest -1: what a prefix-cache checkpoint commits. Device ops only."""
+    cols = torch.arange(paths.shape[1], device=paths.device)
+    return torch.where(cols[None] < keep.to(paths.device)[:, None], paths, -1)
+
+
 def _padded_layout(par: torch.Tensor, valid: torch.Tensor, D: int):
     """Device-side layout of padded trees (no host sync): par int64 [B, T] (-1 = root and on padding).
 

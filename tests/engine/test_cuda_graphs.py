@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import make_checkpoint
-from engine_helpers import default_table, run_arrivals
+from engine_helpers import default_table, meta_model, run_arrivals
 
 from bole.cache.kv_cache import blocks_needed
 from bole.config import EngineConfig
@@ -132,17 +132,7 @@ def test_static_decode_reads_nothing_on_the_host():
     """The forward a graph captures runs on the meta device, where any .item() / .tolist() / int(t)
     raises: so it never waits on a device value. The eager decode runs the same batched ops and is
     sync-free too; the chunked prefill (per-request loops) is not, and fails there: the check bites."""
-    from bole.config import ModelConfig
-    from bole.models.qwen3_5 import HybridForCausalLM
-
-    cfg = ModelConfig(model_type="qwen3_5_text", vocab_size=64, hidden_size=32, num_hidden_layers=4,
-                      layer_types=("linear_attention",) * 3 + ("full_attention",), num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, rope_theta=1e4, partial_rotary_factor=0.25,
-                      attention_bias=False, linear_num_key_heads=2, linear_num_value_heads=4,
-                      linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-                      gdn_layout="split", intermediate_size=64)
-    with torch.device("meta"):
-        model = HybridForCausalLM(cfg, backend="torch", num_mtp_layers=0)
+    model = meta_model()
     runner = ModelRunner(model, 16, 4, 4, 8, torch.float32, "meta")
     graphs = runner.enable_cuda_graphs((1, 2, 4), capture=False, min_kv=8)
     reqs = []

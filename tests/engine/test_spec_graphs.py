@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 from checkpoints import make_checkpoint
-from engine_helpers import default_table, run_arrivals
+from engine_helpers import default_table, meta_model, run_arrivals
 
 from bole.cache.kv_cache import blocks_needed
 from bole.calibrate import synthetic_batch
@@ -73,6 +73,20 @@ def test_full_padded_forest_matches_from_padded():
     assert torch.equal(blank.anc, ref.anc) and torch.equal(blank.depth, ref.depth)
 
 
+def _assert_same_commits(eager, graph, re, rg, tol, device):
+    """Two runners' requests after the same commits: GDN state, conv windows, layer-0 K/V of every
+    committed position and the drafter's pending hiddens agree within tol."""
+    assert [r.num_computed for r in re] == [r.num_computed for r in rg]
+    for a, b in zip(re, rg, strict=True):
+        for pa, pb in ((eager.state_pool.ssm, graph.state_pool.ssm),
+                       (eager.state_pool.conv, graph.state_pool.conv)):
+            assert float((pa[:, a.state_slot] - pb[:, b.state_slot]).abs().max()) <= tol
+        sa = eager.kv_cache.slots_for(a.block_table, torch.arange(a.num_computed)).to(device)
+        sb = graph.kv_cache.slots_for(b.block_table, torch.arange(b.num_computed)).to(device)
+        assert float((eager.kv_cache.gather(0, sa)[0] - graph.kv_cache.gather(0, sb)[0]).abs().max()) <= tol
+        assert float((a.pending_hidden - b.pending_hidden).abs().max()) <= tol
+
+
 def _compare_verify(path, device, capture, tol):
     """The same drafts verified and committed by an eager runner and a graph runner (same model)."""
     model = load_model(path, dtype="float32", device=device)
@@ -96,16 +110,8 @@ def _compare_verify(path, device, capture, tol):
         deepest = [int(torch.argmax(torch.where(batch.tokens[b] >= 0, batch.depth[b], -1))) for b in range(B)]
         l1 = eager.commit(re, r1, deepest, keep_hidden=True)
         l2 = graph.commit(rg, r2, deepest, keep_hidden=True)
-        assert l1 == l2 and [r.num_computed for r in re] == [r.num_computed for r in rg]
-        for a, b in zip(re, rg, strict=True):
-            for pa, pb in ((eager.state_pool.ssm, graph.state_pool.ssm),
-                           (eager.state_pool.conv, graph.state_pool.conv)):
-                assert float((pa[:, a.state_slot] - pb[:, b.state_slot]).abs().max()) <= tol
-            sa = eager.kv_cache.slots_for(a.block_table, torch.arange(a.num_computed)).to(device)
-            sb = graph.kv_cache.slots_for(b.block_table, torch.arange(b.num_computed)).to(device)
-            ka, kb = eager.kv_cache.gather(0, sa)[0], graph.kv_cache.gather(0, sb)[0]
-            assert float((ka - kb).abs().max()) <= tol
-            assert float((a.pending_hidden - b.pending_hidden).abs().max()) <= tol
+        assert l1 == l2
+        _assert_same_commits(eager, graph, re, rg, tol, device)
         for runner, reqs in ((eager, re), (graph, rg)):
             for r in reqs:
                 runner.allocator.free(r.block_table)
@@ -123,17 +129,7 @@ def test_static_verify_reads_nothing_on_the_host():
     """The static verify forward runs on the meta device, where any host read of a device value
     raises. The GDN tree verifier is stubbed there (its torch twin loops over requests on the host;
     the Triton kernel's launch takes shapes and pointers only, and is captured in the GPU test)."""
-    from bole.config import ModelConfig
-    from bole.models.qwen3_5 import HybridForCausalLM
-
-    cfg = ModelConfig(model_type="qwen3_5_text", vocab_size=64, hidden_size=32, num_hidden_layers=4,
-                      layer_types=("linear_attention",) * 3 + ("full_attention",), num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, rope_theta=1e4, partial_rotary_factor=0.25,
-                      attention_bias=False, linear_num_key_heads=2, linear_num_value_heads=4,
-                      linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-                      gdn_layout="split", intermediate_size=64)
-    with torch.device("meta"):
-        model = HybridForCausalLM(cfg, backend="torch", num_mtp_layers=0)
+    model = meta_model()
 
     def stub(q, k, v, g, beta, forest, initial_state, state_indices=None, scale=None, use_qk_l2norm=False):
         N, HV, V = v.shape[1], v.shape[2], v.shape[3]
@@ -287,6 +283,7 @@ def _compare_tail(path, device, capture, tol):
     state, conv windows, K/V and drafter hiddens; and the tail's prefix-cache checkpoints (the state
     at the last multiple of 4 tokens inside each commit, written into a reserved slot) equal the eager
     ``commit_path_prefix``, while a reserved slot of a path that crosses nothing stays untouched."""
+    from bole.cache.prefix_cache import boundary_cut
     from bole.cache.state_pool import StatePool
     from bole.spec.sampling import accept_tree
 
@@ -298,7 +295,6 @@ def _compare_tail(path, device, capture, tol):
     interval = 4
     ck_graph, ck_eager = StatePool.like(graph.state_pool, 6), StatePool.like(eager.state_pool, 6)
     vg.enable_checkpoints(ck_graph, interval, scratch_slot=5)
-    path_cut = lambda start, n: max(0, (start + n - 1) // interval * interval - start)  # PrefixCache.path_cut
     gen = torch.Generator().manual_seed(1)
     crossed = 0
     for batch_prompts, drafts in ((PROMPTS[:1], 6), (PROMPTS[:3], 20)):
@@ -313,7 +309,7 @@ def _compare_tail(path, device, capture, tol):
             ck_graph.ssm.fill_(float("nan"))
             ck_graph.conv.fill_(float("nan"))
         host = graph.accept_commit_in_graph(rg, r2, list(range(B)))  # request b's checkpoint -> slot b
-        cuts = [path_cut(st, n) for st, n in zip(starts, lengths, strict=True)]
+        cuts = [boundary_cut(st, n, interval) for st, n in zip(starts, lengths, strict=True)]
         # eager: the engine's _checkpoint_paths (the path prefix committed out of place), and the same
         # from a copy of the committed state committed in place, the way checkpoints were first made
         eager.commit_path_prefix(r1, acc.accepted_node.tolist(), cuts, ck_eager, list(range(B)), pad_slot=5)
@@ -340,15 +336,7 @@ def _compare_tail(path, device, capture, tol):
         assert [h[1] for h in host] == acc.num_emitted.tolist()
         assert [h[2:2 + h[1]] for h in host] == [t[:n] for t, n in zip(acc.tokens.tolist(), acc.num_emitted.tolist())]
         eager.commit(re, r1, acc.accepted_node, keep_hidden=True, lengths=acc.num_emitted.tolist())
-        assert [r.num_computed for r in re] == [r.num_computed for r in rg]
-        for a, b in zip(re, rg, strict=True):
-            for pa, pb in ((eager.state_pool.ssm, graph.state_pool.ssm),
-                           (eager.state_pool.conv, graph.state_pool.conv)):
-                assert float((pa[:, a.state_slot] - pb[:, b.state_slot]).abs().max()) <= tol
-            sa = eager.kv_cache.slots_for(a.block_table, torch.arange(a.num_computed)).to(device)
-            sb = graph.kv_cache.slots_for(b.block_table, torch.arange(b.num_computed)).to(device)
-            assert float((eager.kv_cache.gather(0, sa)[0] - graph.kv_cache.gather(0, sb)[0]).abs().max()) <= tol
-            assert float((a.pending_hidden - b.pending_hidden).abs().max()) <= tol
+        _assert_same_commits(eager, graph, re, rg, tol, device)
     assert vg.tail_replays == 2 and crossed >= 2
     return vg
 
