@@ -12,6 +12,9 @@ Cases (``--cases``):
   ar_tiny_graphs, bole_tiny_graphs   the same with CUDA graphs (decode / verify forwards replayed)
   decode9b_graph, verify9b_graph     the 9B forwards replayed from CUDA graphs (their kernels listed)
   {ar,serial_tree,bole}_tiny_graphs_b16   engine steps at batch 16 with graphs
+  bole_tiny_phases   a graphed ``bole`` step at batch 1 split into its graph replays (draft, verify
+                     forward, tail): per graph the GPU kernels and the replay time, and the host time
+                     between them
 Each case also lists the top GPU kernels by device time.
 
     python benchmarks/profile_step.py --out benchmarks/results/profile_h200.json
@@ -100,11 +103,12 @@ def case_target(name: str, args, device) -> dict:
     return profile(lambda: runner.verify(reqs, batch), device)
 
 
-def case_engine(mode: str, args, device, graphs: bool = False, batch: int = 1) -> dict:
+def _engine(mode: str, args, device, graphs: bool, batch: int):
     from bole import LLM, SamplingParams
 
-    dtype = "float32" if args.smoke else "bfloat16"
-    llm = LLM(str(REPO_ROOT / "models" / "bole-tiny-coder"), mode=mode, depth=4, topk=4, beam=4,
+    dtype = "float32" if args.smoke else args.tiny_dtype
+    llm = LLM(str(REPO_ROOT / "models" / "bole-tiny-coder"), mode=mode, depth=args.depth, topk=args.topk,
+              beam=args.beam,
               device=str(device), dtype=dtype, num_blocks=1024, max_num_seqs=batch,
               calibration_table="calibration_tables/default.yaml", enable_cuda_graphs=graphs)
     lines = open(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl").readlines()
@@ -117,7 +121,56 @@ def case_engine(mode: str, args, device, graphs: bool = False, batch: int = 1) -
     for g in (eng.runner.graphs, eng.runner.verify_graphs, eng.runner.draft_graphs):
         if g is not None:
             g.capture_all(batch, 1024)
-    return profile(eng.step, device, warmup=3, reps=5)
+    return eng
+
+
+def case_engine(mode: str, args, device, graphs: bool = False, batch: int = 1) -> dict:
+    return profile(_engine(mode, args, device, graphs, batch).step, device, warmup=3, reps=5)
+
+
+def case_phases(name: str, args, device) -> dict:
+    """One graphed ``bole`` step split into the graphs it replays, each timed on its own (CUDA events
+    over repeated replays) and profiled once for its kernel count; ``host_ms`` is the step's wall time
+    less the replays' (Python, host-to-device row copies, the one device-to-host read)."""
+    if device.type != "cuda":
+        return dict(skipped="needs CUDA graphs")
+    eng = _engine("bole", args, device, True, 1)
+    seen: list = []
+    replay = torch.cuda.CUDAGraph.replay
+    torch.cuda.CUDAGraph.replay = lambda g: (seen.append(g), replay(g))[1]
+    try:
+        for _ in range(3):
+            seen.clear()
+            eng.step()
+    finally:
+        torch.cuda.CUDAGraph.replay = replay
+    step = profile(eng.step, device, warmup=2, reps=9)
+    names = ["draft", "verify", "tail"] if len(seen) == 3 else [f"graph{i}" for i in range(len(seen))]
+    out = dict(step_wall_ms=step["wall_ms"], step_gpu_ms=step["gpu_busy_ms"],
+               step_kernels=step["gpu_kernel_calls"], graphs={})
+    total = 0.0
+    for nm, g in zip(names, seen):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(3):
+            g.replay()
+        start.record()
+        for _ in range(20):
+            g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        ms = start.elapsed_time(end) / 20
+        p = profile(g.replay, device, warmup=1, reps=3, top=8)
+        total += ms
+        out["graphs"][nm] = dict(replay_ms=round(ms, 3), gpu_ms=p["gpu_busy_ms"], kernels=p["gpu_kernel_calls"],
+                                 top_gpu=p["top_gpu"])
+    out["host_ms"] = round(step["wall_ms"] - total, 3)
+    out["config"] = dict(depth=args.depth, topk=args.topk, beam=args.beam, dtype=args.tiny_dtype)
+    print(json.dumps({k: v for k, v in out.items() if k != "graphs"}),
+          {k: (v["replay_ms"], v["kernels"]) for k, v in out["graphs"].items()}, flush=True)
+    out["table"] = step["table"]
+    for k in ("wall_ms", "gpu_busy_ms", "host_overhead_ms", "launches", "counts"):
+        out[k] = step[k]
+    return out
 
 
 CASES = {"decode9b": case_target, "verify9b": case_target,
@@ -126,7 +179,8 @@ CASES = {"decode9b": case_target, "verify9b": case_target,
          "bole_tiny_graphs": lambda n, a, d: case_engine("bole", a, d, True),
          "decode9b_graph": case_target, "verify9b_graph": case_target,
          **{f"{m}_tiny_graphs_b16": (lambda n, a, d, m=m: case_engine(m, a, d, True, 16))
-            for m in ("ar", "serial_tree", "bole")}}
+            for m in ("ar", "serial_tree", "bole")},
+         "bole_tiny_phases": case_phases}
 DEFAULT_CASES = ["decode9b", "verify9b", "ar_tiny", "bole_tiny", "ar_tiny_graphs", "bole_tiny_graphs"]
 
 
@@ -134,6 +188,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", nargs="*", default=DEFAULT_CASES, choices=list(CASES))
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--tiny-dtype", default="bfloat16", help="dtype of the embedded model's engine cases")
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--topk", type=int, default=4)
+    ap.add_argument("--beam", type=int, default=4)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
@@ -143,6 +201,9 @@ def main(argv=None):
                date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), command=" ".join(sys.argv), cases={})
     for name in args.cases:
         r = CASES[name](name, args, device)
+        if "skipped" in r:
+            print(f"== {name}: skipped ({r['skipped']})", flush=True)
+            continue
         print(f"== {name}: wall {r['wall_ms']} ms, gpu busy {r['gpu_busy_ms']} ms, host overhead "
               f"{r['host_overhead_ms']} ms, launches {r['launches']}, {r['counts']}", flush=True)
         print(r.pop("table"), flush=True)
