@@ -23,7 +23,8 @@ Registered backends:
               serial_tree baseline); prefill with flash-linear-attention's
               chunk_gated_delta_rule when importable (else the torch chunk); decode and its conv with
               kernels.gdn_decode; norms with kernels.rmsnorm; the graphed decode's attention with
-              kernels.paged_decode_attention (keys read in place from the paged cache).
+              kernels.paged_decode_attention (keys read in place from the paged cache); the graphed
+              speculative step's forest layouts with kernels.tree_layout.
     "auto":   "triton" on CUDA when the kernels import, else "torch". Resolved once, logged.
 """
 
@@ -39,6 +40,7 @@ import torch
 from bole.ops.gdn import gdn_commit, gdn_tree_serial, gdn_tree_verify
 from bole.ops.gdn_chunk import gdn_chunk
 from bole.ops.gdn_decode import causal_conv1d_update_ref, gdn_decode_step_ref
+from bole.ops.tree_layout import tree_layout_ref
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class GDNBackend:
     rms_norm: Callable | None = None          # fused norms (kernels.rmsnorm); None: the torch twins
     gated_rms_norm: Callable | None = None
     decode_attention: Callable | None = None  # paged decode attention (kernels.paged_decode_attention)
+    tree_layout: Callable = tree_layout_ref   # a graphed step's forest layout (kernels.tree_layout)
 
 
 _REGISTRY: dict[str, Callable[[], GDNBackend]] = {}
@@ -109,6 +112,7 @@ def _triton_backend() -> GDNBackend:
     from kernels.gdn_tree_verify import gdn_tree_verify as triton_verify
     from kernels.paged_decode_attention import paged_decode_attention
     from kernels.rmsnorm import gated_rms_norm, rms_norm
+    from kernels.tree_layout import tree_layout
 
     try:
         prefill = _fla_prefill()
@@ -121,7 +125,8 @@ def _triton_backend() -> GDNBackend:
     return GDNBackend("triton", prefill=prefill, decode_step=gdn_decode_step, conv_update=causal_conv1d_update,
                       tree_verify=tree_verify,
                       commit=triton_commit, tree_serial=triton_serial, rms_norm=rms_norm,
-                      gated_rms_norm=gated_rms_norm, decode_attention=paged_decode_attention)
+                      gated_rms_norm=gated_rms_norm, decode_attention=paged_decode_attention,
+                      tree_layout=tree_layout)
 
 
 def resolve_backend(name: str = "auto", device: torch.device | str | None = None) -> GDNBackend:

@@ -64,6 +64,7 @@ from bole.engine.cuda_graphs import (
     smallest_at_least,
 )
 from bole.models.context import ForwardContext, PaddedAttention
+from bole.ops.tree_layout import LAYOUT_MAX_NODES, tree_layout_ref
 from bole.spec.tree import PackedForest, path_prefixes
 
 logger = logging.getLogger(__name__)
@@ -82,10 +83,11 @@ class StaticTree:
     """A verify-mode ``ForwardContext`` over static buffers: Bc trees of exactly Tc nodes, Lc keys per
     row, tree depth <= D. ``fill`` (graph-capturable: device ops only) lays out the step's trees."""
 
-    def __init__(self, Bc: int, Tc: int, Lc: int, D: int, kv_cache, state_pool, factors, device):
+    def __init__(self, Bc: int, Tc: int, Lc: int, D: int, kv_cache, state_pool, factors, device,
+                 layout: Callable | None = None):
         N = Bc * Tc
         self.Bc, self.Tc, self.Lc, self.D = Bc, Tc, Lc, D
-        self.block_size = bs = kv_cache.block_size
+        self.block_size = kv_cache.block_size
         dev = torch.device(device)
         z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=dev)
         self.forest = PackedForest.full_padded(torch.full((Bc, Tc), -1, dtype=torch.long, device=dev), D)
@@ -99,34 +101,17 @@ class StaticTree:
             kv_slots=[], state_slots=self.state_slots, block_tables=[], cu_host=list(range(0, N + 1, Tc)),
             num_cached_host=[], kv_cache=kv_cache, state_pool=state_pool, forest=self.forest, factors=factors)
         self.ctx._memo["padded"] = self.pa
-        pos = torch.arange(Lc, device=dev)
-        self._pos, self._key_block, self._key_off = pos, pos // bs, pos % bs
-        self._local = torch.arange(Tc, device=dev)
-        self._tree_rows = torch.arange(N, device=dev)[:, None].expand(N, D)
-        self._true = torch.ones((), dtype=torch.bool, device=dev)
+        # the backend's layout (kernels.tree_layout on the GPU: one launch) within its tree-size limit
+        self.layout = layout if layout is not None and Tc <= LAYOUT_MAX_NODES else tree_layout_ref
 
     def fill(self, num_cached: torch.Tensor, parents: torch.Tensor, tables: torch.Tensor,
              state_slots: torch.Tensor | None = None) -> ForwardContext:
-        """num_cached [Bc], parents [Bc, Tc] local (-1 = root), tables [Bc, >= Lc / block size] block ids."""
-        Bc, Tc, Lc, bs = self.Bc, self.Tc, self.Lc, self.block_size
-        nc = num_cached.long()
-        self.num_cached.copy_(nc)
-        PackedForest.full_padded(parents, self.D, out=self.forest)
-        depth = self.forest.depth.view(Bc, Tc).long()
-        self.positions.copy_((nc[:, None] + depth - 1).reshape(-1))
-        kvp = nc[:, None] + self._local[None]
-        self.kv_positions.copy_(kvp.reshape(-1))
-        self.slot_mapping.copy_((tables.gather(1, kvp // bs) * bs + kvp % bs).reshape(-1))
-        if state_slots is not None:
-            self.state_slots.copy_(state_slots)
-        self.pa.kv_index.copy_(tables[:, self._key_block] * bs + self._key_off)
-        anc = self.forest.anc.long()                                              # [N, D] local
-        tree = torch.zeros(Bc * Tc, Tc + 1, dtype=torch.bool, device=nc.device)
-        tree.index_put_((self._tree_rows, torch.where(anc >= 0, anc, Tc)), self._true)  # no host scalar
-        tree = tree[:, :Tc].reshape(Bc, Tc, Tc)
-        rel = self._pos[None, None, :] - nc[:, None, None]                         # [Bc, 1, Lc]
-        new = tree.gather(2, rel.clamp(0, Tc - 1).expand(Bc, Tc, Lc)) & (rel >= 0) & (rel < Tc)
-        self.pa.mask.copy_(((rel < 0) | new)[:, None])
+        """num_cached [Bc], parents [Bc, Tc] local (-1 = root), tables [Bc, >= Lc / block size] block ids;
+        the layout is ``bole.ops.tree_layout.tree_layout_ref``'s (forest, positions, KV slots, mask)."""
+        self.layout(parents, num_cached, tables, self.block_size, forest=self.forest, positions=self.positions,
+                    kv_positions=self.kv_positions, slot_mapping=self.slot_mapping, kv_index=self.pa.kv_index,
+                    mask=self.pa.mask, num_cached_out=self.num_cached, state_slots=state_slots,
+                    state_slots_out=self.state_slots)
         return self.ctx
 
 
@@ -214,7 +199,7 @@ class VerifyGraphs:
         tables = inp[:, _TABLE:_TABLE + Lc // bs]
         draft_tok, draft_par = self.draft_tokens[:Bc, :Tc], self.draft_parents[:Bc, :Tc]
         st = StaticTree(Bc, Tc, Lc, D, runner.kv_cache, runner.state_pool, runner.factors.narrow(N),
-                        runner.device)
+                        runner.device, self.model.backend.tree_layout)
         ctx = st.ctx
         model, out_h, out_l = self.model, self.out_hidden[:N], self.out_logits[:N]
 
@@ -465,11 +450,13 @@ class DraftGraphs:
         H = self.hidden_in.shape[-1]
         hidden_in = self.hidden_in[:Bc]
         chain = (torch.arange(C, device=dev) - 1)[None].expand(Bc, C)
-        catch = StaticTree(Bc, C, Lc, C, cache, None, _empty_factors(Bc * C, dev), dev)
+        layout = self.model.backend.tree_layout
+        catch = StaticTree(Bc, C, Lc, C, cache, None, _empty_factors(Bc * C, dev), dev, layout)
         levels, trees, S = self._levels(), [], 0
         for M in levels:
             S += M
-            trees.append(StaticTree(Bc, S, Lc, len(trees) + 1, cache, None, _empty_factors(Bc * S, dev), dev))
+            trees.append(StaticTree(Bc, S, Lc, len(trees) + 1, cache, None, _empty_factors(Bc * S, dev), dev,
+                                    layout))
         out = {k: v[:Bc] for k, v in self.out.items()}
 
         def run():
