@@ -12,9 +12,9 @@ Cases (``--cases``):
   ar_tiny_graphs, bole_tiny_graphs   the same with CUDA graphs (decode / verify forwards replayed)
   decode9b_graph, verify9b_graph     the 9B forwards replayed from CUDA graphs (their kernels listed)
   {ar,serial_tree,bole}_tiny_graphs_b16   engine steps at batch 16 with graphs
-  bole_tiny_phases   a graphed ``bole`` step at batch 1 split into its graph replays (draft, verify
-                     forward, tail): per graph the GPU kernels and the replay time, and the host time
-                     between them
+  bole_tiny_phases   a graphed ``bole`` step at batch 1 split into its graph replays (one step graph;
+                     with --no-step-graphs draft, verify forward, tail): per graph the GPU kernels and
+                     the replay time, and the host time beside them
 Each case also lists the top GPU kernels by device time.
 
     python benchmarks/profile_step.py --out benchmarks/results/profile_h200.json
@@ -118,7 +118,9 @@ def _engine(mode: str, args, device, graphs: bool, batch: int):
                         SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True))
     while any(not r.prefilled for r in eng.requests.values()):
         eng.step()  # prefill (and the first steps)
-    for g in (eng.runner.graphs, eng.runner.verify_graphs, eng.runner.draft_graphs):
+    if not args.step_graphs:
+        eng.runner.step_graphs = None
+    for g in (eng.runner.graphs, eng.runner.verify_graphs, eng.runner.draft_graphs, eng.runner.step_graphs):
         if g is not None:
             g.capture_all(batch, 1024)
     return eng
@@ -145,7 +147,7 @@ def case_phases(name: str, args, device) -> dict:
     finally:
         torch.cuda.CUDAGraph.replay = replay
     step = profile(eng.step, device, warmup=2, reps=9)
-    names = ["draft", "verify", "tail"] if len(seen) == 3 else [f"graph{i}" for i in range(len(seen))]
+    names = {1: ["step"], 3: ["draft", "verify", "tail"]}.get(len(seen), [f"graph{i}" for i in range(len(seen))])
     out = dict(step_wall_ms=step["wall_ms"], step_gpu_ms=step["gpu_busy_ms"],
                step_kernels=step["gpu_kernel_calls"], graphs={})
     total = 0.0
@@ -192,6 +194,8 @@ def main(argv=None):
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--beam", type=int, default=4)
+    ap.add_argument("--no-step-graphs", dest="step_graphs", action="store_false",
+                    help="greedy speculative steps as separate draft / verify / tail graphs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")

@@ -230,37 +230,33 @@ class LLMEngine:
         kv_len = max(r.num_computed for r in reqs)
         B = len(reqs)
         _, b_ver = self.calibration.lookup(B, kv_len, spec.depth + 1)
-        # the tree's root (the pending token) is verified too: drafts <= MAX_TREE_NODES - 1 per request
-        batch = self.runner.draft_batch(reqs, spec.depth, spec.topk, spec.beam, b_ver,
-                                        max_per_request=MAX_TREE_NODES - 1)
+        stats.b_ver = int(b_ver)
         # Trees are padded to one width for verification. A host bound on every tree's size (the
         # budget, or the depth-1 floor if larger) avoids reading the widest tree from the device when
         # padding to it costs little (at most twice the budget's nodes); else read it (one sync).
-        bound = min(batch.tokens.shape[1], max(int(b_ver), min(spec.topk, self.model.config.vocab_size)),
+        bound = min(self.max_draft_nodes, max(int(b_ver), min(spec.topk, self.model.config.vocab_size)),
                     MAX_TREE_NODES - 1)
-        batch = batch.trimmed(bound if B * (bound + 1) <= 2 * (int(b_ver) + B) else None)
+        no_sync = B * (bound + 1) <= 2 * (int(b_ver) + B)
+        greedy = all(r.params.temperature <= 0 for r in reqs)
+        in_graph = greedy and not any(r.params.min_tokens for r in reqs)
+        if in_graph and no_sync and self.runner.step_graph_supports(reqs, bound + 1):
+            # the whole step in one graph replay (bole.engine.step_graphs), one device-to-host read
+            emitted = self._step_in_graph(reqs, stats, lambda slots: self.runner.step_in_graph(
+                reqs, int(b_ver), bound + 1, slots))
+            if emitted is not None:
+                return emitted
+        # the root (the pending token) is verified too: drafts <= MAX_TREE_NODES - 1 per request
+        batch = self.runner.draft_batch(reqs, spec.depth, spec.topk, spec.beam, b_ver,
+                                        max_per_request=MAX_TREE_NODES - 1)
+        batch = batch.trimmed(bound if no_sync else None)
         res = self.runner.verify(reqs, batch)
         D = spec.depth
         B, T1 = res.logits.shape[:2]
-        greedy = all(r.params.temperature <= 0 for r in reqs)
-        if greedy and self.runner.can_accept_in_graph(res) and not any(r.params.min_tokens for r in reqs):
-            slots = self._reserve_checkpoints(reqs)
-            if slots is not False:
-                # acceptance, commit and checkpoints inside the verify graph's captured tail: one
-                # device-to-host read
-                starts = [r.num_computed for r in reqs]
-                try:
-                    host = self.runner.accept_commit_in_graph(reqs, res, slots and [t and t[0] for t in slots])
-                except BaseException:
-                    for t in slots or ():
-                        if t is not None and t[1] is None:
-                            self.prefix_cache.checkpoints.free(t[0])
-                    raise
-                emitted = [h[2:2 + h[1]] for h in host]
-                pending = self._tail_checkpoints(starts, [h[1] for h in host], slots)
-                self._cache_committed(reqs, pending, emitted)
-                stats.tree_nodes = sum(h[-1] for h in host) + len(reqs)
-                stats.b_ver = int(b_ver)
+        if in_graph and self.runner.can_accept_in_graph(res):
+            # acceptance, commit and checkpoints inside the verify graph's captured tail
+            emitted = self._step_in_graph(reqs, stats, lambda slots: self.runner.accept_commit_in_graph(
+                reqs, res, slots))
+            if emitted is not None:
                 return emitted
         row_depth = torch.cat([torch.zeros_like(batch.depth[:, :1]), batch.depth], 1).clamp(max=D)
         if greedy:  # argmax walk: no uniforms, no per-request parameters (no host-to-device copies)
@@ -288,7 +284,27 @@ class LLMEngine:
         self.runner.commit(reqs, res, acc.accepted_node, keep_hidden=True, lengths=num)
         self._cache_committed(reqs, pending, emitted)
         stats.tree_nodes = int(batch.num_nodes.sum()) + len(reqs)
-        stats.b_ver = int(b_ver)
+        return emitted
+
+    def _step_in_graph(self, reqs: list[Request], stats: StepStats, run) -> list[list[int]] | None:
+        """Acceptance, commit and prefix-cache checkpoints in a graph's tail: ``run(checkpoint slots)``
+        (the step graph, or the verify graph's tail) returns the tail's rows (one device-to-host read).
+        None when the tail cannot take this step's checkpoints (the caller goes on eagerly)."""
+        slots = self._reserve_checkpoints(reqs)
+        if slots is False:
+            return None
+        starts = [r.num_computed for r in reqs]
+        try:
+            host = run(slots and [t and t[0] for t in slots])
+        except BaseException:
+            for t in slots or ():
+                if t is not None and t[1] is None:
+                    self.prefix_cache.checkpoints.free(t[0])
+            raise
+        emitted = [h[2:2 + h[1]] for h in host]
+        pending = self._tail_checkpoints(starts, [h[1] for h in host], slots)
+        self._cache_committed(reqs, pending, emitted)
+        stats.tree_nodes = sum(h[-1] for h in host) + len(reqs)
         return emitted
 
     # -- prefix cache ----------------------------------------------------------------------------

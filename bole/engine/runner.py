@@ -33,6 +33,7 @@ from bole.cache.state_pool import StatePool
 from bole.engine.cuda_graphs import DecodeGraphs, graphs_unsupported
 from bole.engine.sequence import Request
 from bole.engine.spec_graphs import DraftGraphs, VerifyGraphs
+from bole.engine.step_graphs import StepGraphs
 from bole.models.context import ForwardContext, TreeFactors
 from bole.spec.budget import select_nodes
 from bole.spec.drafter import DraftBatch, Frontier, compact, expand_tree, tree_size
@@ -82,6 +83,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: VerifyGraphs | None = None
         self.draft_graphs: DraftGraphs | None = None
+        self.step_graphs: StepGraphs | None = None
         self._pad: tuple[int, int] | None = None
         if graphs and cuda_graph_batch_sizes:
             self.enable_cuda_graphs(cuda_graph_batch_sizes)
@@ -89,6 +91,8 @@ class ModelRunner:
             self.enable_verify_graphs(**verify_graph_spec)
         if graphs and draft_graph_spec and model.mtp is not None:
             self.enable_draft_graphs(**draft_graph_spec)
+            if self.verify_graphs is not None and self.verify_graphs.tail:
+                self.enable_step_graphs()
 
     def enable_cuda_graphs(self, batch_sizes: Sequence[int], capture: bool = True, **kw) -> DecodeGraphs:
         """Route ``decode`` through ``DecodeGraphs``; takes one KV block and one state slot for padding
@@ -114,6 +118,11 @@ class ModelRunner:
         self.draft_graphs = DraftGraphs(self, batch_sizes, depth, topk, beam, self._padding()[0],
                                         capture=capture, pool=pool, **kw)
         return self.draft_graphs
+
+    def enable_step_graphs(self, capture: bool = True) -> StepGraphs:
+        """Greedy steps as ONE graph (``bole.engine.step_graphs``) over the draft and verify graphs."""
+        self.step_graphs = StepGraphs(self.draft_graphs, self.verify_graphs, capture=capture)
+        return self.step_graphs
 
     def _padding(self) -> tuple[int, int]:
         """The KV block and GDN state slot that graphs' padding rows use (reserved once)."""
@@ -230,12 +239,30 @@ class ModelRunner:
         (``VerifyGraphs.run_tail``, with its prefix-cache checkpoint slots); advances num_computed and
         queues the accepted path's hiddens for the drafter. Returns per request [accepted node, emitted
         count, the tokens (the first ``emitted count`` are emitted), verified drafts]."""
-        host = self.verify_graphs.run_tail(res.graph, len(reqs), checkpoint_slots)
+        return self._committed_in_graph(reqs, self.verify_graphs.run_tail(res.graph, len(reqs), checkpoint_slots))
+
+    def _committed_in_graph(self, reqs: list[Request], host: list[list[int]]) -> list[list[int]]:
+        """After a graphed tail: queue the accepted paths' hiddens for the drafter, advance num_computed."""
         path_hidden = self.verify_graphs.out_path_hidden[:len(reqs)].clone()  # [B, D, H]
         for b, r in enumerate(reqs):
             r.queue_hidden(path_hidden[b, :host[b][1]])
             r.num_computed += host[b][1]
         return host
+
+    def step_graph_supports(self, reqs: list[Request], width: int) -> bool:
+        """Whether ``step_in_graph`` applies to ``reqs`` with trees of <= ``width`` nodes (root included);
+        first feeds the drafter eagerly the head of a catch-up longer than the graphs take."""
+        if self.step_graphs is None:
+            return False
+        self._catch_up_head(reqs)
+        return self.step_graphs.supports(reqs, width)
+
+    @torch.inference_mode()
+    def step_in_graph(self, reqs: list[Request], b_ver: int, width: int,
+                      checkpoint_slots: list[int | None] | None = None) -> list[list[int]]:
+        """A whole greedy step (draft, verify, acceptance, commit) in one replay (``StepGraphs.run``);
+        returns ``accept_commit_in_graph``'s rows, with the same bookkeeping done."""
+        return self._committed_in_graph(reqs, self.step_graphs.run(reqs, b_ver, width, checkpoint_slots))
 
     @torch.inference_mode()
     def commit_path_prefix(self, res: VerifyResult, accepted_node: list[int], keep: list[int],
@@ -284,6 +311,18 @@ class ModelRunner:
         return h[torch.tensor(ctx.cu_host[1:], device=self.device) - 1]
 
     @torch.inference_mode()
+    def _catch_up_head(self, reqs: list[Request]) -> None:
+        """A catch-up longer than the draft graph's (the first draft after a prefill): its head eagerly,
+        the last depth + 1 positions left to the graph."""
+        dg = self.draft_graphs
+        if dg is None or len(reqs) > dg.batch_sizes[-1]:
+            return
+        long = [r for r in reqs if r.num_computed - r.mtp_computed > dg.catch_up and r.pending_hidden is not None
+                and r.pending_hidden.shape[0] >= r.num_computed - r.mtp_computed]
+        if long:
+            self._mtp_catch_up(long, leave=dg.catch_up)
+
+    @torch.inference_mode()
     def draft_batch(self, reqs: list[Request], depth: int, topk: int, beam: int, b_ver: int,
                     max_per_request: int | None = None) -> DraftBatch:
         """Draft (``draft``), keep ``b_ver`` nodes for the batch (``select_nodes``) and compact them:
@@ -291,11 +330,7 @@ class ModelRunner:
         dg = self.draft_graphs
         if dg is not None and (dg.depth, dg.topk, dg.beam, dg.max_per_request) == \
                 (depth, topk, beam, max_per_request):
-            # a catch-up longer than the graph's (the first draft after a prefill): its head eagerly
-            long = [r for r in reqs if r.num_computed - r.mtp_computed > dg.catch_up and r.pending_hidden is not None
-                    and r.pending_hidden.shape[0] >= r.num_computed - r.mtp_computed]
-            if long and len(reqs) <= dg.batch_sizes[-1]:
-                self._mtp_catch_up(long, leave=dg.catch_up)
+            self._catch_up_head(reqs)
             if dg.supports(reqs):
                 return dg.run(reqs, b_ver)
         cand = self.draft(reqs, depth, topk, beam)

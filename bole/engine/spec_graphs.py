@@ -192,7 +192,9 @@ class VerifyGraphs:
         return sum(g.graph is not None for g in self.graphs.values())
 
     # -- building --------------------------------------------------------------------------------
-    def _build(self, Bc: int, Tc: int, Lc: int) -> _VGraph:
+    def _make(self, Bc: int, Tc: int, Lc: int) -> _VGraph:
+        """The forward of key (Bc, Tc, Lc) and its tail as closures over static buffers (not captured;
+        ``_build`` captures them, ``StepGraphs`` captures them inside a whole step)."""
         runner, bs, D = self.runner, self.block_size, self.max_depth
         N = Bc * Tc
         inp = self.rows.device[:Bc]
@@ -212,16 +214,30 @@ class VerifyGraphs:
             out_l.copy_(model.compute_logits(hidden))
 
         g = _VGraph(Bc, Tc, Lc, ctx, run)
+        if self.tail:
+            g.tail = self._make_tail(g)
+        return g
+
+    def load_padding(self, Bc: int, Tc: int, Lc: int) -> None:
+        """Every row a padding row, every node a padding node: what a capture's warm-up runs on (it
+        touches the pad block and pad slot only, and commits nothing)."""
+        self._load([], Bc, Lc)
+        self.draft_tokens[:Bc, :Tc].fill_(-1)
+        self.draft_parents[:Bc, 1:Tc].fill_(0)
+        if self.checkpoints is not None:
+            self.checkpoints[2].device[:Bc].fill_(self.checkpoints[3])
+
+    def _build(self, Bc: int, Tc: int, Lc: int) -> _VGraph:
+        g = self._make(Bc, Tc, Lc)
         if self.capture:
-            self._load([], Bc, Lc)  # capture-time warm-up touches the pad block and pad slot only
-            draft_tok.fill_(-1)
-            draft_par[:, 1:].fill_(0)
+            self.load_padding(Bc, Tc, Lc)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            g.graph = capture_graph(run, self.pool, runner.device)
+            g.graph = capture_graph(g.run, self.pool, self.runner.device)
             logger.info("captured verify graph batch=%d width=%d kv_len=%d", Bc, Tc, Lc)
-        if self.tail:
-            self._build_tail(g)
+            if g.tail is not None:
+                g.tail.graph = capture_graph(g.tail.run, self.pool, self.runner.device)
+                logger.info("captured verify tail graph batch=%d width=%d kv_len=%d", Bc, Tc, Lc)
         self.graphs[Bc, Tc, Lc] = g
         return g
 
@@ -282,10 +298,10 @@ class VerifyGraphs:
                             int(scratch_slot))
 
     # -- the tail: greedy acceptance and the commit, after a replayed forward ----------------------------
-    def _build_tail(self, g: _VGraph) -> _VGraph:
-        """Capture (per forward graph) the greedy ``accept_tree`` walk over the forward's logits and the
-        commit of the accepted paths (``commit_paths``: GDN state, conv windows, K/V), writing the
-        host's one read (``out_accept``) and the path's hiddens (``out_path_hidden``)."""
+    def _make_tail(self, g: _VGraph) -> _VGraph:
+        """The greedy ``accept_tree`` walk over the forward's logits and the commit of the accepted paths
+        (``commit_paths``: GDN state, conv windows, K/V), writing the host's one read (``out_accept``)
+        and the path's hiddens (``out_path_hidden``); captured by ``_build``."""
         from bole.cache.prefix_cache import boundary_cut
         from bole.spec.sampling import accept_tree
 
@@ -319,14 +335,18 @@ class VerifyGraphs:
             out[:, 2:2 + D] = acc.tokens
             out[:, 2 + D] = (drafts >= 0).sum(1)  # verified drafts (the step's statistics)
 
-        tail = _VGraph(Bc, Tc, g.kv_len, ctx, run)
-        if g.graph is not None:
-            # warm-up and capture with every row a padding row (the forward's capture loaded them):
-            # nothing is committed; called from ``_build``, before a step loads its rows
-            tail.graph = capture_graph(run, self.pool, dev)
-            logger.info("captured verify tail graph batch=%d width=%d kv_len=%d", Bc, Tc, g.kv_len)
-        g.tail = tail
-        return tail
+        return _VGraph(Bc, Tc, g.kv_len, ctx, run)
+
+    def load_checkpoint_slots(self, Bc: int, checkpoint_slots: Sequence[int | None] | None) -> None:
+        """The tail's per-row checkpoint slot (the scratch slot where None), one host-to-device copy."""
+        if self.checkpoints is not None:
+            rows, dummy = self.checkpoints[2], self.checkpoints[3]
+            h = rows.begin()
+            h[:Bc, 0] = dummy
+            for b, slot in enumerate(checkpoint_slots or ()):
+                if slot is not None:
+                    h[b, 0] = slot
+            rows.upload(Bc)
 
     @torch.inference_mode()
     def run_tail(self, g: _VGraph, batch: int, checkpoint_slots: Sequence[int | None] | None = None) -> list[list[int]]:
@@ -339,14 +359,7 @@ class VerifyGraphs:
         tail = g.tail
         if tail is None:
             raise ValueError("this VerifyGraphs was built with tail=False")
-        if self.checkpoints is not None:
-            rows, dummy = self.checkpoints[2], self.checkpoints[3]
-            h = rows.begin()
-            h[:g.batch, 0] = dummy
-            for b, s in enumerate(checkpoint_slots or ()):
-                if s is not None:
-                    h[b, 0] = s
-            rows.upload(g.batch)
+        self.load_checkpoint_slots(g.batch, checkpoint_slots)
         if tail.graph is not None:
             tail.graph.replay()
         else:
@@ -419,7 +432,7 @@ class DraftGraphs:
             n = r.num_computed - r.mtp_computed
             if not 1 <= n <= self.catch_up or r.pending_hidden is None or r.pending_hidden.shape[0] < n:
                 return False
-        return max(r.num_computed for r in reqs) + max(self.t_max, self.catch_up) <= self.kv_lengths[-1]
+        return max(r.num_computed for r in reqs) + self.span <= self.kv_lengths[-1]
 
     def key(self, batch: int, max_len: int) -> tuple[int, int]:
         return smallest_at_least(self.batch_sizes, batch), smallest_at_least(self.kv_lengths, max_len)
@@ -438,7 +451,9 @@ class DraftGraphs:
             block = M * k
         return out
 
-    def _build(self, Bc: int, Lc: int) -> _DGraph:
+    def _make(self, Bc: int, Lc: int) -> Callable[[], None]:
+        """The draft of key (Bc, Lc) as a closure over static buffers (captured by ``_build``, or inside
+        a whole step by ``StepGraphs``)."""
         from bole.engine.runner import _empty_factors, grow_draft_tree
         from bole.spec.budget import select_nodes
         from bole.spec.drafter import compact
@@ -466,18 +481,23 @@ class DraftGraphs:
             h_root = h[torch.arange(Bc, device=dev), n - 1]                       # [Bc, H]
             cand = grow_draft_tree(mtp, h_root, self.depth, self.topk, self.beam,
                                    lambda par, d: trees[d - 1].fill(nc, par, tables))
-            keep = select_nodes(cand.rho, cand.parents, cand.valid, cand.depth, inp[0, _BVER],
+            # padding rows (num_computed 0) draft too, but take none of the batch's budget
+            valid = cand.valid & (nc > 0)[:, None]
+            keep = select_nodes(cand.rho, cand.parents, valid, cand.depth, inp[0, _BVER],
                                 max_per_request=self.max_per_request)
             batch = compact(cand, keep)
             for k, v in out.items():
                 v.copy_(getattr(batch, k))
 
-        g = _DGraph(Bc, Lc, run)
+        return run
+
+    def _build(self, Bc: int, Lc: int) -> _DGraph:
+        g = _DGraph(Bc, Lc, self._make(Bc, Lc))
         if self.capture:
             self._load([], Bc, Lc, 0)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            g.graph = capture_graph(run, self.pool, dev)
+            g.graph = capture_graph(g.run, self.pool, self.runner.device)
             logger.info("captured draft graph batch=%d kv_len=%d", Bc, Lc)
         self.graphs[Bc, Lc] = g
         return g
@@ -501,9 +521,8 @@ class DraftGraphs:
     @torch.inference_mode()
     def capture_all(self, max_batch: int | None = None, max_len: int | None = None) -> int:
         built = 0
-        span = max(self.t_max, self.catch_up)
         for Bc in sizes_upto(self.batch_sizes, max_batch):
-            for Lc in sizes_upto(self.kv_lengths, None if max_len is None else max_len + span):
+            for Lc in sizes_upto(self.kv_lengths, None if max_len is None else max_len + self.span):
                 if (Bc, Lc) not in self.graphs:
                     self._build(Bc, Lc)
                     built += 1
@@ -517,18 +536,32 @@ class DraftGraphs:
         from bole.spec.drafter import DraftBatch
 
         B = len(reqs)
-        Bc, Lc = self.key(B, max(r.num_computed for r in reqs) + max(self.t_max, self.catch_up))
+        Bc, Lc = self.key(B, max(r.num_computed for r in reqs) + self.span)
         g = self.graphs.get((Bc, Lc)) or self._build(Bc, Lc)
-        self._load(reqs, Bc, Lc, b_ver)
-        for b, r in enumerate(reqs):
-            n = r.num_computed - r.mtp_computed
-            self.hidden_in[b, :n] = r.pending_hidden[-n:]
+        self.stage(reqs, Bc, Lc, b_ver)
         if g.graph is not None:
             g.graph.replay()
         else:
             g.run()
         self.replays += 1
+        self.advance(reqs)
+        return DraftBatch(**{k: v[:B] for k, v in self.out.items()})
+
+    def stage(self, reqs, Bc: int, Lc: int, b_ver: int) -> None:
+        """A step's inputs into the static buffers: the host row (one copy) and the catch-up hiddens."""
+        self._load(reqs, Bc, Lc, b_ver)
+        for b, r in enumerate(reqs):
+            n = r.num_computed - r.mtp_computed
+            self.hidden_in[b, :n] = r.pending_hidden[-n:]
+
+    @staticmethod
+    def advance(reqs) -> None:
+        """After a replay: the drafter has seen every committed position of ``reqs``."""
         for r in reqs:
             r.mtp_computed = r.num_computed
             r.pending_hidden = None
-        return DraftBatch(**{k: v[:B] for k, v in self.out.items()})
+
+    @property
+    def span(self) -> int:
+        """Keys past the longest committed prefix a draft writes (its catch-up or its widest tree)."""
+        return max(self.t_max, self.catch_up)

@@ -166,7 +166,9 @@ def _compare_draft(path, device, capture, tol):
     dg = graph.enable_draft_graphs((1, 2, 4), D, k, beam, capture=capture, min_kv=8, max_per_request=127)
     for batch_prompts in (PROMPTS[:1], PROMPTS[:3]):
         re, rg = _requests(eager, batch_prompts, True), _requests(graph, batch_prompts, True)
-        for step, b_ver in enumerate((100, 2 * len(batch_prompts) + 3)):
+        # everything, a cut, and a cut 5 nodes past the depth-1 floor (k per request; a graph's padding
+        # rows must take none of those 5)
+        for step, b_ver in enumerate((100, 2 * len(batch_prompts) + 3, k * len(batch_prompts) + 5)):
             # after the prefill the catch-up is the prompt (> depth + 1 for the longer ones: eager)
             assert dg.supports(rg) == (step > 0 or len(batch_prompts) == 1)
             d1 = eager.draft_batch(re, D, k, beam, b_ver, max_per_request=127)
@@ -188,7 +190,7 @@ def _compare_draft(path, device, capture, tol):
             for r in reqs:
                 runner.allocator.free(r.block_table)
                 runner.state_pool.free(r.state_slot)
-    assert {key[0] for key in dg.graphs} == {1, 4} and dg.replays == 4
+    assert {key[0] for key in dg.graphs} == {1, 4} and dg.replays == 6
     return dg
 
 
@@ -204,9 +206,10 @@ def _engine(path, device, mode, graphs: bool, **opts):
     return LLMEngine(load_model(path, dtype="float32", device=device), cfg)
 
 
-@pytest.mark.parametrize("mode,prefix_cache,layout_kernel", [("bole", True, False), ("bole", False, False),
-                                                              ("serial_tree", True, False), ("bole", True, True)])
-def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel):
+@pytest.mark.parametrize("mode,prefix_cache,layout_kernel,step", [
+    ("bole", True, False, False), ("bole", False, False, False), ("serial_tree", True, False, False),
+    ("bole", True, True, True), ("bole", False, False, True), ("serial_tree", True, False, True)])
+def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel, step):
     max_tokens = [12, 5, 20, 9]
     ref = run_arrivals(_engine(ckpt, "cpu", "ar", False, enable_prefix_cache=False), PROMPTS, max_tokens)
     eng = _engine(ckpt, "cpu", mode, False, enable_prefix_cache=prefix_cache)
@@ -223,10 +226,14 @@ def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel
     if prefix_cache:  # as the engine wires them when it builds the graphs itself
         vg.enable_checkpoints(eng.prefix_cache.checkpoints, eng.config.cache.checkpoint_interval,
                               eng.prefix_cache.scratch_slot)
+    sg = eng.runner.enable_step_graphs(capture=False) if step else None
     assert run_arrivals(eng, PROMPTS, max_tokens) == ref
-    assert vg.replays > 0 and dg.replays > 0
-    # every greedy step accepts, commits and checkpoints in the verify graph's tail
-    assert vg.tail_replays == vg.replays
+    if step:  # every step ran as one (uncaptured) step graph: draft, verify, tail
+        assert sg.replays > 0 and vg.replays == dg.replays == vg.tail_replays == 0
+    else:
+        assert vg.replays > 0 and dg.replays > 0
+        # every greedy step accepts, commits and checkpoints in the verify graph's tail
+        assert vg.tail_replays == vg.replays
     if prefix_cache:  # paths jumped over checkpoint boundaries, and the tail took those checkpoints
         assert eng.prefix_cache.num_checkpoints > 0
 
@@ -397,13 +404,18 @@ def test_graphed_draft_matches_eager_cuda(ckpt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["bole", "serial_tree"])
-def test_engine_verify_graph_tokens_cuda(ckpt, mode):
+@pytest.mark.parametrize("mode,step", [("bole", True), ("serial_tree", True), ("bole", False), ("serial_tree", False)])
+def test_engine_verify_graph_tokens_cuda(ckpt, mode, step):
     max_tokens = [12, 5, 20, 9]
     ref = run_arrivals(_engine(ckpt, "cuda", "ar", False), PROMPTS, max_tokens)
     eng = _engine(ckpt, "cuda", mode, True)
-    vg, dg = eng.runner.verify_graphs, eng.runner.draft_graphs
-    assert vg is not None and dg is not None and eng.runner.graphs is None
+    vg, dg, sg = eng.runner.verify_graphs, eng.runner.draft_graphs, eng.runner.step_graphs
+    assert vg is not None and dg is not None and sg is not None and eng.runner.graphs is None
+    if not step:  # the separate draft and verify graphs (the path of non-greedy steps)
+        eng.runner.step_graphs = None
     assert run_arrivals(eng, PROMPTS, max_tokens) == ref
-    assert vg.replays > 0 and vg.num_captured > 0 and dg.replays > 0 and dg.num_captured > 0
-    assert vg.tail_replays > 0
+    if step:
+        assert sg.replays > 0 and sg.num_captured > 0
+    else:
+        assert vg.replays > 0 and vg.num_captured > 0 and dg.replays > 0 and dg.num_captured > 0
+        assert vg.tail_replays > 0
