@@ -12,8 +12,8 @@ Cases (``--cases``):
   ar_tiny_graphs, bole_tiny_graphs   the same with CUDA graphs (decode / verify forwards replayed)
   decode9b_graph, verify9b_graph     the 9B forwards replayed from CUDA graphs (their kernels listed)
   {ar,serial_tree,bole}_tiny_graphs_b16   engine steps at batch 16 with graphs
-  bole_tiny_phases   a graphed ``bole`` step at batch 1 split into its graph replays (one step graph;
-                     with --no-step-graphs draft, verify forward, tail): per graph the GPU kernels and
+  bole_tiny_phases   a graphed ``bole`` step at batch 1 split into its graph replays (draft, verify
+                     forward, tail; with --step-graphs the one step graph): per graph the GPU kernels and
                      the replay time, and the host time beside them
 Each case also lists the top GPU kernels by device time.
 
@@ -118,8 +118,8 @@ def _engine(mode: str, args, device, graphs: bool, batch: int):
                         SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True))
     while any(not r.prefilled for r in eng.requests.values()):
         eng.step()  # prefill (and the first steps)
-    if not args.step_graphs:
-        eng.runner.step_graphs = None
+    if args.step_graphs and eng.runner.draft_graphs is not None:
+        eng.runner.enable_step_graphs()
     for g in (eng.runner.graphs, eng.runner.verify_graphs, eng.runner.draft_graphs, eng.runner.step_graphs):
         if g is not None:
             g.capture_all(batch, 1024)
@@ -194,8 +194,8 @@ def main(argv=None):
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--beam", type=int, default=4)
-    ap.add_argument("--no-step-graphs", dest="step_graphs", action="store_false",
-                    help="greedy speculative steps as separate draft / verify / tail graphs")
+    ap.add_argument("--step-graphs", action="store_true",
+                    help="greedy speculative steps as one graph (EngineConfig.cuda_graph_whole_step)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")

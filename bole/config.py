@@ -286,6 +286,10 @@ class EngineConfig:
     # ignored on the CPU, and for MoE / tensor-parallel models (decode then runs eagerly)
     enable_cuda_graphs: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    # greedy speculative steps as ONE graph (bole.engine.step_graphs) instead of a draft graph and a
+    # verify graph with its tail. Off by default: on the H200 at batch 1 it measured slower (the host's
+    # input copies for the verify no longer overlap the draft's GPU time)
+    cuda_graph_whole_step: bool = False
     spec: SpecConfig = SpecConfig()
     cache: CacheConfig = CacheConfig()
 
@@ -302,8 +306,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
             raise ValueError(f"tp_size must be an int >= 1, got {self.tp_size!r}")
-        if not isinstance(self.enable_cuda_graphs, bool):
-            raise ValueError(f"enable_cuda_graphs must be a bool, got {self.enable_cuda_graphs!r}")
+        for name in ("enable_cuda_graphs", "cuda_graph_whole_step"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         sizes = self.cuda_graph_batch_sizes
         if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
             raise ValueError(f"cuda_graph_batch_sizes must be ints >= 1, got {sizes!r}")

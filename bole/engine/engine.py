@@ -92,6 +92,9 @@ class LLMEngine:
                                   draft_graph_spec=dict(batch_sizes=spec_sizes, depth=spec.depth, topk=spec.topk,
                                                         beam=spec.beam, max_per_request=MAX_TREE_NODES - 1)
                                   if spec_graphs else None)
+        if config.cuda_graph_whole_step and self.runner.draft_graphs is not None and \
+                self.runner.verify_graphs is not None:
+            self.runner.enable_step_graphs()
         cc = config.cache
         self.prefix_cache = PrefixCache(self.runner.allocator, self.runner.state_pool, cc.block_size,
                                         cc.checkpoint_interval_blocks, cc.num_checkpoint_slots,

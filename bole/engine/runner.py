@@ -91,8 +91,6 @@ class ModelRunner:
             self.enable_verify_graphs(**verify_graph_spec)
         if graphs and draft_graph_spec and model.mtp is not None:
             self.enable_draft_graphs(**draft_graph_spec)
-            if self.verify_graphs is not None and self.verify_graphs.tail:
-                self.enable_step_graphs()
 
     def enable_cuda_graphs(self, batch_sizes: Sequence[int], capture: bool = True, **kw) -> DecodeGraphs:
         """Route ``decode`` through ``DecodeGraphs``; takes one KV block and one state slot for padding

@@ -408,11 +408,9 @@ def test_graphed_draft_matches_eager_cuda(ckpt):
 def test_engine_verify_graph_tokens_cuda(ckpt, mode, step):
     max_tokens = [12, 5, 20, 9]
     ref = run_arrivals(_engine(ckpt, "cuda", "ar", False), PROMPTS, max_tokens)
-    eng = _engine(ckpt, "cuda", mode, True)
+    eng = _engine(ckpt, "cuda", mode, True, cuda_graph_whole_step=step)
     vg, dg, sg = eng.runner.verify_graphs, eng.runner.draft_graphs, eng.runner.step_graphs
-    assert vg is not None and dg is not None and sg is not None and eng.runner.graphs is None
-    if not step:  # the separate draft and verify graphs (the path of non-greedy steps)
-        eng.runner.step_graphs = None
+    assert vg is not None and dg is not None and (sg is not None) == step and eng.runner.graphs is None
     assert run_arrivals(eng, PROMPTS, max_tokens) == ref
     if step:
         assert sg.replays > 0 and sg.num_captured > 0

@@ -51,7 +51,7 @@ def inputs(B, T, L, bs, D, seed, device, deep=False):
     rows = torch.zeros(B, 3 + nblk, dtype=torch.long)
     rows[:, 1] = torch.randint(0, max(1, L - T), (B,), generator=gen)   # num_cached
     rows[:, 2] = torch.randperm(50, generator=gen)[:B]                  # state slots
-    rows[:, 3:] = torch.randperm(1000, generator=gen)[:B * nblk].view(B, nblk)
+    rows[:, 3:] = torch.randperm(max(1000, B * nblk), generator=gen)[:B * nblk].view(B, nblk)
     wide, rows = wide.to(device), rows.to(device)
     return wide[:, 2:T + 2], rows[:, 1], rows[:, 3:], rows[:, 2]
 
