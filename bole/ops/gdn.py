@@ -137,8 +137,17 @@ def path_log_decay(g_nodes: torch.Tensor, anc_mask: torch.Tensor) -> torch.Tenso
     return anc_mask.to(g_nodes.dtype) @ g_nodes
 
 
+def _into(out, t: torch.Tensor, name: str) -> torch.Tensor:
+    """``t``, or ``t`` copied into the caller's buffer ``out`` (cast to its dtype; the shapes must agree)."""
+    if out is None:
+        return t
+    if tuple(out.shape) != tuple(t.shape):
+        raise ValueError(f"{name} must have shape {tuple(t.shape)}, got {tuple(out.shape)}")
+    return out.copy_(t)
+
+
 def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state_indices=None,
-                    scale=None, use_qk_l2norm=False, num_rounds=None):
+                    scale=None, use_qk_l2norm=False, num_rounds=None, u_out=None, logp_out=None, o_out=None):
     """Closed-form parallel tree verification (Theorem 1, eq. 2) with the finite Neumann series.
 
     G = D_β D_P [(K Kᵀ) ⊙ M⁻] D_P⁻¹,  C = D_P [(Q Kᵀ) ⊙ M⁺] D_P⁻¹,  R = D_β (V − D_P K S_pre),
@@ -149,9 +158,11 @@ def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state
         initial_state: the pool [slots, HV, V, K], read only.
         state_indices: [B] slot of each request.
         num_rounds: Neumann terms (default: each tree's depth, which is exact).
+        u_out, logp_out, o_out: optional buffers [N, HV, V], [N, HV], [1, N, HV, V] the results are
+            copied into (the kernel writes them in place: e.g. slices of the all-layer factor buffer).
     Returns:
         o [1, N, HV, V] (v's dtype), u [N, HV, V] and logp [N, HV] (compute dtype): the factors
-        the commit (eq. 10) needs besides k.
+        the commit (eq. 10) needs besides k; the given out buffers instead, in their dtypes.
     """
     qf, kf, vf, gf, bf, dt = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
     N, HV, K = kf.shape
@@ -185,7 +196,8 @@ def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state
         o[s:e] = O.transpose(0, 1)
         u_all[s:e] = U.transpose(0, 1)
         logp_all[s:e] = logp.T
-    return o.to(v.dtype)[None], u_all, logp_all
+    return (_into(o_out, o.to(v.dtype)[None], "o_out"), _into(u_out, u_all, "u_out"),
+            _into(logp_out, logp_all, "logp_out"))
 
 
 def gdn_commit(state_pool, k, u, logp, accepted_nodes, state_indices, use_qk_l2norm=False, out_pool=None,
