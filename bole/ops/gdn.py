@@ -17,6 +17,7 @@ One GDN head, eq. (1):  S̃_t = γ_t S_{t-1};  u_t = β_t (v_t − S̃_tᵀ k_t)
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from bole.spec.tree import PackedForest
 
@@ -26,6 +27,16 @@ L2NORM_EPS = 1e-6
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     """x / sqrt(sum(x²) + eps) over the last dim (fla's and transformers' definition)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gdn_gating(a, b, A_log, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GDN gates from the raw in_proj_a / in_proj_b outputs a, b [..., HV] and A_log, dt_bias [HV].
+
+    g = -exp(A_log) softplus(a + dt_bias) in fp32 (the log decay); beta = sigmoid(b) in b's dtype
+    (the layer's rounding, which the kernels reproduce).
+    """
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b)
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
