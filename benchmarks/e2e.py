@@ -355,10 +355,12 @@ def section_decode_floor(rep: Report, tgt: Target, args, bw_bps: float, t_end: f
 
 
 # ---------------------------------------------------------------------------------------- section a
-def _stub_verify(q, k, v, g, beta, forest, initial_state, state_indices=None, scale=None, use_qk_l2norm=False):
+def _stub_verify(q, k, v, g, beta, forest, initial_state, state_indices=None, scale=None, use_qk_l2norm=False,
+                 num_rounds=None, u_out=None, logp_out=None):
     N, HV, V = v.shape[1], v.shape[2], v.shape[3]
     f32 = dict(dtype=torch.float32, device=v.device)
-    return torch.empty_like(v), torch.empty(N, HV, V, **f32), torch.empty(N, HV, **f32)
+    return (torch.empty_like(v), torch.empty(N, HV, V, **f32) if u_out is None else u_out,
+            torch.empty(N, HV, **f32) if logp_out is None else logp_out)
 
 
 def _stub_serial(q, k, v, g, beta, forest, initial_state, state_indices=None, scale=None, use_qk_l2norm=False):

@@ -1,6 +1,6 @@
 """The one place where GDN compute backends are chosen (STYLE item 4).
 
-A ``GDNBackend`` bundles the four sequence/tree operations a GDN layer needs, all with the
+A ``GDNBackend`` bundles the sequence/tree operations a GDN layer needs, all with the
 signatures of the naive twins in ``bole.ops`` (flash-linear-attention conventions, states stored
 transposed [.., V, K]):
 
@@ -11,8 +11,15 @@ transposed [.., V, K]):
                                                                       gating (g, beta) from the raw a / b
                                                                       projections; no host sync
     conv_update(x, weight, conv_state, state_indices) -> y [N, C]    the decode conv (state in place)
-    tree_verify(q, k, v, g, beta, forest, initial_state, state_indices, scale, use_qk_l2norm)
-        -> (o, u [N, HV, V], logp [N, HV])                            closed form, read only
+    tree_verify(q, k, v, g, beta, forest, initial_state, state_indices, scale, use_qk_l2norm,
+                num_rounds, u_out, logp_out)
+        -> (o, u [N, HV, V], logp [N, HV])                            closed form, read only; u / logp
+                                                                      into the given out buffers
+    tree_conv(x, weight, conv_state, state_indices, forest, a, b, A_log, dt_bias, bias, activation,
+              out, x_copy) -> (y or out, g, beta)                     verify's conv along the tree paths
+                                                                      (pool read only; y split into the
+                                                                      given q | k | v buffers, x copied
+                                                                      into x_copy) and its gating
     commit(state_pool, k, u, logp, accepted_nodes, state_indices, use_qk_l2norm)
         -> state_pool, updated in place for all layers at once        eq. (10)
 
@@ -20,11 +27,11 @@ Registered backends:
     "torch":  bole.ops twins; chunked WY prefill (bole.ops.gdn_chunk), batched single-step decode
               (bole.ops.gdn_decode), torch norms.
     "triton": kernels.gdn_tree_verify / kernels.gdn_commit (and kernels.gdn_tree_serial for the
-              serial_tree baseline); prefill with flash-linear-attention's
-              chunk_gated_delta_rule when importable (else the torch chunk); decode and its conv with
-              kernels.gdn_decode; norms with kernels.rmsnorm; the graphed decode's attention with
-              kernels.paged_decode_attention (keys read in place from the paged cache); the graphed
-              speculative step's forest layouts with kernels.tree_layout.
+              serial_tree baseline); verify's conv and gating with kernels.gdn_tree_conv; prefill with
+              flash-linear-attention's chunk_gated_delta_rule when importable (else the torch chunk);
+              decode and its conv with kernels.gdn_decode; norms with kernels.rmsnorm; the graphed
+              decode's attention with kernels.paged_decode_attention (keys read in place from the
+              paged cache).
     "auto":   "triton" on CUDA when the kernels import, else "torch". Resolved once, logged.
 """
 
@@ -37,6 +44,7 @@ from typing import Callable
 
 import torch
 
+from bole.ops.conv import gdn_tree_conv_ref
 from bole.ops.gdn import gdn_commit, gdn_tree_serial, gdn_tree_verify
 from bole.ops.gdn_chunk import gdn_chunk
 from bole.ops.gdn_decode import causal_conv1d_update_ref, gdn_decode_step_ref
@@ -54,6 +62,7 @@ class GDNBackend:
     tree_verify: Callable
     commit: Callable
     tree_serial: Callable = gdn_tree_serial   # the serial_tree baseline (per-node snapshots)
+    tree_conv: Callable = gdn_tree_conv_ref   # verify's conv along the tree paths + gating (kernels.gdn_tree_conv)
     rms_norm: Callable | None = None          # fused norms (kernels.rmsnorm); None: the torch twins
     gated_rms_norm: Callable | None = None
     decode_attention: Callable | None = None  # paged decode attention (kernels.paged_decode_attention)
@@ -108,6 +117,7 @@ def _fla_prefill():
 def _triton_backend() -> GDNBackend:
     from kernels.gdn_commit import gdn_commit as triton_commit
     from kernels.gdn_decode import causal_conv1d_update, gdn_decode_step
+    from kernels.gdn_tree_conv import gdn_tree_conv
     from kernels.gdn_tree_serial import gdn_tree_serial as triton_serial
     from kernels.gdn_tree_verify import gdn_tree_verify as triton_verify
     from kernels.paged_decode_attention import paged_decode_attention
@@ -124,7 +134,7 @@ def _triton_backend() -> GDNBackend:
     tree_verify = functools.partial(triton_verify, tuned=True)
     return GDNBackend("triton", prefill=prefill, decode_step=gdn_decode_step, conv_update=causal_conv1d_update,
                       tree_verify=tree_verify,
-                      commit=triton_commit, tree_serial=triton_serial, rms_norm=rms_norm,
+                      commit=triton_commit, tree_serial=triton_serial, tree_conv=gdn_tree_conv, rms_norm=rms_norm,
                       gated_rms_norm=gated_rms_norm, decode_attention=paged_decode_attention,
                       tree_layout=tree_layout)
 

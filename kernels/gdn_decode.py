@@ -30,6 +30,15 @@ _ACTIVATIONS = {None: False, "identity": False, "silu": True, "swish": True}
 
 
 @triton.jit
+def softplus(x):
+    """torch's softplus in fp32: x above the threshold 20, else log1p(exp(x)) (Goldberg's accurate form)."""
+    b_e = tl.exp(tl.minimum(x, 20.0))
+    b_1e = 1.0 + b_e
+    b_sp = tl.where(b_1e == 1.0, b_e, tl.log(b_1e) * (b_e / (b_1e - 1.0)))
+    return tl.where(x > 20.0, x, b_sp)
+
+
+@triton.jit
 def causal_conv1d_update_kernel(
     x, weight, conv_state, state_indices, y,
     C, stride_xn, stride_yn, stride_wc, stride_ww, stride_ss, stride_sc, stride_sw,
@@ -146,13 +155,9 @@ def gdn_decode_step_kernel(
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
     b_q = b_q * scale
 
-    # g = -exp(A_log) · softplus(a + dt_bias), softplus as torch's (threshold 20, log1p accurate)
+    # g = -exp(A_log) · softplus(a + dt_bias)
     b_a = tl.load(a + i_n * stride_an + i_h * stride_ah).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
-    b_e = tl.exp(tl.minimum(b_a, 20.0))
-    b_1e = 1.0 + b_e
-    b_sp = tl.where(b_1e == 1.0, b_e, tl.log(b_1e) * (b_e / (b_1e - 1.0)))  # log1p(e), Goldberg's form
-    b_sp = tl.where(b_a > 20.0, b_a, b_sp)
-    b_g = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * b_sp
+    b_g = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * softplus(b_a)
     b_b = tl.load(b + i_n * stride_bn + i_h * stride_bh)
     b_beta = tl.sigmoid(b_b.to(tl.float32)).to(b_b.dtype).to(tl.float32)
 

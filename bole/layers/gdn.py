@@ -11,8 +11,10 @@ Modes (``ctx.mode``):
     decode (eager, or over a static context ``ctx.static`` for CUDA graphs): one token per request,
         the backend's ``conv_update`` and ``decode_step`` (gating, q/k norm, one recurrence step, the
         pool slot updated in place), neither of which reads a device value on the host.
-    verify: tree conv and closed-form tree GDN reading the committed pools only; the layer stores
-        the commit factors (raw k, u, logP, conv inputs) in ``ctx.factors`` at its GDN index.
+    verify: tree conv and closed-form tree GDN reading the committed pools only, through the
+        backend's ``tree_conv`` (conv along the tree paths and gating, one launch on the GPU) and
+        ``tree_verify``; the commit factors (raw k, u, logP, conv inputs) are written in place into
+        ``ctx.factors`` at the layer's GDN index by those two calls (no copies).
 
 Tensor parallel: the q/k/v segments of in_proj_qkv (and the conv channels with them), in_proj_z,
 in_proj_b, in_proj_a, A_log, dt_bias are split by heads (column parallel), out_proj is row parallel.
@@ -23,12 +25,12 @@ Value heads must divide over the ranks; with fewer key heads than ranks each ran
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from bole.layers.linear import FusedLinear
 from bole.layers.norm import GatedRMSNorm
-from bole.ops.conv import causal_conv1d, causal_conv1d_tree
+from bole.ops.conv import causal_conv1d
+from bole.ops.gdn import gdn_gating
 from bole.parallel import local_heads, split_heads
 
 
@@ -77,30 +79,43 @@ class GatedDeltaNet(nn.Module):
             o = self.backend.decode_step(q, k, v, a, b, self.A_log, self.dt_bias, pool.ssm[i], ctx.state_slots)
             return self.out_proj(self.norm(o.to(x.dtype), z).reshape(N, self.value_dim))
 
-        beta = torch.sigmoid(b)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         if ctx.mode == "verify":
-            ctx.factors.conv_x[i] = mixed
-            y = causal_conv1d_tree(mixed, weight, None, pool.conv[i], ctx.state_slots, ctx.forest)
+            o = self._verify(mixed, a, b, weight, ctx)
         else:
+            g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
             y = causal_conv1d(mixed, weight, None, pool.conv[i], ctx.state_slots, ctx.cu_seqlens)
-        q, k, v = (t[None] for t in split(y))
-
-        if ctx.mode == "verify" and ctx.factors.snapshots is not None:
-            # serial_tree baseline: per-node state snapshots, committed by copy
-            o, snaps = self.backend.tree_serial(q, k, v, g[None], beta[None], ctx.forest, pool.ssm[i],
-                                                ctx.state_slots, use_qk_l2norm=True)
-            ctx.factors.snapshots[i] = snaps
-        elif ctx.mode == "verify":
-            o, u, logp = self.backend.tree_verify(q, k, v, g[None], beta[None], ctx.forest, pool.ssm[i],
-                                                  ctx.state_slots, use_qk_l2norm=True)
-            ctx.factors.k[i] = k[0]
-            ctx.factors.u[i] = u
-            ctx.factors.logp[i] = logp
-        else:
+            q, k, v = (t[None] for t in split(y))
             o, final = self.backend.prefill(q, k, v, g[None], beta[None], initial_state=pool.ssm[i],
                                             state_indices=ctx.state_slots, cu_seqlens=ctx.cu_seqlens,
                                             use_qk_l2norm=True)
             pool.ssm[i, ctx.state_slots] = final.to(pool.ssm.dtype)
         o = self.norm(o[0].to(x.dtype), z)
         return self.out_proj(o.reshape(N, self.value_dim))
+
+    def _verify(self, mixed, a, b, weight, ctx) -> torch.Tensor:
+        """Verify mode, o [1, N, HV, V]: the pools are read only, the commit's factors written in place.
+
+        The backend's ``tree_conv`` (one launch on the GPU) convolves along the tree paths straight into
+        q, k, v buffers as the verifiers read them (contiguous; k is this layer's slice of the factor
+        buffer), computes the gating and copies the conv inputs into ``factors.conv_x``; the closed-form
+        verifier writes u and logP into the factor buffer, so no factor is copied afterwards.
+        """
+        N, i, f, pool = mixed.shape[0], self.gdn_index, ctx.factors, ctx.state_pool
+        q = mixed.new_empty(N, self.num_k_heads, self.head_k_dim)
+        v = mixed.new_empty(N, self.num_v_heads, self.head_v_dim)
+        k = f.k[i] if f.k.dtype == mixed.dtype else torch.empty_like(q)  # a factor buffer of another dtype: copy
+        _, g, beta = self.backend.tree_conv(mixed, weight, pool.conv[i], ctx.state_slots, ctx.forest, a, b,
+                                            self.A_log, self.dt_bias, out=(q.view(N, -1), k.view(N, -1), v.view(N, -1)),
+                                            x_copy=f.conv_x[i])
+        if f.k.dtype != mixed.dtype:
+            f.k[i] = k
+        q, k, v, g, beta = q[None], k[None], v[None], g[None], beta[None]
+        if f.snapshots is not None:
+            # serial_tree baseline: per-node state snapshots, committed by copy
+            o, snaps = self.backend.tree_serial(q, k, v, g, beta, ctx.forest, pool.ssm[i], ctx.state_slots,
+                                                use_qk_l2norm=True)
+            f.snapshots[i] = snaps
+            return o
+        o, _, _ = self.backend.tree_verify(q, k, v, g, beta, ctx.forest, pool.ssm[i], ctx.state_slots,
+                                           use_qk_l2norm=True, u_out=f.u[i], logp_out=f.logp[i])
+        return o

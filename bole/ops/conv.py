@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from bole.ops.gdn import gdn_gating
 from bole.spec.tree import PackedForest
 
 
@@ -94,14 +95,43 @@ def _tree_windows(x, forest: PackedForest, conv_state, state_indices, W):
 
 
 def causal_conv1d_tree(x, weight, bias, conv_state, state_indices, forest: PackedForest,
-                       activation="silu"):
-    """Conv over a packed forest: each node sees its path, then the committed state. Read only."""
+                       activation="silu", out=None, x_copy=None):
+    """Conv over a packed forest: each node sees its path, then the committed state. Read only.
+
+    Sums in fp32 (float64 for float64 x), as the decode conv and the kernel do, and returns y [N, C] in
+    x's dtype. ``out``: a [N, C] buffer, or a sequence of [N, C_s] buffers (C_s summing to C) receiving
+    consecutive column ranges of y (the GDN layer's q | k | v, each contiguous); it is returned instead.
+    ``x_copy``: a [N, C] buffer x is copied into (the commit's conv inputs, ``TreeFactors.conv_x``).
+    """
     W = weight.shape[1]
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
     win = _tree_windows(x, forest, conv_state, state_indices, W)
-    y = (win * weight.to(x.dtype)[None]).sum(-1)
+    y = (win.to(dt) * weight.to(dt)[None]).sum(-1)
     if bias is not None:
-        y = y + bias.to(x.dtype)
-    return _act(y, activation)
+        y = y + bias.to(dt)
+    y = _act(y, activation).to(x.dtype)
+    if x_copy is not None:
+        x_copy.copy_(x)
+    if out is None:
+        return y
+    parts = [out] if isinstance(out, torch.Tensor) else list(out)
+    if any(p.dim() != 2 or p.shape[0] != y.shape[0] for p in parts) or sum(p.shape[1] for p in parts) != y.shape[1]:
+        raise ValueError(f"out must be [{y.shape[0]}, C_s] buffers with C_s summing to {y.shape[1]}, got "
+                         f"{[tuple(p.shape) for p in parts]}")
+    for p, y_s in zip(parts, y.split([p.shape[1] for p in parts], dim=1), strict=True):
+        p.copy_(y_s)
+    return out
+
+
+def gdn_tree_conv_ref(x, weight, conv_state, state_indices, forest: PackedForest, a, b, A_log, dt_bias,
+                      bias=None, activation="silu", out=None, x_copy=None):
+    """The GDN layer's verify prologue: ``causal_conv1d_tree`` and the gating (``gdn_gating``).
+
+    Twin of kernels/gdn_tree_conv.gdn_tree_conv (one launch). Returns (y or out, g [N, HV] fp32,
+    beta [N, HV] in b's dtype).
+    """
+    y = causal_conv1d_tree(x, weight, bias, conv_state, state_indices, forest, activation, out, x_copy)
+    return (y, *gdn_gating(a, b, A_log, dt_bias))
 
 
 def conv_state_commit(conv_state, x, forest: PackedForest, state_indices, accepted: torch.Tensor):

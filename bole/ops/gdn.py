@@ -17,6 +17,7 @@ One GDN head, eq. (1):  S̃_t = γ_t S_{t-1};  u_t = β_t (v_t − S̃_tᵀ k_t)
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from bole.spec.tree import PackedForest
 
@@ -26,6 +27,16 @@ L2NORM_EPS = 1e-6
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     """x / sqrt(sum(x²) + eps) over the last dim (fla's and transformers' definition)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gdn_gating(a, b, A_log, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GDN gates from the raw in_proj_a / in_proj_b outputs a, b [..., HV] and A_log, dt_bias [HV].
+
+    g = -exp(A_log) softplus(a + dt_bias) in fp32 (the log decay); beta = sigmoid(b) in b's dtype
+    (the layer's rounding, which the kernels reproduce).
+    """
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b)
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -137,8 +148,17 @@ def path_log_decay(g_nodes: torch.Tensor, anc_mask: torch.Tensor) -> torch.Tenso
     return anc_mask.to(g_nodes.dtype) @ g_nodes
 
 
+def _into(out, t: torch.Tensor, name: str) -> torch.Tensor:
+    """``t``, or ``t`` copied into the caller's buffer ``out`` (cast to its dtype; the shapes must agree)."""
+    if out is None:
+        return t
+    if tuple(out.shape) != tuple(t.shape):
+        raise ValueError(f"{name} must have shape {tuple(t.shape)}, got {tuple(out.shape)}")
+    return out.copy_(t)
+
+
 def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state_indices=None,
-                    scale=None, use_qk_l2norm=False, num_rounds=None):
+                    scale=None, use_qk_l2norm=False, num_rounds=None, u_out=None, logp_out=None, o_out=None):
     """Closed-form parallel tree verification (Theorem 1, eq. 2) with the finite Neumann series.
 
     G = D_β D_P [(K Kᵀ) ⊙ M⁻] D_P⁻¹,  C = D_P [(Q Kᵀ) ⊙ M⁺] D_P⁻¹,  R = D_β (V − D_P K S_pre),
@@ -149,9 +169,11 @@ def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state
         initial_state: the pool [slots, HV, V, K], read only.
         state_indices: [B] slot of each request.
         num_rounds: Neumann terms (default: each tree's depth, which is exact).
+        u_out, logp_out, o_out: optional buffers [N, HV, V], [N, HV], [1, N, HV, V] the results are
+            copied into (the kernel writes them in place: e.g. slices of the all-layer factor buffer).
     Returns:
         o [1, N, HV, V] (v's dtype), u [N, HV, V] and logp [N, HV] (compute dtype): the factors
-        the commit (eq. 10) needs besides k.
+        the commit (eq. 10) needs besides k; the given out buffers instead, in their dtypes.
     """
     qf, kf, vf, gf, bf, dt = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
     N, HV, K = kf.shape
@@ -185,7 +207,8 @@ def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state
         o[s:e] = O.transpose(0, 1)
         u_all[s:e] = U.transpose(0, 1)
         logp_all[s:e] = logp.T
-    return o.to(v.dtype)[None], u_all, logp_all
+    return (_into(o_out, o.to(v.dtype)[None], "o_out"), _into(u_out, u_all, "u_out"),
+            _into(logp_out, logp_all, "logp_out"))
 
 
 def gdn_commit(state_pool, k, u, logp, accepted_nodes, state_indices, use_qk_l2norm=False, out_pool=None,

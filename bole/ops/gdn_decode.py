@@ -13,10 +13,8 @@ Shapes: x [N, C]; q, k [N, HK, K]; v [N, HV, V]; a, b [N, HV]; ssm_state [slots,
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-
 from bole.ops.conv import causal_conv1d_decode
+from bole.ops.gdn import gdn_gating
 from bole.ops.gdn_chunk import gdn_decode
 
 
@@ -38,8 +36,7 @@ def gdn_decode_step_ref(q, k, v, a, b, A_log, dt_bias, ssm_state, state_indices,
     g = -exp(A_log) softplus(a + dt_bias) in fp32; beta = sigmoid(b) in b's dtype (the layer's rounding).
     Returns o [N, HV, V] in v's dtype (written into ``out`` when given).
     """
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-    beta = torch.sigmoid(b)
+    g, beta = gdn_gating(a, b, A_log, dt_bias)
     o, final = gdn_decode(q[None], k[None], v[None], g[None], beta[None], scale=scale,
                           initial_state=ssm_state, state_indices=state_indices,
                           use_qk_l2norm=use_qk_l2norm)

@@ -131,7 +131,8 @@ def test_static_verify_reads_nothing_on_the_host():
     the Triton kernel's launch takes shapes and pointers only, and is captured in the GPU test)."""
     model = meta_model()
 
-    def stub(q, k, v, g, beta, forest, initial_state, state_indices=None, scale=None, use_qk_l2norm=False):
+    def stub(q, k, v, g, beta, forest, initial_state, state_indices=None, scale=None, use_qk_l2norm=False,
+             num_rounds=None, u_out=None, logp_out=None):
         N, HV, V = v.shape[1], v.shape[2], v.shape[3]
         return torch.empty_like(v), v.new_empty(N, HV, V), v.new_empty(N, HV)
 

@@ -104,3 +104,23 @@ def test_bad_shapes_raise():
         gdn_tree_verify(q[:, :2], k[:, :2], v[:, :2], g[:, :2], beta[:, :2], f, pool, [0])
     with pytest.raises(ValueError, match="g must be"):
         gdn_tree_verify(q, k, v, g[..., :1], beta, f, pool, [0])
+
+
+def test_tree_verify_out_buffers_equal_the_default_returns():
+    """u_out / logp_out / o_out (the layer passes slices of the all-layer factor buffer) receive exactly
+    what the default call returns, and are what the call returns."""
+    gen = torch.Generator().manual_seed(5)
+    f = PackedForest.from_trees([random_tree(9, 4, gen), random_tree(5, 3, gen)])
+    q, k, v, g, beta, pool = [t.float() for t in make_inputs(f.num_nodes, 2, 4, 8, 8, 3, gen)]
+    want = gdn_tree_verify(q, k, v, g, beta, f, pool, [2, 0], use_qk_l2norm=True)
+    buf_u = torch.full((2, f.num_nodes, 4, 8), float("nan"))
+    buf_logp = torch.full((2, f.num_nodes, 4), float("nan"))
+    o_out = torch.full_like(want[0], float("nan"))
+    got = gdn_tree_verify(q, k, v, g, beta, f, pool, [2, 0], use_qk_l2norm=True, u_out=buf_u[1],
+                          logp_out=buf_logp[1], o_out=o_out)
+    assert got[0] is o_out and got[1].data_ptr() == buf_u[1].data_ptr() and got[2].data_ptr() == buf_logp[1].data_ptr()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert torch.isnan(buf_u[0]).all() and torch.isnan(buf_logp[0]).all()
+    with pytest.raises(ValueError, match="u_out"):
+        gdn_tree_verify(q, k, v, g, beta, f, pool, [2, 0], u_out=buf_u)
