@@ -15,6 +15,7 @@ Cases (``--cases``):
   bole_tiny_phases   a graphed ``bole`` step at batch 1 split into its graph replays (draft, verify
                      forward, tail; with --step-graphs the one step graph): per graph the GPU kernels and
                      the replay time, and the host time beside them
+  {ar,bole}_tiny_generate   one timed ``generate`` as e2e.py runs it: per-step wall times, cProfile
 Each case also lists the top GPU kernels by device time.
 
     python benchmarks/profile_step.py --out benchmarks/results/profile_h200.json
@@ -175,6 +176,59 @@ def case_phases(name: str, args, device) -> dict:
     return out
 
 
+def case_generate(name: str, args, device) -> dict:
+    """Where a whole ``generate`` call goes, as ``benchmarks/e2e.py`` times it (prompt 0 of the
+    held-out set, 256 tokens, greedy, graphs captured and the prefix cache warmed first): every engine
+    step's wall time with what it did (prefill tokens, requests decoded, tokens emitted), and the top
+    functions of a cProfile of the call."""
+    import cProfile
+    import io
+    import pstats
+
+    from benchmarks.engine_modes import run_mode
+    from bole import LLM, SamplingParams
+
+    mode = "ar" if name.startswith("ar") else "bole"
+    prompts = [json.loads(line)["prompt"] for line in open(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl")]
+    dtype = "float32" if args.smoke else args.tiny_dtype
+    opts = dict(device=str(device), dtype=dtype, num_blocks=2048, enable_cuda_graphs=device.type == "cuda",
+                max_num_seqs=1)
+    made = []
+    real_init = LLM.__init__
+    LLM.__init__ = lambda self, *a, **k: (real_init(self, *a, **k), made.append(self))[0]
+    try:
+        row, _ = run_mode(str(REPO_ROOT / "models" / "bole-tiny-coder"), mode, 1, prompts, 256, args.depth, args.topk,
+                          args.beam, repeats=1, **opts)
+    finally:
+        LLM.__init__ = real_init
+    llm = made[-1]
+    eng, steps = llm.engine, []
+    real_step = eng.step
+
+    def timed():
+        t0 = time.perf_counter()
+        out = real_step()
+        st = eng.metrics.last_step
+        steps.append(dict(ms=round((time.perf_counter() - t0) * 1e3, 3), prefill=st.prefill_tokens,
+                          emitted=st.emitted_tokens, nodes=st.tree_nodes,
+                          verify_ms=round(st.verify_time * 1e3, 3)))
+        return out
+    eng.step = timed
+    sp = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    outs = llm.generate(prompts[:1], sp)
+    prof.disable()
+    wall = time.perf_counter() - t0
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(30)
+    n = sum(len(o.token_ids) for o in outs)
+    return dict(wall_ms=round(wall * 1e3, 3), gpu_busy_ms=0.0, host_overhead_ms=0.0, launches=0, counts={},
+                tokens=n, tokens_per_s=round(n / wall, 1), run_mode_row=row, steps=steps, cprofile=buf.getvalue(),
+                table="")
+
+
 CASES = {"decode9b": case_target, "verify9b": case_target,
          "ar_tiny": lambda n, a, d: case_engine("ar", a, d), "bole_tiny": lambda n, a, d: case_engine("bole", a, d),
          "ar_tiny_graphs": lambda n, a, d: case_engine("ar", a, d, True),
@@ -182,7 +236,7 @@ CASES = {"decode9b": case_target, "verify9b": case_target,
          "decode9b_graph": case_target, "verify9b_graph": case_target,
          **{f"{m}_tiny_graphs_b16": (lambda n, a, d, m=m: case_engine(m, a, d, True, 16))
             for m in ("ar", "serial_tree", "bole")},
-         "bole_tiny_phases": case_phases}
+         "bole_tiny_phases": case_phases, "ar_tiny_generate": case_generate, "bole_tiny_generate": case_generate}
 DEFAULT_CASES = ["decode9b", "verify9b", "ar_tiny", "bole_tiny", "ar_tiny_graphs", "bole_tiny_graphs"]
 
 
