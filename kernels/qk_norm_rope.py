@@ -1,7 +1,8 @@
 """Gated attention's prologue in Triton: q / k RMS norms, partial RoPE and the KV-cache store in one launch.
 
-Replaces GatedAttention's ~35 small kernels between the qkv GEMM and attention (a copy of the strided
-q, two norms, cos / sin, rotate-half for q and k, two cache index_puts):
+Replaces the ~25 small kernels GatedAttention ran between its qkv GEMM and attention in bf16 (copies of
+the strided q / k, two norm kernels, cos / sin and their casts, rotate-half for q and k, two cache
+index_puts):
 
     q_out[n, h]           = rope(rmsnorm(q[n, h]; w_q), positions[n])     h < H
     k_cache[slot_n, h]    = rope(rmsnorm(k[n, h]; w_k), positions[n])     h < Hkv, slot_n = slot_mapping[n]
