@@ -25,13 +25,15 @@ transposed [.., V, K]):
 
 Registered backends:
     "torch":  bole.ops twins; chunked WY prefill (bole.ops.gdn_chunk), batched single-step decode
-              (bole.ops.gdn_decode), torch norms.
+              (bole.ops.gdn_decode), torch norms, attention prologue and gated activations.
     "triton": kernels.gdn_tree_verify / kernels.gdn_commit (and kernels.gdn_tree_serial for the
               serial_tree baseline); verify's conv and gating with kernels.gdn_tree_conv; prefill with
               flash-linear-attention's chunk_gated_delta_rule when importable (else the torch chunk);
               decode and its conv with kernels.gdn_decode; norms with kernels.rmsnorm; the graphed
               decode's attention with kernels.paged_decode_attention (keys read in place from the
-              paged cache).
+              paged cache); the attention prologue (q / k norms, RoPE, KV store) with
+              kernels.qk_norm_rope; x · silu / sigmoid(gate) (MLP, MoE, attention output gate) with
+              kernels.act_mul; the graphed speculative step's forest layouts with kernels.tree_layout.
     "auto":   "triton" on CUDA when the kernels import, else "torch". Resolved once, logged.
 """
 
@@ -44,10 +46,12 @@ from typing import Callable
 
 import torch
 
+from bole.ops.activation import act_mul_ref
 from bole.ops.conv import gdn_tree_conv_ref
 from bole.ops.gdn import gdn_commit, gdn_tree_serial, gdn_tree_verify
 from bole.ops.gdn_chunk import gdn_chunk
 from bole.ops.gdn_decode import causal_conv1d_update_ref, gdn_decode_step_ref
+from bole.ops.rope import qk_norm_rope_store_ref
 from bole.ops.tree_layout import tree_layout_ref
 
 logger = logging.getLogger(__name__)
@@ -66,6 +70,8 @@ class GDNBackend:
     rms_norm: Callable | None = None          # fused norms (kernels.rmsnorm); None: the torch twins
     gated_rms_norm: Callable | None = None
     decode_attention: Callable | None = None  # paged decode attention (kernels.paged_decode_attention)
+    qk_norm_rope_store: Callable = qk_norm_rope_store_ref  # attention prologue (kernels.qk_norm_rope)
+    act_mul: Callable = act_mul_ref            # x · silu / sigmoid(gate): MLP, MoE, attention output gate
     tree_layout: Callable = tree_layout_ref   # a graphed step's forest layout (kernels.tree_layout)
 
 
@@ -115,12 +121,14 @@ def _fla_prefill():
 
 @register_backend("triton")
 def _triton_backend() -> GDNBackend:
+    from kernels.act_mul import act_mul
     from kernels.gdn_commit import gdn_commit as triton_commit
     from kernels.gdn_decode import causal_conv1d_update, gdn_decode_step
     from kernels.gdn_tree_conv import gdn_tree_conv
     from kernels.gdn_tree_serial import gdn_tree_serial as triton_serial
     from kernels.gdn_tree_verify import gdn_tree_verify as triton_verify
     from kernels.paged_decode_attention import paged_decode_attention
+    from kernels.qk_norm_rope import qk_norm_rope_store
     from kernels.rmsnorm import gated_rms_norm, rms_norm
     from kernels.tree_layout import tree_layout
 
@@ -136,7 +144,7 @@ def _triton_backend() -> GDNBackend:
                       tree_verify=tree_verify,
                       commit=triton_commit, tree_serial=triton_serial, tree_conv=gdn_tree_conv, rms_norm=rms_norm,
                       gated_rms_norm=gated_rms_norm, decode_attention=paged_decode_attention,
-                      tree_layout=tree_layout)
+                      qk_norm_rope_store=qk_norm_rope_store, act_mul=act_mul, tree_layout=tree_layout)
 
 
 def resolve_backend(name: str = "auto", device: torch.device | str | None = None) -> GDNBackend:

@@ -5,9 +5,12 @@
     o = softmax(q kᵀ / √D + mask) v   (GQA: query head h reads kv head h // (Hq / Hkv))
     y = o_proj(o · sigmoid(gate))
 
-The new tokens' K/V are written to ``ctx.slot_mapping`` first; each request then attends over
-``ctx.kv_slots[b]`` (its committed prefix followed by its new tokens) with a causal mask for
-prefill/decode, or prefix + ancestor mask (M⁺) for verify. ``_per_request`` is the torch reference,
+Between the qkv GEMM and attention, one call (``qk_norm_rope_store``: bole.ops.rope, or
+kernels.qk_norm_rope on the "triton" backend) norms and rotates q and k and writes the new tokens' K/V
+to ``ctx.slot_mapping``; the output gate is one more (``act_mul``: bole.ops.activation, or
+kernels.act_mul), so on "triton" the layer is two launches around attention besides its GEMMs. Each
+request then attends over ``ctx.kv_slots[b]`` (its committed prefix followed by its new tokens) with a
+causal mask for prefill/decode, or prefix + ancestor mask (M⁺) for verify. ``_per_request`` is the torch reference,
 one SDPA call per request (prefill runs it); verify and decode run ``_padded``, one SDPA call for the
 whole batch over keys padded to the longest request (``ForwardContext.padded_attention``, built once
 per forward), compared with the reference in tests/models/test_padded_attention.py.
@@ -22,6 +25,8 @@ heads than ranks each rank holds one replicated KV head (``bole.parallel.head_ra
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,6 +35,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from bole.layers.linear import FusedLinear
 from bole.layers.norm import RMSNorm
 from bole.layers.rotary import RotaryEmbedding
+from bole.ops.activation import act_mul_ref
+from bole.ops.rope import qk_norm_rope_store_ref
 from bole.parallel import local_heads, split_heads
 
 # verify and decode steps attend in one batched SDPA call per layer (``_padded``); prefill keeps the
@@ -65,7 +72,10 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
         self.qkv_proj: FusedLinear | None = None
-        self.decode_attention = None  # the backend's paged decode kernel (set by the model)
+        # the backend's kernels (set by the model; the torch twins by default)
+        self.decode_attention = None  # paged decode attention
+        self.qk_norm_rope_store: Callable = qk_norm_rope_store_ref  # q / k norms, RoPE, K/V into the cache
+        self.act_mul: Callable = act_mul_ref                        # the output gate o · sigmoid(gate)
 
     def fuse_projections(self) -> None:
         """One GEMM for q_proj (queries and gate) | k_proj | v_proj (``bole.layers.linear``)."""
@@ -77,23 +87,20 @@ class GatedAttention(nn.Module):
             qg, k, v = self.qkv_proj(x)
         else:
             qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q, gate = qg.view(N, self.num_heads, 2 * D).chunk(2, dim=-1)
-        gate = gate.reshape(N, self.num_heads * D)
-        q = self.q_norm(q)
-        k = self.k_norm(k.view(N, self.num_kv_heads, D))
-        v = v.view(N, self.num_kv_heads, D)
-        cos, sin = self.rotary.cos_sin(ctx.positions)
-        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
-
+        q, gate = qg.view(N, self.num_heads, 2 * D).chunk(2, dim=-1)  # [N, H, D] each, strided views
+        # q, k normed and rotated, k and v written to the new tokens' cache slots (one launch on "triton")
         cache = ctx.kv_cache
-        cache.write(self.cache_index, ctx.slot_mapping, k, v)
+        q = self.qk_norm_rope_store(
+            q, k.view(N, self.num_kv_heads, D), v.view(N, self.num_kv_heads, D), self.q_norm.weight,
+            self.k_norm.weight, ctx.positions, self.rotary.inv_freq(x.device), self.q_norm.eps,
+            cache.k(self.cache_index).flatten(0, 1), cache.v(self.cache_index).flatten(0, 1), ctx.slot_mapping)
         if ctx.static is not None:
             out = self._static_decode(q, cache, ctx.static, x.dtype)
         elif ctx.mode in ("verify", "decode") and BATCHED_VERIFY_DECODE:
             out = self._padded(q, cache, ctx.padded_attention(), x.dtype)
         else:
             out = self._per_request(q, cache, ctx, x.dtype)
-        return self.o_proj(out.reshape(N, -1) * torch.sigmoid(gate))
+        return self.o_proj(self.act_mul(out, gate, "sigmoid").reshape(N, -1))
 
     def _padded(self, q: torch.Tensor, cache, pa, dtype) -> torch.Tensor:
         """Every request in one SDPA call over its padded keys (``ForwardContext.padded_attention``):

@@ -5,17 +5,21 @@
 
 Experts are stored fused, as transformers holds them: ``experts.gate_up_proj`` [E, 2I, H] (gate rows
 then up rows) and ``experts.down_proj`` [E, H, I]; the loader stacks per-expert checkpoint tensors.
-Tensor parallel: each expert's intermediate dim is split (gate_up column, down row parallel), the
-router and the shared-expert gate are replicated.
+silu(gate) · up of each expert and the shared expert's sigmoid gate go through ``act_mul`` (the
+backend's: bole.ops.activation or kernels.act_mul). Tensor parallel: each expert's intermediate dim
+is split (gate_up column, down row parallel), the router and the shared-expert gate are replicated.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from bole.layers.mlp import MLP
+from bole.ops.activation import act_mul_ref
 
 
 class Experts(nn.Module):
@@ -24,6 +28,7 @@ class Experts(nn.Module):
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.act_mul: Callable = act_mul_ref  # the backend's (set by the model)
 
     def forward(self, x, top_idx, top_w):
         """x [N, H]; top_idx, top_w [N, k] -> [N, H]."""
@@ -31,7 +36,7 @@ class Experts(nn.Module):
         for e in torch.unique(top_idx).tolist():
             tok, slot = torch.where(top_idx == e)
             gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            y = F.linear(self.act_mul(up, gate, "silu"), self.down_proj[e])
             out.index_add_(0, tok, (y * top_w[tok, slot, None]).to(out.dtype))
         return out
 
@@ -45,6 +50,7 @@ class SparseMoE(nn.Module):
         self.experts = Experts(num_experts, hidden_size, moe_intermediate_size)
         self.shared_expert = MLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_intermediate_size else None
+        self.act_mul: Callable = act_mul_ref  # the backend's (set by the model)
 
     def forward(self, x):
         logits = self.gate(x)
@@ -54,5 +60,6 @@ class SparseMoE(nn.Module):
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         out = self.experts(x, top_idx, top_w.to(x.dtype))
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            out = out + self.act_mul(shared, self.shared_expert_gate(x).expand_as(shared), "sigmoid")
         return out

@@ -45,7 +45,7 @@ from bole.config import ModelConfig
 from bole.layers.attention import GatedAttention
 from bole.layers.gdn import GatedDeltaNet
 from bole.layers.mlp import MLP
-from bole.layers.moe import SparseMoE
+from bole.layers.moe import Experts, SparseMoE
 from bole.layers.norm import GatedRMSNorm, RMSNorm
 from bole.ops.conv import conv_state_commit_layers
 from bole.parallel import local_model_config
@@ -163,13 +163,16 @@ class HybridForCausalLM(nn.Module):
         n_mtp = cfg.num_mtp_layers if num_mtp_layers is None else num_mtp_layers
         self.mtp = MTPDrafter(cfg, n_mtp, self.backend, self.model.embed_tokens, self.lm_head, tp_size,
                               tp_reduce) if n_mtp > 0 else None
-        for m in self.modules():  # the backend's norm kernels (the torch twins by default)
+        for m in self.modules():  # the backend's kernels (the torch twins by default)
             if isinstance(m, RMSNorm) and self.backend.rms_norm is not None:
                 m.kernel = self.backend.rms_norm
             elif isinstance(m, GatedRMSNorm) and self.backend.gated_rms_norm is not None:
                 m.kernel = self.backend.gated_rms_norm
             elif isinstance(m, GatedAttention):
                 m.decode_attention = self.backend.decode_attention
+                m.qk_norm_rope_store = self.backend.qk_norm_rope_store
+            if isinstance(m, (GatedAttention, MLP, SparseMoE, Experts)):
+                m.act_mul = self.backend.act_mul
 
     def fuse_projections(self) -> "HybridForCausalLM":
         """Concatenate the projections that share an input into one GEMM each (``bole.layers.linear``);
