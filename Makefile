@@ -11,8 +11,10 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # Re-install only when the dependency list changes (idempotent).
+# On a machine with an NVIDIA GPU the `gpu` extra too (flash-linear-attention's GDN prefill).
+EXTRAS  := test$(shell nvidia-smi >/dev/null 2>&1 && echo ,gpu)
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -9,8 +9,13 @@ selection, compaction, acceptance). On the CPU the model runs the torch twins: a
 kernel on the GPU is one op where its twin here is several, so the model-forward counts are upper
 bounds; the bookkeeping counts are what the GPU replays.
 
+With ``--backend triton`` the model runs the Triton kernels (interpreted, so slow) and each kernel
+launch counts as one op (the torch ops inside an interpreted launch are not counted): the count then
+follows the GPU's kernel structure.
+
     python benchmarks/op_count.py                  # bole, batch 1, the embedded model
     python benchmarks/op_count.py --mode serial_tree --batch 4
+    python benchmarks/op_count.py --backend triton --depth 12 --topk 2 --beam 2
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -35,12 +41,28 @@ FREE = {"view", "_unsafe_view", "slice", "select", "as_strided", "expand", "unsq
 class _Counter(TorchDispatchMode):
     def __init__(self, phase: list[str], counts: collections.Counter):
         super().__init__()
-        self.phase, self.counts = phase, counts
+        self.phase, self.counts, self.in_kernel = phase, counts, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ not in FREE:
+        if func.overloadpacket.__name__ not in FREE and not self.in_kernel:
             self.counts[self.phase[-1], func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
+
+    def count_triton(self):
+        """Count each interpreted Triton launch as one op (and nothing inside it)."""
+        import triton.runtime.interpreter as ti
+
+        run = ti.GridExecutor.__call__
+
+        def launch(executor, *a, **k):
+            self.counts[self.phase[-1], "triton:" + executor.fn.__name__] += 1
+            self.in_kernel += 1
+            try:
+                return run(executor, *a, **k)
+            finally:
+                self.in_kernel -= 1
+        ti.GridExecutor.__call__ = launch
+        return run
 
 
 def _label(owner, name: str, label: str, phase: list[str]) -> None:
@@ -55,12 +77,17 @@ def _label(owner, name: str, label: str, phase: list[str]) -> None:
     setattr(owner, name, wrapped)
 
 
-def count(mode: str = "bole", batch: int = 1, depth: int = 4, topk: int = 4, beam: int = 4) -> dict:
+def count(mode: str = "bole", batch: int = 1, depth: int = 4, topk: int = 4, beam: int = 4,
+          backend: str = "torch") -> dict:
     from bole import LLM, SamplingParams
     from bole.engine.spec_graphs import StaticTree, tree_widths
     from bole.models import qwen3_5
     from bole.spec.tree import MAX_TREE_NODES
 
+    if backend == "triton":  # the model's "auto" backend resolves to the Triton kernels, interpreted
+        os.environ["TRITON_INTERPRET"] = "1"
+        resolve = qwen3_5.resolve_backend
+        qwen3_5.resolve_backend = lambda name="auto", device=None: resolve("triton")
     phase = ["other"]
     # labelled before the graphs are built, so their closures call the labelled methods
     for owner, name, label in ((StaticTree, "fill", "forest layout"), (qwen3_5.MTPDrafter, "forward", "drafter"),
@@ -88,12 +115,20 @@ def count(mode: str = "bole", batch: int = 1, depth: int = 4, topk: int = 4, bea
     for _ in range(4):  # prefill and a few speculative steps
         eng.step()
     counts: collections.Counter = collections.Counter()
-    with _Counter(phase, counts):
-        eng.step()
+    counter = _Counter(phase, counts)
+    restore = counter.count_triton() if backend == "triton" else None
+    try:
+        with counter:
+            eng.step()
+    finally:
+        if restore is not None:
+            import triton.runtime.interpreter as ti
+            ti.GridExecutor.__call__ = restore
     per_phase = collections.Counter()
     for (p, _), n in counts.items():
         per_phase[p] += n
-    return dict(mode=mode, batch=batch, total=sum(per_phase.values()), per_phase=dict(per_phase.most_common()),
+    return dict(mode=mode, batch=batch, backend=backend, depth=depth, topk=topk, beam=beam,
+                total=sum(per_phase.values()), per_phase=dict(per_phase.most_common()),
                 top_ops={p: dict(sorted(((o, n) for (q, o), n in counts.items() if q == p), key=lambda x: -x[1])[:12])
                          for p in per_phase})
 
@@ -102,9 +137,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mode", default="bole", choices=["bole", "serial_tree"])
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--backend", default="torch", choices=["torch", "triton"])
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--topk", type=int, default=4)
+    ap.add_argument("--beam", type=int, default=4)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    doc = count(args.mode, args.batch)
+    doc = count(args.mode, args.batch, args.depth, args.topk, args.beam, args.backend)
     print(json.dumps(doc["per_phase"]), "total", doc["total"])
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=1))

@@ -19,10 +19,11 @@ rm -rf "$RES" && mkdir -p "$RES"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 unset TRITON_INTERPRET
 T0=$(date +%s)
-# pytest (+ hypothesis) from carried wheels when the GPU machine lacks them (carry .gpuwhl; made by
-# `pip download --no-deps --only-binary=:all: --python-version 3.12 ... pytest pluggy iniconfig packaging
-# hypothesis sortedcontainers attrs -d .gpuwhl`)
-if ! python3 -c "import pytest, hypothesis" 2>/dev/null && ls .gpuwhl/*.whl >/dev/null 2>&1; then
+# What the GPU machine lacks, from carried wheels (carry .gpuwhl; made by `pip download --no-deps
+# --only-binary=:all: --python-version 3.12 ... pytest pluggy iniconfig packaging hypothesis
+# sortedcontainers attrs fla-core einops -d .gpuwhl`): installed beside the machine's own packages,
+# which come first on the path. fla-core + einops: the `gpu` extra of pyproject.toml (GDN prefill).
+if ls .gpuwhl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/gpusite .gpuwhl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/gpusite"
 fi
