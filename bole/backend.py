@@ -33,7 +33,8 @@ Registered backends:
               decode's attention with kernels.paged_decode_attention (keys read in place from the
               paged cache); the attention prologue (q / k norms, RoPE, KV store) with
               kernels.qk_norm_rope; x · silu / sigmoid(gate) (MLP, MoE, attention output gate) with
-              kernels.act_mul; the graphed speculative step's forest layouts with kernels.tree_layout.
+              kernels.act_mul; the graphed speculative step's forest layouts with kernels.tree_layout and its
+              greedy acceptance with kernels.greedy_accept.
     "auto":   "triton" on CUDA when the kernels import, else "torch". Resolved once, logged.
 """
 
@@ -47,6 +48,7 @@ from typing import Callable
 
 import torch
 
+from bole.ops.accept import greedy_accept_ref
 from bole.ops.activation import act_mul_ref
 from bole.ops.conv import gdn_tree_conv_ref
 from bole.ops.gdn import gdn_commit, gdn_tree_serial, gdn_tree_verify
@@ -74,6 +76,7 @@ class GDNBackend:
     qk_norm_rope_store: Callable = qk_norm_rope_store_ref  # attention prologue (kernels.qk_norm_rope)
     act_mul: Callable = act_mul_ref            # x · silu / sigmoid(gate): MLP, MoE, attention output gate
     tree_layout: Callable = tree_layout_ref   # a graphed step's forest layout (kernels.tree_layout)
+    greedy_accept: Callable = greedy_accept_ref  # the verify tail's greedy tree walk (kernels.greedy_accept)
 
 
 _REGISTRY: dict[str, Callable[[], GDNBackend]] = {}
@@ -128,6 +131,7 @@ def _triton_backend() -> GDNBackend:
     from kernels.gdn_tree_conv import gdn_tree_conv
     from kernels.gdn_tree_serial import gdn_tree_serial as triton_serial
     from kernels.gdn_tree_verify import gdn_tree_verify as triton_verify
+    from kernels.greedy_accept import greedy_accept
     from kernels.paged_decode_attention import paged_decode_attention
     from kernels.qk_norm_rope import qk_norm_rope_store
     from kernels.rmsnorm import gated_rms_norm, rms_norm
@@ -147,7 +151,8 @@ def _triton_backend() -> GDNBackend:
                       tree_verify=tree_verify,
                       commit=triton_commit, tree_serial=triton_serial, tree_conv=gdn_tree_conv, rms_norm=rms_norm,
                       gated_rms_norm=gated_rms_norm, decode_attention=paged_decode_attention,
-                      qk_norm_rope_store=qk_norm_rope_store, act_mul=act_mul, tree_layout=tree_layout)
+                      qk_norm_rope_store=qk_norm_rope_store, act_mul=act_mul, tree_layout=tree_layout,
+                      greedy_accept=greedy_accept)
 
 
 def resolve_backend(name: str = "auto", device: torch.device | str | None = None) -> GDNBackend:

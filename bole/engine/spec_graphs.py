@@ -303,21 +303,19 @@ class VerifyGraphs:
         (``commit_paths``: GDN state, conv windows, K/V), writing the host's one read (``out_accept``)
         and the path's hiddens (``out_path_hidden``); captured by ``_build``."""
         from bole.cache.prefix_cache import boundary_cut
-        from bole.spec.sampling import accept_tree
 
-        Bc, Tc, dev, D = g.batch, g.width, self.runner.device, self.max_depth
+        Bc, Tc, D = g.batch, g.width, self.max_depth
         V = self.out_logits.shape[1]
         logits, hidden = self.out_logits[:Bc * Tc].view(Bc, Tc, V), self.out_hidden[:Bc * Tc]
         drafts, parents = self.draft_tokens[:Bc, 1:Tc], self.draft_parents[:Bc, 1:Tc]
         inp, out, out_h = self.rows.device[:Bc], self.out_accept[:Bc], self.out_path_hidden[:Bc]
-        uniforms = torch.zeros(Bc, Tc, device=dev)  # unused by a greedy walk
         model, forest, ctx = self.model, g.ctx.forest, g.ctx
+        accept = model.backend.greedy_accept   # accept_tree's greedy walk (kernels.greedy_accept on the GPU)
 
         ckpt = self.checkpoints
 
         def run():
-            acc = accept_tree(drafts, parents - 1, uniforms, logits=logits, temperature=0.0, top_k=0, top_p=0.0,
-                              max_depth=D - 1)
+            acc = accept(drafts, parents - 1, logits, max_depth=D - 1)
             # padding rows (the pad state slot) commit nothing; a real row always keeps its root
             real = inp[:, _SLOT] != self.pad_slot
             local = torch.where(real, acc.accepted_node + 1, -1)

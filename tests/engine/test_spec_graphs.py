@@ -214,10 +214,12 @@ def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel
     max_tokens = [12, 5, 20, 9]
     ref = run_arrivals(_engine(ckpt, "cpu", "ar", False, enable_prefix_cache=False), PROMPTS, max_tokens)
     eng = _engine(ckpt, "cpu", mode, False, enable_prefix_cache=prefix_cache)
-    if layout_kernel:  # the forest layouts by kernels.tree_layout (under the interpreter), as on a GPU
+    if layout_kernel:  # forest layouts and the tail's acceptance by their kernels (interpreted), as on a GPU
+        from kernels.greedy_accept import greedy_accept
         from kernels.tree_layout import tree_layout
 
-        eng.model.backend = dataclasses.replace(eng.model.backend, tree_layout=tree_layout)
+        eng.model.backend = dataclasses.replace(eng.model.backend, tree_layout=tree_layout,
+                                                greedy_accept=greedy_accept)
     assert eng.runner.verify_graphs is None  # the option is ignored on the CPU
     spec = eng.config.spec
     vg = eng.runner.enable_verify_graphs((1, 2, 4), tree_widths(eng.lookahead), spec.depth + 1,
