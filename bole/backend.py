@@ -123,6 +123,21 @@ def _fla_prefill():
     return prefill
 
 
+FLA_MIN_TOKENS = 65
+
+
+def _short_to_torch(fla_prefill, min_tokens: int = FLA_MIN_TOKENS):
+    """Prefills of fewer than ``min_tokens`` tokens (in the whole batch) through the torch chunk: there
+    the launch count decides, and fla's chunk (many kernels behind its compile guards) measured slower
+    on the H200: 62 against 33 ms for a 13-token prompt of the embedded model, first engine step of
+    ``profile_step.py --cases ar_tiny_generate``. The crossover above was not measured."""
+    def prefill(q, k, v, g, beta, **kw):
+        if q.shape[1] < min_tokens:
+            return gdn_chunk(q, k, v, g, beta, **kw)
+        return fla_prefill(q, k, v, g, beta, **kw)
+    return prefill
+
+
 @register_backend("triton")
 def _triton_backend() -> GDNBackend:
     from kernels.act_mul import act_mul
@@ -141,7 +156,7 @@ def _triton_backend() -> GDNBackend:
     # fla's kernels need a GPU driver: under the Triton interpreter (CPU tests) the torch chunk
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1":
         try:
-            prefill, prefill_name = _fla_prefill(), "fla.chunk_gated_delta_rule"
+            prefill, prefill_name = _short_to_torch(_fla_prefill()), "fla.chunk_gated_delta_rule"
         except ImportError as e:
             logger.warning("GDN triton backend: flash-linear-attention unavailable (%s); torch chunk prefill", e)
     logger.info("GDN triton backend: prefill via %s", prefill_name)

@@ -22,11 +22,19 @@ Twin: `bole.ops.rope.qk_norm_rope_store_ref`.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from kernels._checks import check_tensor
+
+# cos / sin of large angles (positions of 10^5 and more times a frequency near 1) need the accurate
+# libdevice functions that torch's cos / sin compile to; the interpreter (CPU tests) has no libdevice
+# and computes tl.cos / tl.sin with numpy's accurate ones.
+_LIBDEVICE_TRIG = os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX = (torch.int32, torch.int64)
@@ -38,7 +46,7 @@ def qk_norm_rope_store_kernel(
     q, k, v, wq, wk, positions, inv_freq, q_out, k_cache, v_cache, slots,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh,
     stride_kcs, stride_kch, stride_vcs, stride_vch, H, eps,
-    D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr,
+    D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr, LIBDEVICE_TRIG: tl.constexpr,
 ):
     i_n, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_d = tl.arange(0, BD)
@@ -64,8 +72,12 @@ def qk_norm_rope_store_kernel(
 
     b_pos = tl.load(positions + i_n).to(tl.float32)
     b_f = b_pos * tl.load(inv_freq + o_d % (R // 2), mask=m_r, other=0)
-    b_cos = tl.cos(b_f).to(q.dtype.element_ty).to(tl.float32)
-    b_sin = tl.sin(b_f).to(q.dtype.element_ty).to(tl.float32)
+    if LIBDEVICE_TRIG:
+        b_cos, b_sin = libdevice.cos(b_f), libdevice.sin(b_f)
+    else:
+        b_cos, b_sin = tl.cos(b_f), tl.sin(b_f)
+    b_cos = b_cos.to(q.dtype.element_ty).to(tl.float32)
+    b_sin = b_sin.to(q.dtype.element_ty).to(tl.float32)
     b_rot = (b_y * b_cos).to(q.dtype.element_ty).to(tl.float32) + (b_yp * b_sin).to(q.dtype.element_ty).to(tl.float32)
     b_o = tl.where(m_r, b_rot, b_y).to(q.dtype.element_ty)
 
@@ -89,7 +101,7 @@ def launch_qk_norm_rope_store(q, k, v, q_weight, k_weight, positions, inv_freq, 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), H, eps,
-        D=D, R=2 * inv_freq.shape[0], BD=BD, num_warps=max(1, min(4, BD // 256)),
+        D=D, R=2 * inv_freq.shape[0], BD=BD, LIBDEVICE_TRIG=_LIBDEVICE_TRIG, num_warps=max(1, min(4, BD // 256)),
     )
     return q_out
 
