@@ -85,6 +85,7 @@ def count(mode: str = "bole", batch: int = 1, depth: int = 4, topk: int = 4, bea
     from bole.spec.tree import MAX_TREE_NODES
 
     if backend == "triton":  # the model's "auto" backend resolves to the Triton kernels, interpreted
+        # (the process stays in interpreter mode: Triton reads the variable when kernels launch)
         os.environ["TRITON_INTERPRET"] = "1"
         resolve = qwen3_5.resolve_backend
         qwen3_5.resolve_backend = lambda name="auto", device=None: resolve("triton")
@@ -97,9 +98,13 @@ def count(mode: str = "bole", batch: int = 1, depth: int = 4, topk: int = 4, bea
                                (qwen3_5.MTPDrafter, "compute_logits", "lm head")):
         _label(owner, name, label, phase)
     torch.set_num_threads(1)
-    llm = LLM(str(REPO_ROOT / "models" / "bole-tiny-coder"), mode=mode, depth=depth, topk=topk, beam=beam,
-              device="cpu", dtype="float32", num_blocks=1024, max_num_seqs=batch,
-              calibration_table="calibration_tables/default.yaml")
+    try:
+        llm = LLM(str(REPO_ROOT / "models" / "bole-tiny-coder"), mode=mode, depth=depth, topk=topk, beam=beam,
+                  device="cpu", dtype="float32", num_blocks=1024, max_num_seqs=batch,
+                  calibration_table="calibration_tables/default.yaml")
+    finally:  # the model holds its backend now: later models of this process resolve as usual
+        if backend == "triton":
+            qwen3_5.resolve_backend = resolve
     eng, spec = llm.engine, llm.engine.config.spec
     vg = eng.runner.enable_verify_graphs(list(range(1, batch + 1)), tree_widths(eng.lookahead), spec.depth + 1,
                                          capture=False)

@@ -134,7 +134,8 @@ def case_engine(mode: str, args, device, graphs: bool = False, batch: int = 1) -
 def case_phases(name: str, args, device) -> dict:
     """One graphed ``bole`` step split into the graphs it replays, each timed on its own (CUDA events
     over repeated replays) and profiled once for its kernel count; ``host_ms`` is the step's wall time
-    less the replays' (Python, host-to-device row copies, the one device-to-host read)."""
+    less the replays' (Python, host-to-device row copies, the one device-to-host read). The repeated
+    tail replays commit the same path again: the engine's state is spent afterwards (the case's last use)."""
     if device.type != "cuda":
         return dict(skipped="needs CUDA graphs")
     eng = _engine("bole", args, device, True, 1)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -140,6 +139,7 @@ def _short_to_torch(fla_prefill, min_tokens: int = FLA_MIN_TOKENS):
 
 @register_backend("triton")
 def _triton_backend() -> GDNBackend:
+    from kernels._checks import interpreting
     from kernels.act_mul import act_mul
     from kernels.gdn_commit import gdn_commit as triton_commit
     from kernels.gdn_decode import causal_conv1d_update, gdn_decode_step
@@ -154,10 +154,10 @@ def _triton_backend() -> GDNBackend:
 
     prefill, prefill_name = gdn_chunk, "torch chunk"
     # fla's kernels need a GPU driver: under the Triton interpreter (CPU tests) the torch chunk
-    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if torch.cuda.is_available() and not interpreting():
         try:
             prefill, prefill_name = _short_to_torch(_fla_prefill()), "fla.chunk_gated_delta_rule"
-        except ImportError as e:
+        except Exception as e:  # absent, or an fla that does not import against this torch / triton
             logger.warning("GDN triton backend: flash-linear-attention unavailable (%s); torch chunk prefill", e)
     logger.info("GDN triton backend: prefill via %s", prefill_name)
     # the measured per-shape launch table for half-precision activations (kernels.gdn_tree_verify._TUNED_LOWP)

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET as Triton reads it)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def check_tensor(name: str, t, dim: int, dtypes, device) -> None:

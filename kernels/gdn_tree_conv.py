@@ -94,6 +94,7 @@ def launch_gdn_tree_conv(x, weight, bias, conv_state, state_indices, forest: Pac
     ``gating``: None or (a, b, A_log, dt_bias, g, beta)."""
     N, C = x.shape
     W = weight.shape[1]
+    state_indices = state_indices.contiguous()  # the kernel indexes it densely (a view of a row buffer: a copy)
     widths = [p.shape[1] for p in parts]
     C1, C2 = min(widths[0], C), min(sum(widths[:2]), C)
     y0, y1, y2 = (parts + [parts[0]] * (3 - len(parts)))[:3]  # missing parts: empty column ranges

@@ -22,19 +22,17 @@ Twin: `bole.ops.rope.qk_norm_rope_store_ref`.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels._checks import check_tensor
+from kernels._checks import check_tensor, interpreting
 
 # cos / sin of large angles (positions of 10^5 and more times a frequency near 1) need the accurate
 # libdevice functions that torch's cos / sin compile to; the interpreter (CPU tests) has no libdevice
 # and computes tl.cos / tl.sin with numpy's accurate ones.
-_LIBDEVICE_TRIG = os.environ.get("TRITON_INTERPRET", "0") != "1"
+_LIBDEVICE_TRIG = not interpreting()
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX = (torch.int32, torch.int64)

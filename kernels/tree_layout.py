@@ -101,7 +101,12 @@ def _check_out(name, t, shape, dtype, device):
 
 def tree_layout(parents, num_cached, tables, block_size: int, *, forest, positions, kv_positions, slot_mapping,
                 kv_index, mask, num_cached_out, state_slots=None, state_slots_out=None):
-    """``bole.ops.tree_layout.tree_layout_ref`` in one launch; same arguments, outputs written in place."""
+    """``bole.ops.tree_layout.tree_layout_ref`` in one launch; same arguments, outputs written in place.
+
+    The caller guarantees num_cached + T <= L for every row (a graph's key does: its KV bucket covers
+    the committed prefix and the tree): checking it would read num_cached on the host. The twin
+    raises on an out-of-range block lookup; the kernel would read past the table.
+    """
     dev = parents.device
     check_tensor("parents", parents, 2, _INDEX, dev)
     check_tensor("num_cached", num_cached, 1, _INDEX, dev)

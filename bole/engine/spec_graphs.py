@@ -165,7 +165,7 @@ class VerifyGraphs:
         self.out_path_hidden = torch.zeros(Bm, self.max_depth, H, dtype=dtype, device=dev)
         self.graphs: dict[tuple[int, int, int], _VGraph] = {}
         self.pool = pool
-        self.replays = self.tail_replays = 0
+        self.replays = self.tail_replays = self.made = 0
         self.checkpoints = None   # (StatePool, interval, ckpt slot rows): ``enable_checkpoints``
 
     # -- selection -------------------------------------------------------------------------------
@@ -197,6 +197,7 @@ class VerifyGraphs:
         ``_build`` captures them, ``StepGraphs`` captures them inside a whole step)."""
         runner, bs, D = self.runner, self.block_size, self.max_depth
         N = Bc * Tc
+        self.made += 1  # its tail fixes the checkpoint setting now (``enable_checkpoints`` must precede)
         inp = self.rows.device[:Bc]
         tables = inp[:, _TABLE:_TABLE + Lc // bs]
         draft_tok, draft_par = self.draft_tokens[:Bc, :Tc], self.draft_parents[:Bc, :Tc]
@@ -292,8 +293,8 @@ class VerifyGraphs:
         path jumps over a multiple of ``interval`` tokens gets the state at that boundary committed into
         ``pool`` at the slot ``run_tail`` names for it (the host reserved it: ``PrefixCache``). A row
         whose path does not cross writes nothing there; rows without a slot name ``scratch_slot``."""
-        if self.graphs:
-            raise ValueError("enable_checkpoints must precede the first graph")
+        if self.graphs or self.made:
+            raise ValueError("enable_checkpoints must precede the first graph (a step graph's too)")
         self.checkpoints = (pool, int(interval), StaticRows(self.batch_sizes[-1], 1, self.runner.device),
                             int(scratch_slot))
 

@@ -53,6 +53,9 @@ class StepGraphs:
         if draft.batch_sizes != verify.batch_sizes:
             raise ValueError(f"draft and verify graphs must share batch sizes, got {draft.batch_sizes} and "
                              f"{verify.batch_sizes}")
+        if draft.kv_lengths != verify.kv_lengths:
+            raise ValueError(f"draft and verify graphs must share KV-length buckets, got {draft.kv_lengths} and "
+                             f"{verify.kv_lengths}")
         self.draft, self.verify, self.capture = draft, verify, capture
         self.graphs: dict[tuple[int, int, int], _SGraph] = {}
         self.replays = 0

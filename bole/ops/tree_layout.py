@@ -16,7 +16,8 @@ carry extra children of the root) at committed lengths num_cached [B], over bloc
                                      or p - num_cached is an ancestor-or-self of t
 
 All outputs are written in place (static buffers of a CUDA graph); nothing is read back to the host.
-The caller guarantees parents precede their children and depths stay within D (no validation here).
+The caller guarantees parents precede their children, depths stay within D and num_cached + T <= L
+(no validation here: it would read device values on the host).
 """
 
 from __future__ import annotations

@@ -383,6 +383,20 @@ def test_tail_checkpoints_under_pool_pressure_cpu(ckpt):
     assert results[0] == results[1] and results[0][0] > 0
 
 
+def test_checkpoints_must_precede_step_graphs(ckpt):
+    # a step graph's tail fixes the checkpoint setting when it is built (review finding)
+    eng = _engine(ckpt, "cpu", "bole", False, enable_prefix_cache=True)
+    s = eng.config.spec
+    vg = eng.runner.enable_verify_graphs((1, 2, 4), tree_widths(eng.lookahead), s.depth + 1, capture=False, min_kv=8)
+    eng.runner.enable_draft_graphs((1, 2, 4), s.depth, s.topk, s.beam, capture=False, min_kv=8,
+                                   max_per_request=MAX_TREE_NODES - 1)
+    sg = eng.runner.enable_step_graphs(capture=False)
+    sg._build(1, vg.widths[0], vg.kv_lengths[-1])
+    with pytest.raises(ValueError, match="enable_checkpoints must precede"):
+        vg.enable_checkpoints(eng.prefix_cache.checkpoints, eng.config.cache.checkpoint_interval,
+                              eng.prefix_cache.scratch_slot)
+
+
 def test_verify_tail_matches_eager_cpu(ckpt):
     _compare_tail(ckpt, "cpu", capture=False, tol=1e-4)
 

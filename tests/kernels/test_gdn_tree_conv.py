@@ -196,3 +196,18 @@ def test_gpu_bf16_qwen_shapes(device, sizes):
     y_t, g_t, beta_t = gdn_tree_conv_ref(x, weight, state, idx, forest, a, b, A_log, dt_bias)
     assert rel_err(y_k, y_t) <= 1e-2 and rel_err(g_k, g_t) <= 1e-5
     assert (beta_k.float() - beta_t.float()).abs().max() <= 1e-2
+
+
+def test_strided_state_indices():
+    # a column of a host-row buffer, as the graphs pass their inputs (review finding: read densely)
+    from bole.ops.conv import causal_conv1d_tree as twin
+    from bole.spec.tree import DraftTree, PackedForest
+    from kernels.gdn_tree_conv import causal_conv1d_tree
+
+    gen = torch.Generator().manual_seed(0)
+    f = PackedForest.from_trees([DraftTree([-1, 0, 1], max_depth=4), DraftTree([-1, 0], max_depth=4)])
+    x, w = torch.randn(f.num_nodes, 8, generator=gen), torch.randn(8, 4, generator=gen)
+    state = torch.randn(6, 8, 3, generator=gen)
+    idx = torch.tensor([[3, 99], [5, 99]])[:, 0]
+    assert idx.stride() == (2,)
+    torch.testing.assert_close(causal_conv1d_tree(x, w, None, state, idx, f), twin(x, w, None, state, idx, f))

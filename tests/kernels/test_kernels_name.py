@@ -59,3 +59,11 @@ def test_transformers_unaffected_by_our_kernels_package():
     res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
                          timeout=300, cwd=str(REPO))
     assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stdout + res.stderr
+
+
+def test_interpreting_reads_triton_interpret_as_triton_does(monkeypatch):
+    from kernels._checks import interpreting
+
+    for value, expected in (("1", True), ("true", True), ("ON", True), ("yes", True), ("0", False), ("", False)):
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+        assert interpreting() is expected, value
