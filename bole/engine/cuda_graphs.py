@@ -72,6 +72,14 @@ def kv_buckets(min_kv: int, capacity: int, block_size: int) -> list[int]:
     return out
 
 
+def kv_layout(cache, min_kv: int) -> tuple[int, list[int], int]:
+    """A graph family over the paged ``cache``: (block size, its KV-length buckets, the blocks of the
+    largest bucket: the block-table width of its input rows)."""
+    bs = cache.block_size
+    lengths = kv_buckets(min_kv, cache.num_blocks * bs, bs)
+    return bs, lengths, lengths[-1] // bs
+
+
 def smallest_at_least(values: Sequence[int], n: int) -> int:
     """The first of the ascending captured sizes ``values`` that is >= n (the caller checked one is)."""
     return next(v for v in values if v >= n)
@@ -163,10 +171,7 @@ class DecodeGraphs:
         self.runner, self.model = runner, runner.model
         self.batch_sizes, self.capture = sizes, capture
         self.pad_block, self.pad_slot = int(pad_block), int(pad_slot)
-        kv = runner.kv_cache
-        self.block_size = bs = kv.block_size
-        self.kv_lengths = kv_buckets(min_kv, kv.num_blocks * bs, bs)
-        self.max_blocks = self.kv_lengths[-1] // bs
+        self.block_size, self.kv_lengths, self.max_blocks = kv_layout(runner.kv_cache, min_kv)
         dev = runner.device
         self.rows = StaticRows(max(sizes), _TABLE + self.max_blocks, dev)
         H, V = self.model.config.hidden_size, self.model.config.vocab_size

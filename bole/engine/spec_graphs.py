@@ -59,7 +59,7 @@ from bole.engine.cuda_graphs import (
     _TOK,
     StaticRows,
     capture_graph,
-    kv_buckets,
+    kv_layout,
     sizes_upto,
     smallest_at_least,
 )
@@ -145,10 +145,7 @@ class VerifyGraphs:
         self.batch_sizes, self.widths, self.max_depth, self.capture = sizes, widths, int(max_depth), capture
         self.tail = tail
         self.pad_block, self.pad_slot = int(pad_block), int(pad_slot)
-        kv = runner.kv_cache
-        self.block_size = bs = kv.block_size
-        self.kv_lengths = kv_buckets(min_kv, kv.num_blocks * bs, bs)
-        self.max_blocks = self.kv_lengths[-1] // bs
+        self.block_size, self.kv_lengths, self.max_blocks = kv_layout(runner.kv_cache, min_kv)
         dev = runner.device
         Bm, Tm = sizes[-1], widths[-1]
         self.rows = StaticRows(Bm, _TABLE + self.max_blocks, dev)
@@ -402,10 +399,7 @@ class DraftGraphs:
         V, H = self.model.config.vocab_size, self.model.config.hidden_size
         self.t_max = tree_size(V, self.depth, self.topk, self.beam)
         self.catch_up = C = self.depth + 1   # the most positions a verify step commits
-        kv = runner.mtp_cache
-        self.block_size = bs = kv.block_size
-        self.kv_lengths = kv_buckets(min_kv, kv.num_blocks * bs, bs)
-        self.max_blocks = self.kv_lengths[-1] // bs
+        self.block_size, self.kv_lengths, self.max_blocks = kv_layout(runner.mtp_cache, min_kv)
         dev = runner.device
         Bm = sizes[-1]
         self.table_col = _DTABLE + C

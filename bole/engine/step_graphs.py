@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from bole.engine.cuda_graphs import capture_graph, smallest_at_least
+from bole.engine.cuda_graphs import capture_graph, sizes_upto, smallest_at_least
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +113,6 @@ class StepGraphs:
                     max_width: int | None = None) -> int:
         """Build every graph steps of <= max_batch requests, trees of <= max_width nodes and <= max_len
         committed tokens can need (none inside a timed run); returns how many."""
-        from bole.engine.cuda_graphs import sizes_upto
-
         built = 0
         for Bc in sizes_upto(self.verify.batch_sizes, max_batch):
             for Tc in sizes_upto(self.verify.widths, max_width):

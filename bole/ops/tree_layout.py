@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from bole.spec.tree import _padded_layout
+from bole.spec.tree import PackedForest
 
 LAYOUT_MAX_NODES = 128  # the kernel keeps a node's ancestor set in two 64-bit words
 
@@ -39,12 +39,8 @@ def tree_layout_ref(parents, num_cached, tables, block_size: int, *, forest, pos
     num_cached_out.copy_(nc)
     if state_slots is not None:
         state_slots_out.copy_(state_slots)
-    valid = torch.ones(B, T, dtype=torch.bool, device=dev)
-    _, depth, anc, bits = _padded_layout(parents.long(), valid, D)
-    forest.parents.copy_(parents.reshape(-1))
-    forest.depth.copy_(depth.reshape(-1))
-    forest.anc.copy_(anc.reshape(B * T, -1))
-    forest.anc_bits.copy_(bits.reshape(B * T, -1))
+    PackedForest.full_padded(parents, D, out=forest)
+    depth, anc = forest.depth.view(B, T).long(), forest.anc.long()
     positions.copy_((nc[:, None] + depth - 1).reshape(-1))
     kvp = nc[:, None] + torch.arange(T, device=dev)[None]
     tables = tables.long()
@@ -54,7 +50,7 @@ def tree_layout_ref(parents, num_cached, tables, block_size: int, *, forest, pos
     kv_index.copy_(tables[:, pos // bs] * bs + pos % bs)
     rows = torch.arange(B * T, device=dev)[:, None].expand(B * T, D)
     tree = torch.zeros(B * T, T + 1, dtype=torch.bool, device=dev)
-    tree.index_put_((rows, torch.where(anc.reshape(B * T, D) >= 0, anc.reshape(B * T, D), T)),
+    tree.index_put_((rows, torch.where(anc >= 0, anc, T)),
                     torch.ones((), dtype=torch.bool, device=dev))    # a device scalar: no host sync
     tree = tree[:, :T].reshape(B, T, T)
     rel = pos[None, None, :] - nc[:, None, None]                       # [B, 1, L]

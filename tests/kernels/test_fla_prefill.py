@@ -4,15 +4,12 @@ sequences, GQA, initial states read from pool slots. On the GPU only (fla's kern
 
 import pytest
 import torch
+from numerics import rel_err
 
 from bole.ops.gdn_chunk import gdn_chunk
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("lens,dtype", [([13], torch.float32), ([5, 64, 130], torch.float32),

@@ -7,17 +7,12 @@ committed state of accepted node a must equal the twin's commit and node a's ser
 
 import pytest
 import torch
+from numerics import rel_err
 
 from bole.ops import gdn as ref
 from bole.spec.tree import DraftTree, PackedForest, random_tree
 from kernels.gdn_commit import gdn_commit
 from kernels.gdn_tree_verify import gdn_tree_verify
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def setup(device, L=2, HK=1, HV=2, K=16, V=16, dtype=torch.float32, pool_dtype=torch.float32, l2=True,

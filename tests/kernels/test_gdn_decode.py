@@ -9,15 +9,10 @@ activations are left to the GPU test: the interpreter truncates fp32 -> bf16 cas
 
 import pytest
 import torch
+from numerics import rel_err
 
 from bole.ops.gdn_decode import causal_conv1d_update_ref, gdn_decode_step_ref
 from kernels.gdn_decode import causal_conv1d_update, gdn_decode_step
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def gdn_inputs(device, N, HK, HV, K, V, dtype, pool_dtype, seed, slots=None):

@@ -9,6 +9,7 @@ TRITON_INTERPRET (CPU) bf16 is left to the GPU test: the interpreter truncates f
 
 import pytest
 import torch
+from numerics import rel_err
 
 from bole.ops.conv import causal_conv1d_tree as causal_conv1d_tree_ref
 from bole.ops.conv import gdn_tree_conv_ref
@@ -17,11 +18,6 @@ from kernels.gdn_tree_conv import causal_conv1d_tree, gdn_tree_conv
 
 NAN = float("nan")
 
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all(), "non-finite values (an unwritten output?)"
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def make_forest(sizes, device, seed, max_depth=6):

@@ -8,16 +8,11 @@ interpreter.
 
 import pytest
 import torch
+from numerics import rel_err
 
 from bole.ops import gdn as ref
 from bole.spec.tree import DraftTree, PackedForest, random_tree
 from kernels.gdn_tree_verify import CONFIGS, VerifyConfig, configs_for, default_config, gdn_tree_verify
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all(), "non-finite values (an unwritten output?)"
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def make_forest(sizes, seed, device, depth=5):

@@ -11,17 +11,12 @@ TRITON_INTERPRET (CPU) bf16 activations are left to the GPU tests (the interpret
 
 import pytest
 import torch
+from numerics import rel_err
 
 from bole.cache.kv_cache import PagedKVCache
 from bole.layers.attention import sdpa
 from bole.ops.attention import paged_decode_attention_ref
 from kernels.paged_decode_attention import paged_decode_attention
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def attn_inputs(device, lens, HQ, HKV, D, L, dtype, cache_dtype, seed, block_size=16, junk=float("nan")):
