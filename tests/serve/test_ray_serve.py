@@ -3,6 +3,7 @@ the OpenAI ingress and the Bole router, reached over HTTP with the openai client
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 
@@ -17,9 +18,35 @@ MODEL = "tiny"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port of 127.0.0.1 in 20000-32767: below the kernel's ephemeral range (32768-60999 here),
+    from which every port Ray binds for itself (bind(0)) and every outgoing connection is drawn, and
+    above Ray's worker ports (10002-19999). A port from bind(0) could be taken by one of Ray's own
+    processes before Serve's proxy binds it, seconds later (CI saw "Failed to bind to address")."""
+    while True:
+        port = random.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+
+
+def start_serve(attempts: int = 4) -> int:
+    """serve.start on 127.0.0.1 and a free port, retried on another port if the proxy cannot bind
+    (something else took the port in between); returns the port."""
+    from ray import serve
+
+    for attempt in range(attempts):
+        port = free_port()
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            return port
+        except Exception as e:  # ray.exceptions.RayTaskError(RuntimeError) from the proxy actor
+            if "Failed to bind" not in str(e) or attempt == attempts - 1:
+                raise
+            serve.shutdown()
+    raise AssertionError("unreachable")
 
 
 def app_args(model_path, table="calibration_tables/default.yaml"):
@@ -64,8 +91,7 @@ def cluster(tiny_model):
 
     ray.init(num_cpus=2, object_store_memory=80 * 1024 * 1024, include_dashboard=False,
              log_to_driver=False, runtime_env={"env_vars": {"TRITON_INTERPRET": "1"}})
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = start_serve()
     deploy(deploy_config(tiny_model, port))
     yield f"http://127.0.0.1:{port}", port
     serve.shutdown()

@@ -10,7 +10,7 @@ import time
 
 import openai
 import pytest
-from test_ray_serve import deploy, deploy_config, fleet, free_port, wait_for
+from test_ray_serve import deploy, deploy_config, fleet, start_serve, wait_for
 
 from deployments.recalibrate import RollingOptions, rolling_recalibrate
 
@@ -24,8 +24,7 @@ def test_rolling_recalibration_drops_nothing(tiny_model, tmp_path):
     ray.init(num_cpus=2, object_store_memory=80 * 1024 * 1024, include_dashboard=False,
              log_to_driver=False, runtime_env={"env_vars": {"TRITON_INTERPRET": "1"}})
     try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = start_serve()
         deploy(deploy_config(tiny_model, port))
         url = f"http://127.0.0.1:{port}"
         before = wait_for(lambda: (f := fleet(url)) and len(f) == 2 and f)

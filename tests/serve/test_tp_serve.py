@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 from conftest import ENGINE_OPTIONS
-from test_ray_serve import deploy, free_port
+from test_ray_serve import deploy, start_serve
 
 from bole.llm import build_engine
 from bole.sampling_params import SamplingParams
@@ -46,8 +46,7 @@ def test_tp2_replica_serves_tp1_greedy_output(tiny_model):
     ray.init(num_cpus=2, object_store_memory=80 * 1024 * 1024, include_dashboard=False,
              log_to_driver=False, runtime_env={"env_vars": {"TRITON_INTERPRET": "1"}})
     try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = start_serve()
         deploy(tp_config(tiny_model, port), timeout=150)
         oai = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
         for p, w in zip(PROMPTS, want, strict=True):
