@@ -6,7 +6,7 @@ Columns per (model, batch, tree size), all measured in the same process on the s
     torch_closed_us  bole.ops.gdn.gdn_tree_verify (naive torch closed form, Python loop per request);
                      null above --torch-max-batch
     bole_us          kernels.gdn_tree_verify, best of its ``configs`` (named in bole_config)
-    bole_by_method   per ``method`` (neumann / inverse / two_pass): its fastest validated config, its
+    bole_by_method   per ``method`` (neumann / inverse / two_pass / grouped): its fastest validated config, its
                      time (re-timed like bole_us) and errors; the table prints one column per method
     floor_us         bytes that must move / measured device-to-device copy bandwidth
     snapshot_bytes   per request and layer, SGLang-style per-node states: T·HV·V·K·4

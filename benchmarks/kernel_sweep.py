@@ -1,6 +1,6 @@
 """Which launch configurations of kernels.gdn_tree_verify the benchmark tries, and compiling them ahead.
 
-Candidates come from the kernel module's ``configs_for(K, V, BT)``, else its ``configs`` / ``CONFIGS``
+Candidates come from the kernel module's ``configs_for(K, V, BT[, method])``, else its ``configs`` / ``CONFIGS``
 list; an entry is a dict of keyword arguments or a config object passed as ``config=``. Every
 candidate is a fresh Triton compile per (model, T) (HV and the tree tile BT are constexprs, the batch
 is not), and big-tile compiles take tens of seconds, so ``--sweep auto`` keeps the sweep small:
@@ -51,11 +51,13 @@ class BoleKernel:
     def _accepts(self, name: str) -> bool:
         return name in inspect.signature(self.fn).parameters
 
-    def _base(self, K, V, BT) -> list:
+    def _base(self, K, V, BT, method=None) -> list:
         mod = self.module
         if self.configs is not None:
             return list(self.configs)
         if hasattr(mod, "configs_for"):
+            if method is not None and "method" in inspect.signature(mod.configs_for).parameters:
+                return list(mod.configs_for(K, V, BT, method=method))
             return list(mod.configs_for(K, V, BT))
         return list(getattr(mod, "configs", None) or getattr(mod, "CONFIGS", None) or [])
 
@@ -78,7 +80,7 @@ class BoleKernel:
         BT = max(16, triton.next_power_of_2(T))
         out = []
         for m in self.methods():
-            base = self._base(K, V, BT)
+            base = self._base(K, V, BT, m)
             default = self._default(K, V, BT, batch * s["HV"], m)
             if default is not None and mode == "auto" and _fields(default):
                 d = _fields(default)

@@ -14,6 +14,9 @@ the tree, Q/K and the gates is built on chip from the packed forest:
 program, then U = W R and O = D_P Q S_pre + (C W) R: fewer T×T×BV products when BV is large.
 ``method="two_pass"`` (kernels/gdn_tree_verify_2pass.py) forms W and C W once per (request, head) in a
 first kernel and applies them per value tile in a second: no T×T work is repeated per tile.
+``method="grouped"`` (kernels/gdn_tree_verify_grouped.py) keeps that on chip instead: one program per
+(request, group of value heads sharing a key head, chunk of value tiles) forms Q Kᵀ / K Kᵀ once for the
+group and W, C W once per value head, then loops over its value tiles.
 
 With ``block_v == V`` there is one program per (request, head), so G and C are formed once per head,
 as the design asks; with BV < V they are recomputed per tile (Q Kᵀ and K Kᵀ on tensor cores for
@@ -28,6 +31,7 @@ Every other product is fp32 with the caller's ``input_precision``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -38,13 +42,14 @@ import triton.language as tl
 from bole.ops.gdn import check_gdn_inputs
 from bole.spec.tree import MAX_TREE_NODES, PackedForest
 from kernels.gdn_tree_verify_2pass import launch_two_pass, workspace_numel
+from kernels.gdn_tree_verify_grouped import launch_grouped
 
 MAX_NODES = MAX_TREE_NODES
 L2NORM_EPS = 1e-6
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _PRECISIONS = ("ieee", "tf32", "tf32x3")
-_METHODS = ("neumann", "inverse", "two_pass")
+_METHODS = ("neumann", "inverse", "two_pass", "grouped")
 
 
 @triton.jit
@@ -192,12 +197,15 @@ def gdn_tree_verify_kernel(
 
 @dataclass(frozen=True)
 class VerifyConfig:
-    """Launch configuration: K chunk, value tile, warps and pipeline stages of one program."""
+    """Launch configuration: K chunk, value tile, warps and pipeline stages of one program; for
+    method="grouped" also the value heads (of one GQA group) and value tiles each program loops over."""
 
     block_k: int
     block_v: int
     num_warps: int = 4
     num_stages: int = 1
+    heads_per_program: int = 1
+    tiles_per_program: int = 1
 
 
 # Every configuration the benchmark may sweep (filtered per shape by `configs_for`).
@@ -210,6 +218,9 @@ CONFIGS = [VerifyConfig(bk, bv, w, s) for bk in (32, 64, 128) for bv in (16, 32,
 # spills ~300 B, BV=64 ~600 B, BV=128 ~1.9 KB (the fp32 FMA dots hold whole K strips of their
 # operands in registers). BK=32 spills least. BT=32 with BV=64 and 8 warps spills 16 B.
 _DEFAULTS = {16: (64, 64, 4), 32: (64, 64, 8), 64: (32, 64, 8), 128: (32, 32, 8)}
+# method="grouped": every (value heads, value tiles) per program on top of a smaller tile grid.
+GROUPED_CONFIGS = [VerifyConfig(bk, bv, w, s, ng, nvt) for bk in (32, 64) for bv in (32, 64, 128)
+                   for w in (4, 8) for s in (1, 2) for ng in (1, 2, 4) for nvt in (1, 2, 4)]
 # method="two_pass", pass 2 (pass 1 is fixed by `factor_launch_params`): a program holds Q S_pre, K S_pre
 # [BT, BV] fp32, a K chunk of q/k and S (plus S's 3 bf16 parts), then W', M' [BT, BT] fp32 and X, U, O.
 # ptxas -v on sm_90a at BT=64, BK=64, 8 warps (bf16 q/k, fp32 pool): ieee (split S) spills 0 / 56 / 680 /
@@ -223,17 +234,18 @@ def _defaults(BT: int, method: str = "neumann") -> tuple[int, int, int]:
     return (_DEFAULTS_TWO_PASS if method == "two_pass" else _DEFAULTS)[BT]
 
 
-def configs_for(K: int, V: int, BT: int) -> list[VerifyConfig]:
-    """The configurations in `CONFIGS` worth trying for one shape: BV ≤ V, BK ≤ K (rounded up), a
-    K loop long enough for the stages, and q/k/S_pre chunks (fp32 worst case) within shared memory."""
+def configs_for(K: int, V: int, BT: int, method: str | None = None) -> list[VerifyConfig]:
+    """The configurations worth trying for one shape (`GROUPED_CONFIGS` for method="grouped", else
+    `CONFIGS`): BV ≤ V, BK ≤ K (rounded up), a K loop long enough for the stages, q/k/S_pre chunks (fp32
+    worst case) within shared memory, and for "grouped" no value tile of a program wholly past V."""
     vmax = triton.next_power_of_2(V)
     kmax = max(16, triton.next_power_of_2(K))
     smem = lambda c: c.num_stages * (2 * BT * c.block_k + c.block_v * c.block_k) * 4
     out: list[VerifyConfig] = []
-    for c in CONFIGS:
-        c = VerifyConfig(min(c.block_k, kmax), c.block_v, c.num_warps, c.num_stages)
+    for c in (GROUPED_CONFIGS if method == "grouped" else CONFIGS):
+        c = dataclasses.replace(c, block_k=min(c.block_k, kmax))
         if (c.block_v <= vmax and (c.num_stages == 1 or c.num_stages <= kmax // c.block_k)
-                and smem(c) <= _SMEM_BUDGET and c not in out):
+                and smem(c) <= _SMEM_BUDGET and c.block_v * c.tiles_per_program <= vmax and c not in out):
             out.append(c)
     return out
 
@@ -249,6 +261,8 @@ def default_config(K: int, V: int, BT: int, num_heads_x_requests: int | None = N
     """
     vmax = triton.next_power_of_2(V)
     kmax = max(16, triton.next_power_of_2(K))
+    if method == "grouped":
+        return _default_grouped(K, V, BT, num_heads_x_requests, block_v)
     bk, bv_max, num_warps = _defaults(BT, method)
     if block_v is None:
         block_v = max(16, min(vmax, bv_max))
@@ -258,6 +272,32 @@ def default_config(K: int, V: int, BT: int, num_heads_x_requests: int | None = N
                 block_v //= 2
     bk = min(bk, kmax)
     return VerifyConfig(block_k=bk, block_v=block_v, num_warps=num_warps, num_stages=2 if K > bk else 1)
+
+
+def _default_grouped(K: int, V: int, BT: int, num_heads_x_requests: int | None,
+                     block_v: int | None) -> VerifyConfig:
+    """method="grouped": two value heads and every value tile per program while the grid still has
+    about one program per SM, sharing less (first tiles, then heads) below that."""
+    vmax = triton.next_power_of_2(V)
+    kmax = max(16, triton.next_power_of_2(K))
+    bv = min(vmax, 64 if block_v is None else block_v)
+    ng, nvt = 2, triton.cdiv(vmax, bv)
+    if num_heads_x_requests is not None and torch.cuda.is_available():
+        target = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        programs = lambda: triton.cdiv(num_heads_x_requests, ng) * triton.cdiv(triton.cdiv(V, bv), nvt)
+        while nvt > 1 and programs() < target:
+            nvt //= 2
+        while ng > 1 and programs() < target:
+            ng //= 2
+    bk = min(32, kmax)
+    return VerifyConfig(bk, bv, 8 if BT >= 64 else 4, 2 if K > bk else 1, ng, nvt)
+
+
+def group_heads(heads_per_program: int, HV: int, HK: int) -> int:
+    """The value heads a grouped program takes: the largest divisor of the GQA group size HV / HK that
+    is at most ``heads_per_program`` (a program's heads must share one key head)."""
+    group = HV // HK
+    return max(d for d in range(1, min(heads_per_program, group) + 1) if group % d == 0)
 
 
 # The engine's dispatch for half-precision q/k (``gdn_tree_verify(..., tuned=True)``): the fastest
@@ -310,6 +350,13 @@ def launch_gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state
     n_squarings, terms = 0, 2
     while terms < n_rounds:
         terms, n_squarings = terms * 2, n_squarings + 1
+    if method == "grouped":
+        return launch_grouped(q, k, v, g, beta, forest, initial_state, state_indices, scale, use_qk_l2norm,
+                              o, u, logp, BT=BT, block_k=BK, block_v=BV,
+                              heads_per_program=group_heads(config.heads_per_program, HV, HK),
+                              tiles_per_program=config.tiles_per_program, num_warps=config.num_warps,
+                              num_stages=config.num_stages, input_precision=input_precision,
+                              n_squarings=n_squarings, lowp_qk=lowp_qk, lowp_s=lowp_s, split_s=split_s)
     if method == "two_pass":
         return launch_two_pass(q, k, v, g, beta, forest, initial_state, state_indices, scale, use_qk_l2norm,
                                o, u, logp, BT=BT, block_k=BK, block_v=BV, num_warps=config.num_warps,
@@ -361,9 +408,10 @@ def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state
         block_v: value tile BV (power of two); default: see `default_config`.
         config: a `VerifyConfig` (overrides the default; `block_v` still overrides its tile).
         input_precision: fp32 tl.dot precision, "ieee" (exact, default), "tf32" or "tf32x3" (GPU only).
-        method: "neumann" (Horner on the finite series), "inverse" (product-form (I+G)⁻¹ per program)
-            or "two_pass" (W' = (I+G)⁻¹ D_β and M' = C W' once per (request, head), then applied per
-            value tile; `config` is the second pass's).
+        method: "neumann" (Horner on the finite series), "inverse" (product-form (I+G)⁻¹ per program),
+            "two_pass" (W' = (I+G)⁻¹ D_β and M' = C W' once per (request, head), then applied per
+            value tile; `config` is the second pass's) or "grouped" (Q Kᵀ, K Kᵀ once per GQA group and
+            W, C W once per value head, on chip; `config.heads_per_program` / `tiles_per_program`).
         workspace: two_pass only, optional fp32 scratch of at least `two_pass_workspace_numel(B, HV, max_nodes)`
             elements; allocated per call if None.
         tuned: with fp16/bf16 q and k (and no explicit config), take config, method and precision
@@ -432,6 +480,9 @@ def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state
         raise ValueError(f"block_v must be a power of two >= 16, got {config.block_v}")
     if config.block_k < 16 or config.block_k & (config.block_k - 1):
         raise ValueError(f"block_k must be a power of two >= 16, got {config.block_k}")
+    if config.heads_per_program < 1 or config.tiles_per_program < 1:
+        raise ValueError(f"heads_per_program and tiles_per_program must be >= 1, got "
+                         f"{config.heads_per_program} and {config.tiles_per_program}")
 
     o = _check_out("o_out", o_out, (1, N, HV, V), v.dtype, dev)
     u = _check_out("u_out", u_out, (N, HV, V), torch.float32, dev)
