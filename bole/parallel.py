@@ -133,8 +133,30 @@ def destroy_tp_group() -> None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port of ``host`` free right now, for a rendezvous (TP process group, a test's HTTP proxy).
+
+    Drawn at random from 20000 up to the kernel's ephemeral range (Linux:
+    /proc/sys/net/ipv4/ip_local_port_range, 32768-60999 by default) rather than by bind(0): every port
+    Ray's processes bind for themselves and every outgoing connection comes from that range, so a
+    bind(0) port can be taken by one of them in the seconds before the rendezvous binds it (CI saw
+    "Failed to bind to address"). 20000 is above Ray's worker ports (10002-19999). Falls back to
+    bind(0) where the range cannot be read or leaves no room below it."""
+    import random
     import socket
 
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_lo = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_lo = 0
+    for _ in range(200 if ephemeral_lo > 21000 else 0):
+        port = random.randrange(20000, ephemeral_lo)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -44,6 +44,19 @@ def test_head_range_splits_or_replicates():
         head_range(2, 3, 0)
 
 
+def test_free_port_is_bindable_and_below_the_ephemeral_range():
+    import socket
+
+    try:
+        lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except OSError:
+        pytest.skip("no /proc/sys/net/ipv4/ip_local_port_range here")
+    ports = {free_port() for _ in range(20)}
+    assert all(20000 <= p < lo for p in ports) if lo > 21000 else ports
+    with socket.socket() as s:  # free right now
+        s.bind(("127.0.0.1", ports.pop()))
+
+
 def test_tp2_matches_tp1(checkpoints, tmp_path):
     cases = [(checkpoints[kind], mode) for kind in ("even", "replicated") for mode in MODES]
     ref = [run_case(path, mode) for path, mode in cases]

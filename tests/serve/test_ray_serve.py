@@ -3,8 +3,6 @@ the OpenAI ingress and the Bole router, reached over HTTP with the openai client
 
 from __future__ import annotations
 
-import random
-import socket
 import time
 
 import httpx
@@ -12,29 +10,16 @@ import openai
 import pytest
 from conftest import ENGINE_OPTIONS
 
+from bole.parallel import free_port
+
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny"
 
 
-def free_port() -> int:
-    """A free port of 127.0.0.1 in 20000-32767: below the kernel's ephemeral range (32768-60999 here),
-    from which every port Ray binds for itself (bind(0)) and every outgoing connection is drawn, and
-    above Ray's worker ports (10002-19999). A port from bind(0) could be taken by one of Ray's own
-    processes before Serve's proxy binds it, seconds later (CI saw "Failed to bind to address")."""
-    while True:
-        port = random.randrange(20000, 32768)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-
-
 def start_serve(attempts: int = 4) -> int:
-    """serve.start on 127.0.0.1 and a free port, retried on another port if the proxy cannot bind
-    (something else took the port in between); returns the port."""
+    """serve.start on 127.0.0.1 and a free port (`bole.parallel.free_port`: outside the ranges Ray's own
+    processes draw from), retried on another port if the proxy still cannot bind; returns the port."""
     from ray import serve
 
     for attempt in range(attempts):
