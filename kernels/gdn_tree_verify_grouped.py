@@ -136,7 +136,8 @@ def gdn_tree_verify_grouped_kernel(
     else:
         i_slot = i_b.to(tl.int64)
 
-    for i_g in range(NG):
+    # unrolled over the heads, so Q Kᵀ / K Kᵀ die after the last head's use (registers); looped over tiles
+    for i_g in tl.static_range(NG):
         i_h = i_hg * NG + i_g
         # ---- per value head: gates, logP = M⁺ g, E (masked before exp), G, C, W, M = C W
         b_g = tl.load(g + (bos + o_t) * HV + i_h, mask=m_t, other=0).to(tl.float32)
