@@ -15,14 +15,11 @@ L2 flushed), so its numbers are comparable with that table's.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import datetime
 import json
-import multiprocessing
 import os
 import shlex
 import sys
-import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +47,17 @@ if ARGS is not None and ARGS.smoke:
 import torch  # noqa: E402
 
 sys.path.insert(0, str(REPO_ROOT))
-from benchmarks.gdn_verify import REL_TOL, SHAPES, bench_us, floor_bytes, make_inputs, rel_err  # noqa: E402
+from benchmarks.gdn_verify import (  # noqa: E402
+    REL_TOL,
+    SHAPES,
+    bench_us,
+    copy_bandwidth,
+    floor_bytes,
+    load_bole_kernel,
+    make_inputs,
+    rel_err,
+)
+from benchmarks.kernel_sweep import precompile  # noqa: E402
 from benchmarks.peers import SGLangTreeVerifier, sglang_available  # noqa: E402
 from bole.ops import gdn as gdn_ops  # noqa: E402
 from kernels.gdn_tree_verify import VerifyConfig, gdn_tree_verify  # noqa: E402
@@ -90,34 +97,6 @@ def candidates(smoke: bool) -> list[str]:
     return out
 
 
-def _compile(model, T, lab, seed):
-    """Worker: one launch (fills Triton's disk cache); an error string or None."""
-    try:
-        x = make_inputs(model, 1, T, "cuda", seed=seed)
-        gdn_tree_verify(x["q"], x["k"], x["v"], x["g"], x["beta"], x["forest"], x["pool"], x["state_indices"],
-                        use_qk_l2norm=True, **parse_label(lab))
-        torch.cuda.synchronize()
-        return None
-    except Exception as e:
-        return f"{type(e).__name__}: {str(e)[:300]}"
-
-
-def precompile(model, trees, labels, workers, seed) -> dict:
-    ctx = multiprocessing.get_context("spawn")
-    failed = {}
-    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        futs = {pool.submit(_compile, model, T, lab, seed): (T, lab) for T in trees for lab in labels}
-        for f in cf.as_completed(futs):
-            try:
-                err = f.result()
-            except Exception as e:  # a broken worker: compile on demand in the main process
-                err = None
-                print(f"precompile: {type(e).__name__}: {e}")
-            if err:
-                failed[futs[f]] = err
-    return failed
-
-
 def compiled_resources() -> list[dict]:
     """Registers and spills of every variant compiled in this process (Triton's per-device caches)."""
     from kernels.gdn_tree_verify import gdn_tree_verify_kernel
@@ -148,23 +127,18 @@ def main(args):
     res = dict(gpu=None if args.smoke else torch.cuda.get_device_name(), torch=torch.__version__,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                command="python " + " ".join(shlex.quote(a) for a in sys.argv), model=model, rows=[],
-               failed_compiles={}, notes=[])
+               notes=[])
     import triton
 
     res["triton"] = triton.__version__
+    bole, _ = load_bole_kernel()  # its `failed` set: (model, T, label of the launch kwargs)
     if not args.smoke and not args.ncu_case and args.compile_workers > 0:
-        t0 = time.time()
-        failed = precompile(model, trees, labels, args.compile_workers, args.seed)
-        res["failed_compiles"] = {f"T={T} {lab}": e for (T, lab), e in failed.items()}
-        res["precompile_s"] = round(time.time() - t0, 1)
-        print(f"precompiled {len(labels) * len(trees)} variants in {res['precompile_s']} s, {len(failed)} failed")
+        tasks = [("bole", model, 1, T, parse_label(lab)) for T in trees for lab in labels]
+        res["precompile_s"] = round(precompile(tasks, args.compile_workers, bole, res["notes"], 300, trees), 1)
+        print(f"precompiled {len(tasks)} variants in {res['precompile_s']} s, {len(bole.failed)} failed")
     if not args.smoke:
-        bw_src = torch.empty(1 << 29, dtype=torch.float32, device=device).uniform_()
-        bw_dst = torch.empty_like(bw_src)
-        copy_us = bench_us(lambda: bw_dst.copy_(bw_src), False, warmup_ms=20, rep_ms=200, graph=False)
-        res["copy_bandwidth_gb_s"] = 2 * bw_src.numel() * 4 / copy_us / 1e3
-        del bw_src, bw_dst
-    bw = res.get("copy_bandwidth_gb_s", 1.0) * 1e9
+        res["copy_bandwidth"] = copy_bandwidth(device, False)
+    bw = res["copy_bandwidth"]["gb_per_s"] * 1e9 if "copy_bandwidth" in res else 1e9
     best_per_family: dict[int, dict[str, tuple[float, str]]] = {}
     for T in trees:
         for batch in batches:
@@ -191,7 +165,7 @@ def main(args):
                 o_ref = gdn_ops.gdn_tree_verify(*common, use_qk_l2norm=True)[0]
                 res["notes"].append("no .peers/sglang: O compared with the torch closed form")
             for lab in labels:
-                if (T, lab) in failed_keys(res):
+                if (model, T, bole.label(parse_label(lab))) in bole.failed:
                     continue
                 kw = dict(use_qk_l2norm=True, **outs, **parse_label(lab))
                 call = lambda c=common, kw=kw: gdn_tree_verify(*c, **kw)
@@ -239,10 +213,6 @@ def main(args):
                 for _, lab in fams.values():
                     f.write(f"{batch} {lab}\n")
     print(f"wrote {args.out}")
-
-
-def failed_keys(res) -> set:
-    return {(int(k.split()[0][2:]), k.split(" ", 1)[1]) for k in res.get("failed_compiles", {})}
 
 
 if __name__ == "__main__":

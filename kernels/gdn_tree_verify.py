@@ -259,10 +259,10 @@ def default_config(K: int, V: int, BT: int, num_heads_x_requests: int | None = N
     fewer than ~2 programs per SM: at batch 1 Qwen3.5-9B has only 32 (request, head) pairs for 132
     SMs, so BV=16 gives 256 programs; at batch 16, BV=64 gives 1024.
     """
-    vmax = triton.next_power_of_2(V)
-    kmax = max(16, triton.next_power_of_2(K))
     if method == "grouped":
         return _default_grouped(K, V, BT, num_heads_x_requests, block_v)
+    vmax = triton.next_power_of_2(V)
+    kmax = max(16, triton.next_power_of_2(K))
     bk, bv_max, num_warps = _defaults(BT, method)
     if block_v is None:
         block_v = max(16, min(vmax, bv_max))

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gdn_tree_tiles import qk_kk_norms, s_products, tree_relation, unit_lower_inverse
+
 
 @triton.jit
 def gdn_tree_factor_kernel(
@@ -49,60 +51,24 @@ def gdn_tree_factor_kernel(
 
     o_t = tl.arange(0, BT)
     m_t = o_t < T
-    m_tt = m_t[:, None] & m_t[None, :]
-
-    # ---- tree relation: M⁺[i, j] iff the ancestor of i at depth(j) is j
-    b_depth = tl.load(depth + bos + o_t, mask=m_t, other=1)
-    b_anc = tl.load(anc + (bos + o_t[:, None]) * D_ANC + (b_depth[None, :] - 1), mask=m_tt, other=-1)
-    m_plus = b_anc == o_t[None, :]
-    m_minus = m_plus & (o_t[:, None] != o_t[None, :])
+    m_plus, m_minus = tree_relation(depth, anc, bos, o_t, m_t, D_ANC)
 
     # ---- gates and path log decays (logP = M⁺ g); padded nodes get β = 0
     b_g = tl.load(g + (bos + o_t) * HV + i_h, mask=m_t, other=0).to(tl.float32)
     b_beta = tl.load(beta + (bos + o_t) * HV + i_h, mask=m_t, other=0).to(tl.float32)
     b_lp = tl.sum(tl.where(m_plus, b_g[None, :], 0.0), axis=1)
 
-    # ---- Q Kᵀ, K Kᵀ over K from the raw q/k; sums of squares for the L2 norm
-    b_qk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_kk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_q2 = tl.zeros([BT], dtype=tl.float32)
-    b_k2 = tl.zeros([BT], dtype=tl.float32)
-    for i_k in range(0, tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_tk = m_t[:, None] & (o_k < K)[None, :]
-        p_qk = ((bos + o_t[:, None]) * HK + i_hk) * K + o_k[None, :]
-        b_q = tl.load(q + p_qk, mask=m_tk, other=0)
-        b_k = tl.load(k + p_qk, mask=m_tk, other=0)
-        b_qf = b_q.to(tl.float32)
-        b_kf = b_k.to(tl.float32)
-        if USE_L2NORM:
-            b_q2 += tl.sum(b_qf * b_qf, axis=1)
-            b_k2 += tl.sum(b_kf * b_kf, axis=1)
-        if LOWP_QK:
-            # fp16/bf16 products are exact in the fp32 accumulator: tensor cores at no loss
-            b_qk += tl.dot(b_q, tl.trans(b_k))
-            b_kk += tl.dot(b_k, tl.trans(b_k))
-        else:
-            b_qk += tl.dot(b_qf, tl.trans(b_kf), input_precision=PRECISION)
-            b_kk += tl.dot(b_kf, tl.trans(b_kf), input_precision=PRECISION)
-
-    if USE_L2NORM:
-        b_rq = scale * tl.rsqrt(b_q2 + 1e-6)
-        b_rk = tl.rsqrt(b_k2 + 1e-6)
-    else:
-        b_rq = tl.zeros([BT], dtype=tl.float32) + scale
-        b_rk = tl.zeros([BT], dtype=tl.float32) + 1.0
+    # ---- Q Kᵀ, K Kᵀ over K from the raw q/k, and the L2-norm / scale row factors
+    b_qk, b_kk, b_rq, b_rk = qk_kk_norms(q, k, bos, o_t, m_t, i_hk, scale, HK, K, BT, BK, USE_L2NORM, LOWP_QK,
+                                         PRECISION)
 
     # ---- E = P_i / P_j on M⁺ (masked before exp), G (strictly lower), C
     b_e = tl.exp(tl.where(m_plus, b_lp[:, None] - b_lp[None, :], float("-inf")))
     b_C = b_qk * (b_rq[:, None] * b_rk[None, :]) * b_e
     b_a = tl.where(m_minus, -(b_beta * b_rk)[:, None] * b_kk * b_rk[None, :] * b_e, 0.0)  # A = −G
 
-    # ---- W = Π_s (I + A^{2^s}): W_{s+1} = W_s + W_s A^{2^{s+1}}, starting from W_0 = I + A
-    b_w = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0) + b_a
-    for _ in tl.static_range(N_SQUARINGS):
-        b_a = tl.dot(b_a, b_a, input_precision=PRECISION)
-        b_w += tl.dot(b_w, b_a, input_precision=PRECISION)
+    # ---- W = Π_s (I + A^{2^s})
+    b_w = unit_lower_inverse(b_a, o_t, N_SQUARINGS, PRECISION)
     b_w = b_w * b_beta[None, :]                      # W' = W D_β (padded columns: β = 0)
     b_m = tl.dot(b_C, b_w, input_precision=PRECISION)  # M' = C W D_β
 
@@ -144,42 +110,13 @@ def gdn_tree_apply_kernel(
     b_x = tl.load(v + p_v, mask=m_tv, other=0).to(tl.float32)
     if HAS_H0:
         # ---- Q S_pre, K S_pre [BT, BV] over K (raw q/k; the row scalings come from pass 1)
-        b_qs = tl.zeros([BT, BV], dtype=tl.float32)
-        b_ks = tl.zeros([BT, BV], dtype=tl.float32)
         if HAS_INDICES:
             i_slot = tl.load(state_indices + i_b).to(tl.int64)
         else:
             i_slot = i_b.to(tl.int64)
         p_h0 = h0 + (i_slot * HV + i_h) * V * K
-        for i_k in range(0, tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            m_k = o_k < K
-            m_tk = m_t[:, None] & m_k[None, :]
-            p_qk = ((bos + o_t[:, None]) * HK + i_hk) * K + o_k[None, :]
-            b_q = tl.load(q + p_qk, mask=m_tk, other=0)
-            b_k = tl.load(k + p_qk, mask=m_tk, other=0)
-            # S_preᵀ tile [BV, BK] (the pool holds Sᵀ, K contiguous)
-            b_s = tl.load(p_h0 + o_v[:, None] * K + o_k[None, :], mask=m_v[:, None] & m_k[None, :], other=0)
-            if LOWP_S:
-                b_qs += tl.dot(b_q, tl.trans(b_s))
-                b_ks += tl.dot(b_k, tl.trans(b_s))
-            elif SPLIT_S:
-                # bf16 q/k against an fp32 pool: S = hi + mid + lo in bf16 makes each product exact
-                b_sf = b_s.to(tl.float32)
-                b_hi = b_sf.to(tl.bfloat16)
-                b_rem = b_sf - b_hi.to(tl.float32)
-                b_mid = b_rem.to(tl.bfloat16)
-                b_lo = (b_rem - b_mid.to(tl.float32)).to(tl.bfloat16)
-                b_qs += tl.dot(b_q, tl.trans(b_hi))
-                b_qs += tl.dot(b_q, tl.trans(b_mid))
-                b_qs += tl.dot(b_q, tl.trans(b_lo))
-                b_ks += tl.dot(b_k, tl.trans(b_hi))
-                b_ks += tl.dot(b_k, tl.trans(b_mid))
-                b_ks += tl.dot(b_k, tl.trans(b_lo))
-            else:
-                b_sf = tl.trans(b_s.to(tl.float32))
-                b_qs += tl.dot(b_q.to(tl.float32), b_sf, input_precision=PRECISION)
-                b_ks += tl.dot(b_k.to(tl.float32), b_sf, input_precision=PRECISION)
+        b_qs, b_ks = s_products(q, k, p_h0, bos, o_t, m_t, o_v, m_v, i_hk, HK, K, BT, BK, BV, LOWP_S, SPLIT_S,
+                                PRECISION)
         b_cq = tl.load(ws_c + o_ws * 2 * BT + o_t)
         b_ck = tl.load(ws_c + o_ws * 2 * BT + BT + o_t)
         b_x = b_x - b_ck[:, None] * b_ks

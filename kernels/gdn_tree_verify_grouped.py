@@ -28,44 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _s_products(q, k, p_h0, bos, o_t, m_t, o_v, m_v, i_hk,
-                HK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                LOWP_S: tl.constexpr, SPLIT_S: tl.constexpr, PRECISION: tl.constexpr):
-    """Raw Q S_pre and K S_pre [BT, BV] for one value tile, over K in chunks of BK (the pool holds Sᵀ,
-    K contiguous). LOWP_S: the pool has q's half dtype; SPLIT_S: bf16 q/k against an fp32 pool, S split
-    into three bf16 parts (each product exact); else fp32 dots at ``PRECISION``."""
-    b_qs = tl.zeros([BT, BV], dtype=tl.float32)
-    b_ks = tl.zeros([BT, BV], dtype=tl.float32)
-    for i_k in range(0, tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        m_tk = m_t[:, None] & m_k[None, :]
-        p_qk = ((bos + o_t[:, None]) * HK + i_hk) * K + o_k[None, :]
-        b_q = tl.load(q + p_qk, mask=m_tk, other=0)
-        b_k = tl.load(k + p_qk, mask=m_tk, other=0)
-        b_s = tl.load(p_h0 + o_v[:, None] * K + o_k[None, :], mask=m_v[:, None] & m_k[None, :], other=0)
-        if LOWP_S:
-            b_qs += tl.dot(b_q, tl.trans(b_s))
-            b_ks += tl.dot(b_k, tl.trans(b_s))
-        elif SPLIT_S:
-            b_sf = b_s.to(tl.float32)
-            b_hi = b_sf.to(tl.bfloat16)
-            b_rem = b_sf - b_hi.to(tl.float32)
-            b_mid = b_rem.to(tl.bfloat16)
-            b_lo = (b_rem - b_mid.to(tl.float32)).to(tl.bfloat16)
-            b_qs += tl.dot(b_q, tl.trans(b_hi))
-            b_qs += tl.dot(b_q, tl.trans(b_mid))
-            b_qs += tl.dot(b_q, tl.trans(b_lo))
-            b_ks += tl.dot(b_k, tl.trans(b_hi))
-            b_ks += tl.dot(b_k, tl.trans(b_mid))
-            b_ks += tl.dot(b_k, tl.trans(b_lo))
-        else:
-            b_sf = tl.trans(b_s.to(tl.float32))
-            b_qs += tl.dot(b_q.to(tl.float32), b_sf, input_precision=PRECISION)
-            b_ks += tl.dot(b_k.to(tl.float32), b_sf, input_precision=PRECISION)
-    return b_qs, b_ks
+from kernels.gdn_tree_tiles import qk_kk_norms, s_products, tree_relation, unit_lower_inverse
 
 
 @triton.jit
@@ -90,44 +53,11 @@ def gdn_tree_verify_grouped_kernel(
 
     o_t = tl.arange(0, BT)
     m_t = o_t < T
-    m_tt = m_t[:, None] & m_t[None, :]
+    m_plus, m_minus = tree_relation(depth, anc, bos, o_t, m_t, D_ANC)
 
-    # ---- tree relation: M⁺[i, j] iff the ancestor of i at depth(j) is j
-    b_depth = tl.load(depth + bos + o_t, mask=m_t, other=1)
-    b_anc = tl.load(anc + (bos + o_t[:, None]) * D_ANC + (b_depth[None, :] - 1), mask=m_tt, other=-1)
-    m_plus = b_anc == o_t[None, :]
-    m_minus = m_plus & (o_t[:, None] != o_t[None, :])
-    eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
-
-    # ---- once per program: Q Kᵀ, K Kᵀ of the key head (raw q/k), sums of squares
-    b_qk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_kk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_q2 = tl.zeros([BT], dtype=tl.float32)
-    b_k2 = tl.zeros([BT], dtype=tl.float32)
-    for i_k in range(0, tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_tk = m_t[:, None] & (o_k < K)[None, :]
-        p_qk = ((bos + o_t[:, None]) * HK + i_hk) * K + o_k[None, :]
-        b_q = tl.load(q + p_qk, mask=m_tk, other=0)
-        b_k = tl.load(k + p_qk, mask=m_tk, other=0)
-        b_qf = b_q.to(tl.float32)
-        b_kf = b_k.to(tl.float32)
-        if USE_L2NORM:
-            b_q2 += tl.sum(b_qf * b_qf, axis=1)
-            b_k2 += tl.sum(b_kf * b_kf, axis=1)
-        if LOWP_QK:
-            b_qk += tl.dot(b_q, tl.trans(b_k))  # half-precision products are exact in fp32
-            b_kk += tl.dot(b_k, tl.trans(b_k))
-        else:
-            b_qk += tl.dot(b_qf, tl.trans(b_kf), input_precision=PRECISION)
-            b_kk += tl.dot(b_kf, tl.trans(b_kf), input_precision=PRECISION)
-    # normalisation and q scale as diagonal scalings: r_q = scale / ||q||, r_k = 1 / ||k||
-    if USE_L2NORM:
-        b_rq = scale * tl.rsqrt(b_q2 + 1e-6)
-        b_rk = tl.rsqrt(b_k2 + 1e-6)
-    else:
-        b_rq = tl.zeros([BT], dtype=tl.float32) + scale
-        b_rk = tl.zeros([BT], dtype=tl.float32) + 1.0
+    # ---- once per program: Q Kᵀ, K Kᵀ of the key head, normalised (and q scaled) as diagonal scalings
+    b_qk, b_kk, b_rq, b_rk = qk_kk_norms(q, k, bos, o_t, m_t, i_hk, scale, HK, K, BT, BK, USE_L2NORM, LOWP_QK,
+                                         PRECISION)
     b_qk = b_qk * (b_rq[:, None] * b_rk[None, :])
     b_kk = b_kk * (b_rk[:, None] * b_rk[None, :])
 
@@ -144,11 +74,8 @@ def gdn_tree_verify_grouped_kernel(
         b_beta = tl.load(beta + (bos + o_t) * HV + i_h, mask=m_t, other=0).to(tl.float32)
         b_lp = tl.sum(tl.where(m_plus, b_g[None, :], 0.0), axis=1)
         b_e = tl.exp(tl.where(m_plus, b_lp[:, None] - b_lp[None, :], float("-inf")))
-        b_a = tl.where(m_minus, -b_beta[:, None] * b_kk * b_e, 0.0)  # A = −G
-        b_w = eye + b_a
-        for _ in tl.static_range(N_SQUARINGS):
-            b_a = tl.dot(b_a, b_a, input_precision=PRECISION)
-            b_w += tl.dot(b_w, b_a, input_precision=PRECISION)
+        b_w = unit_lower_inverse(tl.where(m_minus, -b_beta[:, None] * b_kk * b_e, 0.0), o_t,  # A = −G
+                                 N_SQUARINGS, PRECISION)
         b_m = tl.dot(b_qk * b_e, b_w, input_precision=PRECISION)
         b_p = tl.exp(b_lp)
         if i_vc == 0:
@@ -163,8 +90,8 @@ def gdn_tree_verify_grouped_kernel(
             p_v = ((bos + o_t[:, None]) * HV + i_h) * V + o_v[None, :]
             b_x = tl.load(v + p_v, mask=m_tv, other=0).to(tl.float32)
             if HAS_H0:
-                b_qs, b_ks = _s_products(q, k, p_h0, bos, o_t, m_t, o_v, m_v, i_hk, HK, K, BT, BK, BV,
-                                         LOWP_S, SPLIT_S, PRECISION)
+                b_qs, b_ks = s_products(q, k, p_h0, bos, o_t, m_t, o_v, m_v, i_hk, HK, K, BT, BK, BV,
+                                        LOWP_S, SPLIT_S, PRECISION)
                 b_x = b_x - (b_p * b_rk)[:, None] * b_ks
                 b_acc = (b_p * b_rq)[:, None] * b_qs
             else:
