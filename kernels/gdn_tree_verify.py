@@ -3,7 +3,7 @@
 One program per (request b, value head h, value tile of BV columns). Everything that depends only on
 the tree, Q/K and the gates is built on chip from the packed forest:
 
-    M⁺[i, j] = anc[i, depth[j] − 1] == j         (j is an ancestor of i, or i itself)
+    M⁺[i, j] = bit j of anc_bits[i]               (j is an ancestor of i, or i itself)
     logP     = M⁺ g                               (path log decay)
     E[i, j]  = exp(logP_i − logP_j) on M⁺, else 0 (masked BEFORE exp: the ratio P_i / P_j, never divided)
     G = D_β [(K Kᵀ) ⊙ E ⊙ M⁻],   C = (Q Kᵀ) ⊙ E
@@ -53,19 +53,36 @@ _METHODS = ("neumann", "inverse", "two_pass", "grouped")
 
 
 @triton.jit
+def _relation_and_decay(b_w0, b_w1, b_g, o_t, BT: tl.constexpr):
+    """(M⁺, M⁻, logP) [BT, BT], [BT, BT], [BT] from the ancestor-or-self bitmask words of each node i
+    (bit j of word j // 64 set iff j is an ancestor of i or i; word 1 only when BT > 64): logP = M⁺ g."""
+    o_j = o_t[None, :]
+    if BT > 64:
+        b_word = tl.where(o_j < 64, b_w0[:, None], b_w1[:, None])
+    else:
+        b_word = b_w0[:, None]
+    m_plus = ((b_word >> (o_j % 64).to(tl.int64)) & 1) != 0  # arithmetic shift: bit 63 still reads 1
+    m_minus = m_plus & (o_t[:, None] != o_j)
+    b_lp = tl.sum(tl.where(m_plus, b_g[None, :], 0.0), axis=1)
+    return m_plus, m_minus, b_lp
+
+
+@triton.jit
 def gdn_tree_verify_kernel(
     q, k, v, g, beta,               # [N, HK, K], [N, HK, K], [N, HV, V], [N, HV], [N, HV]
     h0, state_indices,              # pool [slots, HV, V, K], [B]
-    cu_seqlens, depth, anc,         # [B+1], [N], [N, D_ANC]
+    cu_seqlens, anc_bits,           # [B+1], [N, N_WORDS] int64 ancestor-or-self bitmasks
     o, u, logp,                     # [N, HV, V] (v's dtype), [N, HV, V] fp32, [N, HV] fp32
     scale,
-    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, D_ANC: tl.constexpr,
+    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N_WORDS: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_L2NORM: tl.constexpr, HAS_H0: tl.constexpr, HAS_INDICES: tl.constexpr,
     INVERSE: tl.constexpr, LOWP_QK: tl.constexpr, LOWP_S: tl.constexpr, SPLIT_S: tl.constexpr,
     PRECISION: tl.constexpr,
     N_ROUNDS: tl.constexpr,         # Neumann terms (Horner steps + 1)
     N_SQUARINGS: tl.constexpr,      # inverse method: squarings until 2^(s+1) >= N_ROUNDS
+    EARLY: tl.constexpr,            # issue the tree/gate/v loads before the K-loop, use them after it
+    LOWP_TT: tl.constexpr,          # inverse: fp16 operands for the bounded T×T products (see below)
 ):
     i_b, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (HV // HK)
@@ -74,21 +91,26 @@ def gdn_tree_verify_kernel(
 
     o_t = tl.arange(0, BT)
     m_t = o_t < T
-    m_tt = m_t[:, None] & m_t[None, :]
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     m_tv = m_t[:, None] & m_v[None, :]
 
-    # ---- tree relation: M⁺[i, j] iff the ancestor of i at depth(j) is j
-    b_depth = tl.load(depth + bos + o_t, mask=m_t, other=1)
-    b_anc = tl.load(anc + (bos + o_t[:, None]) * D_ANC + (b_depth[None, :] - 1), mask=m_tt, other=-1)
-    m_plus = b_anc == o_t[None, :]
-    m_minus = m_plus & (o_t[:, None] != o_t[None, :])
-
-    # ---- gates and path log decays (logP = M⁺ g), [BT]
+    # ---- tree relation M⁺ (bit j of i's ancestor mask: one [BT] load per word, no gather), gates,
+    # path log decays logP = M⁺ g. Every load here depends only on bos; with EARLY they are all in
+    # flight during the K-loop (the masks, logP and v are used after it), which at small batch takes
+    # dependent DRAM round trips off the critical path at the cost of registers held through the loop.
+    b_w0 = tl.load(anc_bits + (bos + o_t) * N_WORDS, mask=m_t, other=0)
+    if BT > 64:
+        b_w1 = tl.load(anc_bits + (bos + o_t) * N_WORDS + 1, mask=m_t, other=0)
+    else:
+        b_w1 = b_w0
     b_g = tl.load(g + (bos + o_t) * HV + i_h, mask=m_t, other=0).to(tl.float32)
     b_beta = tl.load(beta + (bos + o_t) * HV + i_h, mask=m_t, other=0).to(tl.float32)
-    b_lp = tl.sum(tl.where(m_plus, b_g[None, :], 0.0), axis=1)
+    p_v = ((bos + o_t[:, None]) * HV + i_h) * V + o_v[None, :]
+    if EARLY:
+        b_v = tl.load(v + p_v, mask=m_tv, other=0)
+    else:
+        m_plus, m_minus, b_lp = _relation_and_decay(b_w0, b_w1, b_g, o_t, BT)
 
     # ---- one pass over K: Q Kᵀ, K Kᵀ [BT, BT]; Q S_pre, K S_pre [BT, BV]; sums of squares [BT]
     b_qk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -158,24 +180,40 @@ def gdn_tree_verify_kernel(
         b_qk = b_qk * scale
         b_qs = b_qs * scale
 
+    if EARLY:
+        m_plus, m_minus, b_lp = _relation_and_decay(b_w0, b_w1, b_g, o_t, BT)
+    else:
+        b_v = tl.load(v + p_v, mask=m_tv, other=0)
+
     # ---- E = P_i / P_j on M⁺ (masked before exp), G, C, R
     b_e = tl.exp(tl.where(m_plus, b_lp[:, None] - b_lp[None, :], float("-inf")))
     b_G = tl.where(m_minus, b_beta[:, None] * b_kk * b_e, 0.0)
     b_C = b_qk * b_e
     b_p = tl.exp(b_lp)
-    p_v = ((bos + o_t[:, None]) * HV + i_h) * V + o_v[None, :]
-    b_v = tl.load(v + p_v, mask=m_tv, other=0).to(tl.float32)
-    b_r = b_beta[:, None] * (b_v - b_p[:, None] * b_ks)
+    b_r = b_beta[:, None] * (b_v.to(tl.float32) - b_p[:, None] * b_ks)
 
     if INVERSE:
-        # W = Π_k (I + A^{2^k}), A = −G: after the loop W = Σ_{m<n} A^m with n ≥ d, exact as A^d = 0
+        # W = Π_k (I + A^{2^k}), A = −G: after the loop W = Σ_{m<n} A^m with n ≥ d, exact as A^d = 0.
+        # LOWP_TT (the launcher sets it for tf32 with q/k normalised and depth <= 16): |A_ij| <=
+        # β |k̂_i·k̂_j| P_i/P_j <= 1 (unit k, β <= 1, decays <= 1), so (A^m)_ij sums at most C(d−1, m−1)
+        # chains of such factors, |W_ij| < 2^(d−1) <= 2^15, and |C_ij| <= scale: fp16 holds A, W and C
+        # with tf32's 10-bit mantissa (fp32 accumulation), and its tensor cores run at twice the tf32
+        # rate. R (from v and the state) has no such bound and stays tf32.
         b_a = -b_G
         b_w = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0) + b_a
         for _ in tl.static_range(N_SQUARINGS):
-            b_a = tl.dot(b_a, b_a, input_precision=PRECISION)
-            b_w += tl.dot(b_w, b_a, input_precision=PRECISION)
+            if LOWP_TT:
+                b_a = tl.dot(b_a.to(tl.float16), b_a.to(tl.float16))
+                b_w += tl.dot(b_w.to(tl.float16), b_a.to(tl.float16))
+            else:
+                b_a = tl.dot(b_a, b_a, input_precision=PRECISION)
+                b_w += tl.dot(b_w, b_a, input_precision=PRECISION)
+        if LOWP_TT:
+            b_wh = b_w.to(tl.float16)
+            b_m = tl.dot(b_C.to(tl.float16), b_wh)
+        else:
+            b_m = tl.dot(b_C, b_w, input_precision=PRECISION)
         b_u = tl.dot(b_w, b_r, input_precision=PRECISION)
-        b_m = tl.dot(b_C, b_w, input_precision=PRECISION)
         b_o = tl.dot(b_m, b_r, acc=b_p[:, None] * b_qs, input_precision=PRECISION)
     else:
         # Horner: U ← R − G U, N_ROUNDS − 1 times gives Σ_{m<N_ROUNDS} (−G)^m R. N_ROUNDS is the
@@ -206,6 +244,7 @@ class VerifyConfig:
     num_stages: int = 1
     heads_per_program: int = 1
     tiles_per_program: int = 1
+    early_loads: bool = False  # one-pass methods: tree, gate and v loads issued before the K-loop
 
 
 # Every configuration the benchmark may sweep (filtered per shape by `configs_for`).
@@ -237,7 +276,9 @@ def _defaults(BT: int, method: str = "neumann") -> tuple[int, int, int]:
 def configs_for(K: int, V: int, BT: int, method: str | None = None) -> list[VerifyConfig]:
     """The configurations worth trying for one shape (`GROUPED_CONFIGS` for method="grouped", else
     `CONFIGS`): BV ≤ V, BK ≤ K (rounded up), a K loop long enough for the stages, q/k/S_pre chunks (fp32
-    worst case) within shared memory, and for "grouped" no value tile of a program wholly past V."""
+    worst case) within shared memory, for "grouped" no value tile of a program wholly past V, and 8 warps
+    at BT ≥ 128: a [128, 128] fp32 tile is 128 registers per thread in 4 warps, and the inverse holds
+    several, a spill-bound compile that did not finish within a minute on the H200 (2026-12-01)."""
     vmax = triton.next_power_of_2(V)
     kmax = max(16, triton.next_power_of_2(K))
     smem = lambda c: c.num_stages * (2 * BT * c.block_k + c.block_v * c.block_k) * 4
@@ -245,7 +286,8 @@ def configs_for(K: int, V: int, BT: int, method: str | None = None) -> list[Veri
     for c in (GROUPED_CONFIGS if method == "grouped" else CONFIGS):
         c = dataclasses.replace(c, block_k=min(c.block_k, kmax))
         if (c.block_v <= vmax and (c.num_stages == 1 or c.num_stages <= kmax // c.block_k)
-                and smem(c) <= _SMEM_BUDGET and c.block_v * c.tiles_per_program <= vmax and c not in out):
+                and smem(c) <= _SMEM_BUDGET and c.block_v * c.tiles_per_program <= vmax
+                and (BT < 128 or c.num_warps >= 8) and c not in out):
             out.append(c)
     return out
 
@@ -302,16 +344,20 @@ def group_heads(heads_per_program: int, HV: int, HK: int) -> int:
 
 # The engine's dispatch for half-precision q/k (``gdn_tree_verify(..., tuned=True)``): the fastest
 # validated configuration per tree tile BT and grid size (requests x value heads), measured on the H200
-# at Qwen3.5-9B shapes (HV=32, K=V=128, bf16 q/k, fp32 pool) by benchmarks/gdn_verify.py
-# (benchmarks/results/gdn_verify_h200.json, bole_config; rel_err <= 7e-3 against SGLang's serial O,
-# within bf16 input rounding). Rows: (max requests x heads, config, method, input_precision).
+# at Qwen3.5-9B shapes (HV=32, K=V=128, bf16 q/k, fp32 pool). BT=64: benchmarks/verify_ablation.py
+# (results/verify_ablation_h200.json, 2026-12-01: inverse with fp16 T×T products, 3 stages; loads
+# issued before the K-loop up to 256 pairs); other BT: benchmarks/gdn_verify.py (results/
+# gdn_verify_h200.json, bole_config). rel_err <= 7e-3 against SGLang's serial O, within bf16 input
+# rounding. Rows: (max requests x heads, config, method, input_precision).
 # tf32 products err by ~2^-11 relative, below the bf16 rounding of q/k/v themselves (2^-9); fp32
 # activations keep the exact "ieee" default (``tuned`` changes nothing for them).
 _TUNED_LOWP = {
     16: [(128, VerifyConfig(64, 32, 4, 2), "neumann", "tf32"), (256, VerifyConfig(64, 64, 4, 2), "neumann", "ieee"),
          (None, VerifyConfig(64, 64, 4, 2), "inverse", "ieee")],
     32: [(128, VerifyConfig(64, 16, 4, 2), "neumann", "tf32"), (None, VerifyConfig(64, 64, 8, 2), "inverse", "ieee")],
-    64: [(512, VerifyConfig(32, 64, 4, 2), "neumann", "tf32"), (None, VerifyConfig(32, 128, 8, 2), "neumann", "tf32")],
+    64: [(32, VerifyConfig(32, 32, 4, 3, early_loads=True), "inverse", "tf32"),
+         (256, VerifyConfig(32, 128, 8, 3, early_loads=True), "inverse", "tf32"),
+         (None, VerifyConfig(32, 128, 8, 3), "inverse", "tf32")],
     128: [(None, VerifyConfig(32, 32, 8, 2), "neumann", "tf32")],
 }
 
@@ -322,7 +368,8 @@ def tuned_launch(BT: int, num_heads_x_requests: int, K: int, V: int) -> tuple[Ve
     _, cfg, method, precision = next(row for row in _TUNED_LOWP[BT] if row[0] is None or num_heads_x_requests <= row[0])
     vmax, kmax = max(16, triton.next_power_of_2(V)), max(16, triton.next_power_of_2(K))
     bk = min(cfg.block_k, kmax)
-    return VerifyConfig(bk, min(cfg.block_v, vmax), cfg.num_warps, cfg.num_stages if K > bk else 1), method, precision
+    return dataclasses.replace(cfg, block_k=bk, block_v=min(cfg.block_v, vmax),
+                               num_stages=cfg.num_stages if K > bk else 1), method, precision
 
 
 def _interpreting() -> bool:
@@ -344,6 +391,8 @@ def launch_gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state
     # bf16 q/k with an fp32 pool: split S into 3 bf16 terms unless plain tf32 was asked for (cheaper)
     split_s = (lowp_qk and has_h0 and not lowp_s and q.dtype == torch.bfloat16
                and initial_state.dtype == torch.float32 and input_precision != "tf32")
+    # fp16 T×T products where tf32 was asked for and the kernel's bound on them holds (see the kernel)
+    lowp_tt = input_precision == "tf32" and bool(use_qk_l2norm) and int(forest.max_depth) <= 16
     grid = (B, HV, triton.cdiv(V, BV))
     # Exact series length: the deepest tree of the forest (or the caller's num_rounds).
     n_rounds = int(forest.max_depth) if num_rounds is None else int(num_rounds)
@@ -366,13 +415,14 @@ def launch_gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state
     gdn_tree_verify_kernel[grid](
         q[0].contiguous(), k[0].contiguous(), v[0].contiguous(), g[0].contiguous(), beta[0].contiguous(),
         initial_state if has_h0 else q, state_indices if state_indices is not None else forest.cu_seqlens,
-        forest.cu_seqlens, forest.depth, forest.anc.contiguous(),
+        forest.cu_seqlens, forest.anc_bits.contiguous(),
         o[0], u, logp,
         float(scale),
-        HK=HK, HV=HV, K=K, V=V, D_ANC=forest.anc.shape[1], BT=BT, BK=BK, BV=BV,
+        HK=HK, HV=HV, K=K, V=V, N_WORDS=forest.anc_bits.shape[1], BT=BT, BK=BK, BV=BV,
         USE_L2NORM=bool(use_qk_l2norm), HAS_H0=has_h0, HAS_INDICES=state_indices is not None,
         INVERSE=method == "inverse", LOWP_QK=lowp_qk, LOWP_S=lowp_s, SPLIT_S=split_s,
         PRECISION=input_precision, N_ROUNDS=n_rounds, N_SQUARINGS=n_squarings,
+        EARLY=config.early_loads, LOWP_TT=method == "inverse" and lowp_tt,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return o, u, logp
@@ -475,7 +525,7 @@ def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state
     if config is None:
         config = default_config(K, V, BT, B * HV, block_v, method)
     elif block_v is not None:
-        config = VerifyConfig(config.block_k, block_v, config.num_warps, config.num_stages)
+        config = dataclasses.replace(config, block_v=block_v)
     if config.block_v < 16 or config.block_v & (config.block_v - 1):
         raise ValueError(f"block_v must be a power of two >= 16, got {config.block_v}")
     if config.block_k < 16 or config.block_k & (config.block_k - 1):
