@@ -6,8 +6,9 @@ Columns per (model, batch, tree size), all measured in the same process on the s
     torch_closed_us  bole.ops.gdn.gdn_tree_verify (naive torch closed form, Python loop per request);
                      null above --torch-max-batch
     bole_us          kernels.gdn_tree_verify, best of its ``configs`` (named in bole_config)
-    bole_by_method   per ``method`` (neumann / inverse / two_pass / grouped): its fastest validated config, its
-                     time (re-timed like bole_us) and errors; the table prints one column per method
+    bole_by_method   per ``method`` (neumann / inverse / two_pass / tuned; grouped if asked): its fastest
+                     validated config, its time (re-timed like bole_us) and errors; the table prints one
+                     column per method
     floor_us         bytes that must move / measured device-to-device copy bandwidth
     snapshot_bytes   per request and layer, SGLang-style per-node states: T·HV·V·K·4
     factor_bytes     per request and layer, what our commit needs: T·(HV·V·4 + HK·K·2 + HV·4)
@@ -58,6 +59,11 @@ def parse_args():
     ap.add_argument("--batches", type=int, nargs="*", default=None, help="only these batch sizes")
     ap.add_argument("--torch-max-batch", type=int, default=8, help="skip torch_closed_us above this batch")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new rows after this")
+    ap.add_argument("--methods", nargs="*", default=["neumann", "inverse", "two_pass", "tuned"],
+                    help="kernel methods to sweep (of _METHODS, plus 'tuned': the engine's dispatch). "
+                         "'grouped' only when named: slower than the one-pass kernel at batch 1-16 and 2%% "
+                         "faster at 32 in results/verify_probe_h200.json, before the one-pass kernel gained "
+                         "10-20%% (verify_ablation2_h200.json); its compiles are the slowest")
     ap.add_argument("--sweep", choices=("auto", "full"), default="auto",
                     help="kernel configurations per row (see BoleKernel)")
     ap.add_argument("--compile-workers", type=int, default=min(14, max(1, (os.cpu_count() or 2) - 2)),
@@ -251,6 +257,10 @@ def run_row(model, batch, T, device, args, bole, notes) -> dict:
             e["us"] = bench_us(call, args.smoke)
             by_method[method] = e
         row["bole_by_method"] = by_method
+        if "tuned" in by_method and hasattr(bole.module, "tuned_launch"):  # what tuned=True launched
+            cfg, method, precision = bole.module.tuned_launch(max(16, triton.next_power_of_2(T)), batch * s["HV"],
+                                                              s["K"], s["V"])
+            by_method["tuned"]["launch"] = f"{method}:{cfg}:{precision}"
         if by_method:
             e = min(by_method.values(), key=lambda e: e["us"])
             row.update(bole_us=e["us"], bole_config=e["config"], rel_err=e["rel_err"], rel_err_u=e["rel_err_u"],
@@ -349,6 +359,8 @@ def main(args):
         notes.append("SGLang peer absent (.peers/sglang/): run scripts/fetch_peers.sh; "
                      "sglang_tree_us skipped")
     bole, note = load_bole_kernel()
+    if bole is not None:
+        bole.only = args.methods
     if note:
         notes.append(note)
     for n in notes:

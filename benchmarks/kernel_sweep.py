@@ -10,18 +10,20 @@ is not), and big-tile compiles take tens of seconds, so ``--sweep auto`` keeps t
         doubled, the other num_warps); all of them also with tf32 dots, the default also with tf32x3.
     later rows of that (model, T): per method the 2 fastest of the first row, plus the row's own
         default per method (without methods: the 4 fastest overall plus the default).
+    every row: the engine's own launch, ``tuned=True`` (the kernel's measured dispatch table), as
+        method "tuned".
 ``--sweep full`` tries every candidate × method × precision on every row.
 ``row_defaults`` lists a later row's own defaults, so that ``precompile`` compiles only what is timed.
 
 ``precompile`` runs one launch of each candidate (and of SGLang's kernel per distinct total-token
 count, its NP2_T constexpr) in a pool of worker processes, which fills Triton's on-disk cache; the
 main process then loads the binaries instead of compiling them one after the other. A candidate that
-fails there (bad config, out of resources, a crash) is never launched in the main process.
+fails there (bad config, out of resources, a crash) or has not compiled when the precompile budget
+runs out is never launched in the main process.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import inspect
 import multiprocessing
 import time
@@ -39,6 +41,7 @@ class BoleKernel:
         self.ranked: dict[tuple, list[str]] = {}  # (model, T) -> labels, fastest first
         self.failed: set[tuple] = set()  # (model, T, label) that failed in a worker
         self._known: dict[tuple, list[dict]] = {}  # (model, T) -> first-row candidates
+        self.only: list[str] | None = None  # restrict to these methods ("tuned": the engine's launch)
 
     @staticmethod
     def label(kw: dict) -> str:
@@ -64,7 +67,9 @@ class BoleKernel:
     def methods(self) -> list:
         """The kernel's methods (``_METHODS``) when it takes ``method=``, else [None]."""
         ms = list(getattr(self.module, "_METHODS", None) or []) if self._accepts("method") else []
-        return ms or [None]
+        if ms and self.only is not None:
+            ms = [m for m in ms if m in self.only]
+        return ms or ([] if self.only is not None else [None])
 
     def _default(self, K, V, BT, heads_x_requests, method):
         mod = self.module
@@ -97,6 +102,10 @@ class BoleKernel:
             out.append((m, [kws_ if m is None else dict(kws_, method=m) for kws_ in kws]))
         return out
 
+    def _tuned(self) -> list[dict]:
+        """The engine's own launch (``tuned=True``: the kernel's measured dispatch table), when it has one."""
+        return [{"tuned": True}] if self._accepts("tuned") and (self.only is None or "tuned" in self.only) else []
+
     def first_row(self, s: dict, T: int, batch: int, mode: str) -> list[dict]:
         """Candidates for the first row of a (model, T) (every row with ``mode == 'full'``)."""
         per = self._per_method(s, T, batch, mode)
@@ -105,15 +114,15 @@ class BoleKernel:
             # tf32 for every candidate; tf32x3 (about fp32-exact on tensor cores) for each default
             kws += ([dict(kw, input_precision="tf32") for kw in kws]
                     + [dict(mk[0], input_precision="tf32x3") for _, mk in per])
-        return kws
+        return kws + self._tuned()
 
     def row_defaults(self, s: dict, T: int, batch: int) -> list[dict]:
-        """A later row's own defaults, one per method."""
-        return [mk[0] for _, mk in self._per_method(s, T, batch, "auto")]
+        """A later row's own defaults, one per method, and the engine's launch."""
+        return [mk[0] for _, mk in self._per_method(s, T, batch, "auto")] + self._tuned()
 
     @staticmethod
     def method_of(kw: dict):
-        return kw.get("method")
+        return kw.get("method") or ("tuned" if kw.get("tuned") else None)
 
     def candidates(self, s: dict, T: int, batch: int, mode: str, key) -> list[dict]:
         ranked = self.ranked.get(key)
@@ -156,32 +165,28 @@ def _compile_task(kind, model, batch, T, kw):
 
 
 def precompile(tasks, workers: int, bole: BoleKernel | None, notes: list, timeout_s: float,
-               first_trees=()) -> float:
+               first_trees=(), fn=None) -> float:
     """tasks: (kind, model, batch, T, kwargs). Returns the seconds spent.
 
     Trees in ``first_trees`` (the bar rows') first, then largest trees first (their compiles are the
-    slow ones). After ``timeout_s`` the tasks not yet started are dropped (the main process compiles
-    those on demand); running ones finish.
+    slow ones). At ``timeout_s`` the pool is terminated: a bole variant still compiling or not yet
+    started then counts as failed (the main process never launches it), because a compile that has
+    not finished by then may take minutes more (4-warp BT=128 variants did not finish on the H200);
+    an unfinished SGLang task compiles on demand. ``fn`` replaces the worker task (tests).
     """
     t0 = time.time()
     ctx = multiprocessing.get_context("spawn")
     tasks = sorted(tasks, key=lambda t: (t[3] not in first_trees, -t[3]))
-    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        futures = {pool.submit(_compile_task, *t): t for t in tasks}
-        try:
-            done = list(cf.as_completed(futures, timeout=timeout_s))
-        except cf.TimeoutError:
-            done = [f for f in futures if f.done()]
-            pool.shutdown(wait=True, cancel_futures=True)
-            notes.append(f"precompile cut after {timeout_s:.0f}s: {len(futures) - len(done)} variants "
-                         "left to compile on demand")
-        for fut in done:
-            kind, model, batch, T, kw = futures[fut]
+    pool = ctx.Pool(processes=max(1, workers))
+    unfinished = 0
+    try:
+        pending = [(t, pool.apply_async(fn or _compile_task, t)) for t in tasks]
+        for (kind, model, batch, T, kw), res in pending:
             try:
-                err = fut.result()
-            except cf.process.BrokenProcessPool:  # a worker died (a CUDA fault?): which one is unknown
-                notes.append("precompile pool broke: the rest compiles in the main process")
-                break
+                err = res.get(timeout=max(0.0, t0 + timeout_s - time.time()))
+            except multiprocessing.TimeoutError:
+                unfinished += 1
+                err = None if kind == "sglang" else f"not compiled within the precompile budget ({timeout_s:.0f}s)"
             except Exception as e:  # not the kernel's fault (e.g. pickling): compile on demand
                 notes.append(f"precompile task failed: {type(e).__name__}: {e}")
                 continue
@@ -189,5 +194,10 @@ def precompile(tasks, workers: int, bole: BoleKernel | None, notes: list, timeou
                 bole.failed.add((model, T, bole.label(kw)))
                 notes.append(f"precompile {model} T={T} {bole.label(kw)}: {err}")
             elif err:
-                notes.append(f"precompile sglang {model} b={batch} T={T}: {err}")
+                notes.append(f"precompile {kind} {model} b={batch} T={T}: {err}")
+    finally:
+        pool.terminate()
+        pool.join()
+    if unfinished:
+        notes.append(f"precompile stopped after {timeout_s:.0f}s: {unfinished} tasks unfinished")
     return time.time() - t0

@@ -63,30 +63,32 @@ from bole.ops import gdn as gdn_ops  # noqa: E402
 from kernels.gdn_tree_verify import VerifyConfig, gdn_tree_verify  # noqa: E402
 
 _KEYS = dict(bk="block_k", bv="block_v", w="num_warps", s="num_stages", ng="heads_per_program",
-             nvt="tiles_per_program")
+             nvt="tiles_per_program", e="early_loads")
 
 
 def label(method: str, cfg: VerifyConfig, precision: str) -> str:
-    return f"{method}:" + ",".join(f"{k}={getattr(cfg, f)}" for k, f in _KEYS.items()) + f":{precision}"
+    return f"{method}:" + ",".join(f"{k}={int(getattr(cfg, f))}" for k, f in _KEYS.items()) + f":{precision}"
 
 
 def parse_label(lab: str) -> dict:
     method, cfg, precision = lab.split(":")
     kv = dict(part.split("=") for part in cfg.split(","))
-    return dict(method=method, config=VerifyConfig(**{_KEYS[k]: int(v) for k, v in kv.items()}),
+    return dict(method=method, config=VerifyConfig(**{_KEYS[k]: bool(int(v)) if k == "e" else int(v)
+                                                      for k, v in kv.items()}),
                 input_precision=precision)
 
 
 def candidates(smoke: bool) -> list[str]:
-    """The one-pass kernel's fastest validated launches of the last measurement (benchmarks/README.md:
-    inverse / neumann tf32 at batch 1 and 16), then the grouped method over heads × tiles × tiles sizes."""
+    """The one-pass kernel's fastest validated launches of the last measurement (results/
+    verify_ablation2_h200.json: inverse tf32 with 3 stages), then the grouped method over heads × tiles
+    × tile sizes."""
     if smoke:
         return [label("inverse", VerifyConfig(16, 16, 4, 1), "ieee"),
                 label("grouped", VerifyConfig(16, 16, 4, 1, 2, 1), "ieee")]
-    out = [label("inverse", VerifyConfig(32, 64, 4, 2), "tf32"),
-           label("neumann", VerifyConfig(32, 64, 4, 2), "tf32"),
-           label("neumann", VerifyConfig(32, 128, 8, 2), "tf32"),
-           label("inverse", VerifyConfig(32, 16, 4, 2), "tf32")]
+    out = [label("inverse", VerifyConfig(32, 32, 4, 3, early_loads=True), "tf32"),
+           label("inverse", VerifyConfig(32, 128, 8, 3, early_loads=True), "tf32"),
+           label("inverse", VerifyConfig(32, 128, 8, 3), "tf32"),
+           label("inverse", VerifyConfig(32, 64, 4, 3), "tf32")]
     for ng, nvt, bv in ((1, 1, 64), (1, 1, 32), (1, 2, 64), (2, 1, 64), (2, 2, 64), (2, 1, 32), (2, 4, 32),
                         (2, 1, 128), (1, 1, 16), (2, 2, 32)):
         for w in (4, 8):
