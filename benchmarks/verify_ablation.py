@@ -34,7 +34,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gdn_verify import REL_TOL, SHAPES, bench_us, make_inputs, rel_err  # noqa: E402
 from bole.ops import gdn as gdn_ops  # noqa: E402
-from kernels.gdn_tree_verify import gdn_tree_verify_kernel  # noqa: E402
+from kernels.gdn_tree_verify import gdn_tree_verify_kernel, squarings_for  # noqa: E402
 
 MODEL = "qwen3.5-9b"
 ABLATIONS = {  # name: constexpr overrides of the inverse launch; outputs wrong by design
@@ -82,9 +82,7 @@ class Case:
     def kwargs(self, cfg, method, flags) -> dict:
         bk, bv, w, st = cfg
         n_rounds = int(self.f.max_depth)
-        n_sq, terms = 0, 2
-        while terms < n_rounds:
-            terms, n_sq = terms * 2, n_sq + 1
+        n_sq = squarings_for(n_rounds)
         kw = dict(HK=self.HK, HV=self.HV, K=self.K, V=self.V, N_WORDS=self.f.anc_bits.shape[1], BT=self.BT,
                   BK=bk, BV=bv, USE_L2NORM=True, HAS_H0=True, HAS_INDICES=True, INVERSE=method == "inverse",
                   LOWP_QK=True, LOWP_S=False, SPLIT_S=False, PRECISION="tf32", N_ROUNDS=n_rounds,

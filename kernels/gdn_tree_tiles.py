@@ -1,6 +1,7 @@
-"""On-chip building blocks shared by the tree verifiers that form the tree-side matrices apart from the
-value tiles (`gdn_tree_verify_2pass.py`, `gdn_tree_verify_grouped.py`): the ancestor masks, Q Kᵀ / K Kᵀ
-with the q/k norms, W = (I+G)⁻¹ in product form, and the per-tile Q S_pre / K S_pre K-loop.
+"""On-chip building blocks of the tree verifiers: the ancestor masks from the forest's bitmasks (all
+three kernels), one K chunk of the S_pre products (all three), and, for the verifiers that form the
+tree-side matrices apart from the value tiles (`gdn_tree_verify_2pass.py`, `gdn_tree_verify_grouped.py`),
+Q Kᵀ / K Kᵀ with the q/k norms, W = (I+G)⁻¹ in product form and the per-tile Q S_pre / K S_pre K-loop.
 
 The one-pass kernel (`gdn_tree_verify.py`, the engine's) keeps its own fused K-loop, which forms Q Kᵀ,
 K Kᵀ and the S_pre products in one pass over q/k.
@@ -13,13 +14,28 @@ import triton.language as tl
 
 
 @triton.jit
-def tree_relation(depth, anc, bos, o_t, m_t, D_ANC: tl.constexpr):
-    """(M⁺, M⁻) [BT, BT]: M⁺[i, j] iff the ancestor of i at depth(j) is j (j = i included); M⁻ strict."""
-    m_tt = m_t[:, None] & m_t[None, :]
-    b_depth = tl.load(depth + bos + o_t, mask=m_t, other=1)
-    b_anc = tl.load(anc + (bos + o_t[:, None]) * D_ANC + (b_depth[None, :] - 1), mask=m_tt, other=-1)
-    m_plus = b_anc == o_t[None, :]
-    return m_plus, m_plus & (o_t[:, None] != o_t[None, :])
+def load_anc_bits(anc_bits, bos, o_t, m_t, N_WORDS: tl.constexpr, BT: tl.constexpr):
+    """The ancestor-or-self bitmask words [BT] int64 of each node (``PackedForest.anc_bits``, bit j of
+    word j // 64): word 0, and word 1 when BT > 64 (else word 0 again, unused). One load per word."""
+    b_w0 = tl.load(anc_bits + (bos + o_t) * N_WORDS, mask=m_t, other=0)
+    if BT > 64:
+        b_w1 = tl.load(anc_bits + (bos + o_t) * N_WORDS + 1, mask=m_t, other=0)
+    else:
+        b_w1 = b_w0
+    return b_w0, b_w1
+
+
+@triton.jit
+def tree_relation(b_w0, b_w1, o_t, BT: tl.constexpr):
+    """(M⁺, M⁻) [BT, BT] from `load_anc_bits`'s words: M⁺[i, j] iff j is an ancestor of i or i itself,
+    M⁻ the strict part."""
+    o_j = o_t[None, :]
+    if BT > 64:
+        b_word = tl.where(o_j < 64, b_w0[:, None], b_w1[:, None])
+    else:
+        b_word = b_w0[:, None]
+    m_plus = ((b_word >> (o_j % 64).to(tl.int64)) & 1) != 0  # arithmetic shift: bit 63 still reads 1
+    return m_plus, m_plus & (o_t[:, None] != o_j)
 
 
 @triton.jit
@@ -87,23 +103,33 @@ def s_products(q, k, p_h0, bos, o_t, m_t, o_v, m_v, i_hk,
         b_q = tl.load(q + p_qk, mask=m_tk, other=0)
         b_k = tl.load(k + p_qk, mask=m_tk, other=0)
         b_s = tl.load(p_h0 + o_v[:, None] * K + o_k[None, :], mask=m_v[:, None] & m_k[None, :], other=0)
-        if LOWP_S:
-            b_qs += tl.dot(b_q, tl.trans(b_s))
-            b_ks += tl.dot(b_k, tl.trans(b_s))
-        elif SPLIT_S:
-            b_sf = b_s.to(tl.float32)
-            b_hi = b_sf.to(tl.bfloat16)
-            b_rem = b_sf - b_hi.to(tl.float32)
-            b_mid = b_rem.to(tl.bfloat16)
-            b_lo = (b_rem - b_mid.to(tl.float32)).to(tl.bfloat16)
-            b_qs += tl.dot(b_q, tl.trans(b_hi))
-            b_qs += tl.dot(b_q, tl.trans(b_mid))
-            b_qs += tl.dot(b_q, tl.trans(b_lo))
-            b_ks += tl.dot(b_k, tl.trans(b_hi))
-            b_ks += tl.dot(b_k, tl.trans(b_mid))
-            b_ks += tl.dot(b_k, tl.trans(b_lo))
-        else:
-            b_sf = tl.trans(b_s.to(tl.float32))
-            b_qs += tl.dot(b_q.to(tl.float32), b_sf, input_precision=PRECISION)
-            b_ks += tl.dot(b_k.to(tl.float32), b_sf, input_precision=PRECISION)
+        b_qs, b_ks = s_dots(b_q, b_k, b_s, b_qs, b_ks, LOWP_S, SPLIT_S, PRECISION)
+    return b_qs, b_ks
+
+
+@triton.jit
+def s_dots(b_q, b_k, b_s, b_qs, b_ks, LOWP_S: tl.constexpr, SPLIT_S: tl.constexpr, PRECISION: tl.constexpr):
+    """One K chunk of Q S_pre and K S_pre: b_q, b_k [BT, BK] (q's dtype), b_s the S_preᵀ chunk [BV, BK]
+    (the pool's dtype), accumulated into b_qs, b_ks [BT, BV] fp32. LOWP_S: the pool has q's half dtype;
+    SPLIT_S: bf16 q/k against an fp32 pool, S = hi + mid + lo in bf16 (8 + 8 + 8 mantissa bits) makes
+    each product exact, so three bf16 MMAs reproduce the fp32 product; else fp32 dots at PRECISION."""
+    if LOWP_S:
+        b_qs += tl.dot(b_q, tl.trans(b_s))
+        b_ks += tl.dot(b_k, tl.trans(b_s))
+    elif SPLIT_S:
+        b_sf = b_s.to(tl.float32)
+        b_hi = b_sf.to(tl.bfloat16)
+        b_rem = b_sf - b_hi.to(tl.float32)
+        b_mid = b_rem.to(tl.bfloat16)
+        b_lo = (b_rem - b_mid.to(tl.float32)).to(tl.bfloat16)
+        b_qs += tl.dot(b_q, tl.trans(b_hi))
+        b_qs += tl.dot(b_q, tl.trans(b_mid))
+        b_qs += tl.dot(b_q, tl.trans(b_lo))
+        b_ks += tl.dot(b_k, tl.trans(b_hi))
+        b_ks += tl.dot(b_k, tl.trans(b_mid))
+        b_ks += tl.dot(b_k, tl.trans(b_lo))
+    else:
+        b_sf = tl.trans(b_s.to(tl.float32))
+        b_qs += tl.dot(b_q.to(tl.float32), b_sf, input_precision=PRECISION)
+        b_ks += tl.dot(b_k.to(tl.float32), b_sf, input_precision=PRECISION)
     return b_qs, b_ks

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from bole.ops.gdn import check_gdn_inputs
 from bole.spec.tree import MAX_TREE_NODES, PackedForest
+from kernels.gdn_tree_tiles import load_anc_bits, s_dots, tree_relation
 from kernels.gdn_tree_verify_2pass import launch_two_pass, workspace_numel
 from kernels.gdn_tree_verify_grouped import launch_grouped
 
@@ -54,17 +55,9 @@ _METHODS = ("neumann", "inverse", "two_pass", "grouped")
 
 @triton.jit
 def _relation_and_decay(b_w0, b_w1, b_g, o_t, BT: tl.constexpr):
-    """(M⁺, M⁻, logP) [BT, BT], [BT, BT], [BT] from the ancestor-or-self bitmask words of each node i
-    (bit j of word j // 64 set iff j is an ancestor of i or i; word 1 only when BT > 64): logP = M⁺ g."""
-    o_j = o_t[None, :]
-    if BT > 64:
-        b_word = tl.where(o_j < 64, b_w0[:, None], b_w1[:, None])
-    else:
-        b_word = b_w0[:, None]
-    m_plus = ((b_word >> (o_j % 64).to(tl.int64)) & 1) != 0  # arithmetic shift: bit 63 still reads 1
-    m_minus = m_plus & (o_t[:, None] != o_j)
-    b_lp = tl.sum(tl.where(m_plus, b_g[None, :], 0.0), axis=1)
-    return m_plus, m_minus, b_lp
+    """(M⁺, M⁻, logP = M⁺ g) from the ancestor bitmask words (`load_anc_bits`)."""
+    m_plus, m_minus = tree_relation(b_w0, b_w1, o_t, BT)
+    return m_plus, m_minus, tl.sum(tl.where(m_plus, b_g[None, :], 0.0), axis=1)
 
 
 @triton.jit
@@ -99,11 +92,7 @@ def gdn_tree_verify_kernel(
     # path log decays logP = M⁺ g. Every load here depends only on bos; with EARLY they are all in
     # flight during the K-loop (the masks, logP and v are used after it), which at small batch takes
     # dependent DRAM round trips off the critical path at the cost of registers held through the loop.
-    b_w0 = tl.load(anc_bits + (bos + o_t) * N_WORDS, mask=m_t, other=0)
-    if BT > 64:
-        b_w1 = tl.load(anc_bits + (bos + o_t) * N_WORDS + 1, mask=m_t, other=0)
-    else:
-        b_w1 = b_w0
+    b_w0, b_w1 = load_anc_bits(anc_bits, bos, o_t, m_t, N_WORDS, BT)
     b_g = tl.load(g + (bos + o_t) * HV + i_h, mask=m_t, other=0).to(tl.float32)
     b_beta = tl.load(beta + (bos + o_t) * HV + i_h, mask=m_t, other=0).to(tl.float32)
     p_v = ((bos + o_t[:, None]) * HV + i_h) * V + o_v[None, :]
@@ -146,27 +135,7 @@ def gdn_tree_verify_kernel(
         if HAS_H0:
             # S_preᵀ tile [BV, BK] (the pool holds Sᵀ, K contiguous): read once per program
             b_s = tl.load(p_h0 + o_v[:, None] * K + o_k[None, :], mask=m_v[:, None] & m_k[None, :], other=0)
-            if LOWP_S:
-                b_qs += tl.dot(b_q, tl.trans(b_s))
-                b_ks += tl.dot(b_k, tl.trans(b_s))
-            elif SPLIT_S:
-                # bf16 q/k against an fp32 pool: S = hi + mid + lo in bf16 (8 + 8 + 8 mantissa bits)
-                # makes each product exact, so three bf16 MMAs reproduce the fp32 product
-                b_sf = b_s.to(tl.float32)
-                b_hi = b_sf.to(tl.bfloat16)
-                b_rem = b_sf - b_hi.to(tl.float32)
-                b_mid = b_rem.to(tl.bfloat16)
-                b_lo = (b_rem - b_mid.to(tl.float32)).to(tl.bfloat16)
-                b_qs += tl.dot(b_q, tl.trans(b_hi))
-                b_qs += tl.dot(b_q, tl.trans(b_mid))
-                b_qs += tl.dot(b_q, tl.trans(b_lo))
-                b_ks += tl.dot(b_k, tl.trans(b_hi))
-                b_ks += tl.dot(b_k, tl.trans(b_mid))
-                b_ks += tl.dot(b_k, tl.trans(b_lo))
-            else:
-                b_sf = tl.trans(b_s.to(tl.float32))
-                b_qs += tl.dot(b_qf, b_sf, input_precision=PRECISION)
-                b_ks += tl.dot(b_kf, b_sf, input_precision=PRECISION)
+            b_qs, b_ks = s_dots(b_q, b_k, b_s, b_qs, b_ks, LOWP_S, SPLIT_S, PRECISION)
 
     # normalisation and scale as diagonal scalings: r_q = scale / ||q||, r_k = 1 / ||k||
     if USE_L2NORM:
@@ -372,6 +341,15 @@ def tuned_launch(BT: int, num_heads_x_requests: int, K: int, V: int) -> tuple[Ve
                                num_stages=cfg.num_stages if K > bk else 1), method, precision
 
 
+def squarings_for(n_rounds: int) -> int:
+    """Squarings of the product-form inverse for a series of ``n_rounds`` terms: the least s with
+    2^(s+1) >= n_rounds."""
+    n_squarings, terms = 0, 2
+    while terms < n_rounds:
+        terms, n_squarings = terms * 2, n_squarings + 1
+    return n_squarings
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -396,9 +374,7 @@ def launch_gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state
     grid = (B, HV, triton.cdiv(V, BV))
     # Exact series length: the deepest tree of the forest (or the caller's num_rounds).
     n_rounds = int(forest.max_depth) if num_rounds is None else int(num_rounds)
-    n_squarings, terms = 0, 2
-    while terms < n_rounds:
-        terms, n_squarings = terms * 2, n_squarings + 1
+    n_squarings = squarings_for(n_rounds)
     if method == "grouped":
         return launch_grouped(q, k, v, g, beta, forest, initial_state, state_indices, scale, use_qk_l2norm,
                               o, u, logp, BT=BT, block_k=BK, block_v=BV,

@@ -6,7 +6,7 @@ the work that involves the state S_pre and V:
 
 pass 1 (`gdn_tree_factor_kernel`, grid (B, HV)):
     Q Kᵀ, K Kᵀ over K (raw q/k, L2 norm and the q scale applied afterwards as diagonal scalings),
-    M⁺ / M⁻ from the packed ancestor table, logP = M⁺ g, E = exp(logP_i − logP_j) on M⁺ (masked
+    M⁺ / M⁻ from the packed ancestor bitmasks, logP = M⁺ g, E = exp(logP_i − logP_j) on M⁺ (masked
     before exp), G = D_β [(K Kᵀ) ⊙ E ⊙ M⁻], C = (Q Kᵀ) ⊙ E,
     W = (I+G)⁻¹ = Π_{s<S} (I + A^{2^s}), A = −G: after S squarings W = Σ_{m<2^{S+1}} A^m, exact
         once 2^{S+1} ≥ depth because G is strictly lower triangular in tree order (A^depth = 0),
@@ -29,17 +29,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gdn_tree_tiles import qk_kk_norms, s_products, tree_relation, unit_lower_inverse
+from kernels.gdn_tree_tiles import load_anc_bits, qk_kk_norms, s_products, tree_relation, unit_lower_inverse
 
 
 @triton.jit
 def gdn_tree_factor_kernel(
     q, k, g, beta,                  # [N, HK, K], [N, HK, K], [N, HV], [N, HV]
-    cu_seqlens, depth, anc,         # [B+1], [N], [N, D_ANC]
+    cu_seqlens, anc_bits,           # [B+1], [N, N_WORDS] int64 ancestor-or-self bitmasks
     ws_w, ws_m, ws_c,               # [B, HV, BT, BT] fp32 ×2, [B, HV, 2, BT] fp32
     logp,                           # [N, HV] fp32
     scale,
-    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, D_ANC: tl.constexpr,
+    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, N_WORDS: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr,
     USE_L2NORM: tl.constexpr, LOWP_QK: tl.constexpr, PRECISION: tl.constexpr,
     N_SQUARINGS: tl.constexpr,
@@ -51,7 +51,8 @@ def gdn_tree_factor_kernel(
 
     o_t = tl.arange(0, BT)
     m_t = o_t < T
-    m_plus, m_minus = tree_relation(depth, anc, bos, o_t, m_t, D_ANC)
+    b_w0, b_w1 = load_anc_bits(anc_bits, bos, o_t, m_t, N_WORDS, BT)
+    m_plus, m_minus = tree_relation(b_w0, b_w1, o_t, BT)
 
     # ---- gates and path log decays (logP = M⁺ g); padded nodes get β = 0
     b_g = tl.load(g + (bos + o_t) * HV + i_h, mask=m_t, other=0).to(tl.float32)
@@ -178,9 +179,9 @@ def launch_two_pass(q, k, v, g, beta, forest, initial_state, state_indices, scal
     if BT >= 128 and input_precision == "ieee" and q.is_cuda:
         p1_precision = "tf32x3"
     gdn_tree_factor_kernel[(B, HV)](
-        qc, kc, g[0].contiguous(), beta[0].contiguous(), cu, forest.depth, forest.anc.contiguous(),
+        qc, kc, g[0].contiguous(), beta[0].contiguous(), cu, forest.anc_bits.contiguous(),
         ws_w, ws_m, ws_c, logp, float(scale),
-        HK=HK, HV=HV, K=K, D_ANC=forest.anc.shape[1], BT=BT, BK=bk1,
+        HK=HK, HV=HV, K=K, N_WORDS=forest.anc_bits.shape[1], BT=BT, BK=bk1,
         USE_L2NORM=bool(use_qk_l2norm), LOWP_QK=lowp_qk, PRECISION=p1_precision, N_SQUARINGS=n_squarings,
         num_warps=w1, num_stages=st1,
     )

@@ -28,17 +28,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.gdn_tree_tiles import qk_kk_norms, s_products, tree_relation, unit_lower_inverse
+from kernels.gdn_tree_tiles import load_anc_bits, qk_kk_norms, s_products, tree_relation, unit_lower_inverse
 
 
 @triton.jit
 def gdn_tree_verify_grouped_kernel(
     q, k, v, g, beta,               # [N, HK, K], [N, HK, K], [N, HV, V], [N, HV], [N, HV]
     h0, state_indices,              # pool [slots, HV, V, K], [B]
-    cu_seqlens, depth, anc,         # [B+1], [N], [N, D_ANC]
+    cu_seqlens, anc_bits,           # [B+1], [N, N_WORDS] int64 ancestor-or-self bitmasks
     o, u, logp,                     # [N, HV, V] (v's dtype), [N, HV, V] fp32, [N, HV] fp32
     scale,
-    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, D_ANC: tl.constexpr,
+    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N_WORDS: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NG: tl.constexpr,               # value heads per program (one GQA group or part of one)
     NVT: tl.constexpr,              # value tiles per program
@@ -53,7 +53,8 @@ def gdn_tree_verify_grouped_kernel(
 
     o_t = tl.arange(0, BT)
     m_t = o_t < T
-    m_plus, m_minus = tree_relation(depth, anc, bos, o_t, m_t, D_ANC)
+    b_w0, b_w1 = load_anc_bits(anc_bits, bos, o_t, m_t, N_WORDS, BT)
+    m_plus, m_minus = tree_relation(b_w0, b_w1, o_t, BT)
 
     # ---- once per program: Q Kᵀ, K Kᵀ of the key head, normalised (and q scaled) as diagonal scalings
     b_qk, b_kk, b_rq, b_rk = qk_kk_norms(q, k, bos, o_t, m_t, i_hk, scale, HK, K, BT, BK, USE_L2NORM, LOWP_QK,
@@ -122,10 +123,11 @@ def launch_grouped(q, k, v, g, beta, forest, initial_state, state_indices, scale
     gdn_tree_verify_grouped_kernel[grid](
         qc, k[0].contiguous(), v[0].contiguous(), g[0].contiguous(), beta[0].contiguous(),
         initial_state if has_h0 else qc, state_indices if state_indices is not None else cu,
-        cu, forest.depth, forest.anc.contiguous(),
+        cu, forest.anc_bits.contiguous(),
         o[0], u, logp,
         float(scale),
-        HK=HK, HV=HV, K=K, V=V, D_ANC=forest.anc.shape[1], BT=BT, BK=block_k, BV=block_v, NG=NG, NVT=NVT,
+        HK=HK, HV=HV, K=K, V=V, N_WORDS=forest.anc_bits.shape[1], BT=BT, BK=block_k, BV=block_v,
+        NG=NG, NVT=NVT,
         USE_L2NORM=bool(use_qk_l2norm), HAS_H0=has_h0, HAS_INDICES=state_indices is not None,
         LOWP_QK=lowp_qk, LOWP_S=lowp_s, SPLIT_S=split_s, PRECISION=input_precision, N_SQUARINGS=n_squarings,
         num_warps=num_warps, num_stages=num_stages,
