@@ -223,17 +223,22 @@ class SpecConfig:
 
     depth: draft levels D (the verified tree is D + 1 deep with its root). topk: children proposed
     per expanded node. beam: nodes expanded per level (by cumulative draft probability ρ).
+    draft_fast_math: the drafter's fp32 products on tensor cores (TF32 GEMMs, bf16 attention;
+    ``bole.layers.draft_math``). Outputs stay exact either way: only the proposals can change.
     """
 
     depth: int = 4
     topk: int = 4
     beam: int = 4
+    draft_fast_math: bool = True
 
     def __post_init__(self):
         for name in ("depth", "topk", "beam"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"SpecConfig.{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.draft_fast_math, bool):
+            raise ValueError(f"SpecConfig.draft_fast_math must be a bool, got {self.draft_fast_math!r}")
         if self.depth > 15:
             raise ValueError(f"SpecConfig.depth={self.depth} exceeds the supported 15")
         if self.topk > 127:  # a request always keeps its first-level drafts; a tree holds <= 128 nodes

@@ -71,6 +71,8 @@ class LLMEngine:
         if self.mode != "ar" and model.mtp is None:
             raise ValueError(f"mode {self.mode!r} needs a checkpoint with an MTP drafter (mtp.* tensors)")
         spec = config.spec
+        if model.mtp is not None:
+            model.mtp.fast_math = spec.draft_fast_math
         V = model.config.vocab_size
         self.max_draft_nodes = tree_size(V, spec.depth, spec.topk, spec.beam) if self.mode != "ar" else 0
         self.lookahead = 1 + self.max_draft_nodes

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from bole.layers.draft_math import bf16_attention
 from bole.layers.linear import FusedLinear
 from bole.layers.norm import RMSNorm
 from bole.layers.rotary import RotaryEmbedding
@@ -52,6 +53,11 @@ _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SD
 
 def sdpa(q, k, v, mask, scale):
     """``F.scaled_dot_product_attention`` with a boolean mask, cuDNN excluded (see ``_SDPA_BACKENDS``)."""
+    if q.dtype == torch.float32 and q.is_cuda and bf16_attention():  # the drafter (bole.layers.draft_math)
+        with sdpa_kernel(_SDPA_BACKENDS):
+            o = F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=mask,
+                                               scale=scale)
+        return o.to(q.dtype)
     with sdpa_kernel(_SDPA_BACKENDS):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 

@@ -43,6 +43,7 @@ from torch import nn
 from bole.backend import GDNBackend, resolve_backend
 from bole.config import ModelConfig
 from bole.layers.attention import GatedAttention
+from bole.layers.draft_math import draft_math
 from bole.layers.gdn import GatedDeltaNet
 from bole.layers.mlp import MLP
 from bole.layers.moe import Experts, SparseMoE
@@ -133,18 +134,27 @@ and lm_head are the target's (shared, not registered here).
             for i in range(num_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self._shared = (embed, lm_head)  # a tuple keeps them out of this module's parameters
+        self.backend = backend
+        # TF32 GEMMs and bf16 attention on fp32 CUDA activations (bole.layers.draft_math: drafts only
+        # propose, so outputs stay exact); the engine sets it from SpecConfig.draft_fast_math
+        self.fast_math = True
+
+    def _math(self, x: torch.Tensor):
+        return draft_math(self.fast_math and x.is_cuda and x.dtype == torch.float32)
 
     def forward(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, ctx,
                 step: int = 0) -> torch.Tensor:
         embed, _ = self._shared
         e = self.pre_fc_norm_embedding(embed(input_ids))
-        h = self.pre_fc_norm_hidden(target_hidden.to(e.dtype))
-        x = self.fc(torch.cat([e, h], dim=-1))
-        x, residual = self.layers[step % len(self.layers)](x, ctx)
-        return self.norm(x, residual)[0]
+        with self._math(e):
+            h = self.pre_fc_norm_hidden(target_hidden.to(e.dtype))
+            x = self.fc(torch.cat([e, h], dim=-1))
+            x, residual = self.layers[step % len(self.layers)](x, ctx)
+            return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._shared[1](hidden)
+        with self._math(hidden):
+            return self._shared[1](hidden)
 
 
 class HybridForCausalLM(nn.Module):
