@@ -34,7 +34,8 @@ Registered backends:
               paged cache); the attention prologue (q / k norms, RoPE, KV store) with
               kernels.qk_norm_rope; x · silu / sigmoid(gate) (MLP, MoE, attention output gate) with
               kernels.act_mul; the graphed speculative step's forest layouts with kernels.tree_layout and its
-              greedy acceptance with kernels.greedy_accept.
+              greedy acceptance with kernels.greedy_accept; the drafter's per-level top-k of log-softmax with
+              kernels.logits_topk.
     "auto":   "triton" on CUDA when the kernels import, else "torch". Resolved once, logged.
 """
 
@@ -54,6 +55,7 @@ from bole.ops.gdn import gdn_commit, gdn_tree_serial, gdn_tree_verify
 from bole.ops.gdn_chunk import gdn_chunk
 from bole.ops.gdn_decode import causal_conv1d_update_ref, gdn_decode_step_ref
 from bole.ops.rope import qk_norm_rope_store_ref
+from bole.ops.topk import log_softmax_topk_ref
 from bole.ops.tree_layout import tree_layout_ref
 
 logger = logging.getLogger(__name__)
@@ -76,6 +78,7 @@ class GDNBackend:
     act_mul: Callable = act_mul_ref            # x · silu / sigmoid(gate): MLP, MoE, attention output gate
     tree_layout: Callable = tree_layout_ref   # a graphed step's forest layout (kernels.tree_layout)
     greedy_accept: Callable = greedy_accept_ref  # the verify tail's greedy tree walk (kernels.greedy_accept)
+    log_softmax_topk: Callable = log_softmax_topk_ref  # the drafter's children per level (kernels.logits_topk)
 
 
 _REGISTRY: dict[str, Callable[[], GDNBackend]] = {}
@@ -147,6 +150,7 @@ def _triton_backend() -> GDNBackend:
     from kernels.gdn_tree_serial import gdn_tree_serial as triton_serial
     from kernels.gdn_tree_verify import gdn_tree_verify as triton_verify
     from kernels.greedy_accept import greedy_accept
+    from kernels.logits_topk import log_softmax_topk
     from kernels.paged_decode_attention import paged_decode_attention
     from kernels.qk_norm_rope import qk_norm_rope_store
     from kernels.rmsnorm import gated_rms_norm, rms_norm
@@ -167,7 +171,7 @@ def _triton_backend() -> GDNBackend:
                       commit=triton_commit, tree_serial=triton_serial, tree_conv=gdn_tree_conv, rms_norm=rms_norm,
                       gated_rms_norm=gated_rms_norm, decode_attention=paged_decode_attention,
                       qk_norm_rope_store=qk_norm_rope_store, act_mul=act_mul, tree_layout=tree_layout,
-                      greedy_accept=greedy_accept)
+                      greedy_accept=greedy_accept, log_softmax_topk=log_softmax_topk)
 
 
 def resolve_backend(name: str = "auto", device: torch.device | str | None = None) -> GDNBackend:

@@ -365,10 +365,10 @@ def grow_draft_tree(mtp, h_root: torch.Tensor, depth: int, topk: int, beam: int,
     parents [B, S], depth <= d) over the drafter's KV cache. A node's input hidden is its parent's MTP
     output (``h_root`` for first-level nodes); fixed-shape device ops only.
     """
-    root_lp = torch.log_softmax(mtp.compute_logits(h_root).float(), -1)
+    root_logits = mtp.compute_logits(h_root)
     B, H = h_root.shape
     dev = h_root.device
-    t_max = tree_size(root_lp.shape[-1], depth, topk, beam)
+    t_max = tree_size(root_logits.shape[-1], depth, topk, beam)
     out_hidden = h_root.new_zeros(B, t_max, H)      # MTP output of each evaluated candidate id
     local_of = torch.full((B, t_max), -1, dtype=torch.long, device=dev)  # candidate id -> forest idx
     acc_tok, acc_par, acc_ids = [], [], []
@@ -389,6 +389,7 @@ def grow_draft_tree(mtp, h_root: torch.Tensor, depth: int, topk: int, beam: int,
                                 h_root[:, None, :])
         h = mtp(tok.reshape(-1), in_hidden.reshape(-1, H), tree_ctx(par, fr.depth), step=fr.depth).view(B, -1, H)
         out_hidden[rows.expand(B, M), fr.node_ids] = h[:, S0:]
-        return torch.log_softmax(mtp.compute_logits(h[:, S0:]).float(), -1)
+        return mtp.compute_logits(h[:, S0:])
 
-    return expand_tree(root_lp, step, depth, topk, beam)
+    # the steps return raw logits: the backend's fused log-softmax top-k forms the children's log-probs
+    return expand_tree(root_logits, step, depth, topk, beam, topk_fn=mtp.backend.log_softmax_topk)

@@ -107,8 +107,12 @@ def tree_size(vocab_size: int, depth: int, topk: int, beam: int) -> int:
     return total
 
 
+def _topk(log_probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return log_probs.float().topk(k, dim=-1)
+
+
 def expand_tree(root_log_probs: torch.Tensor, step: Callable[[Frontier], torch.Tensor], depth: int,
-                topk: int, beam: int) -> DraftCandidates:
+                topk: int, beam: int, topk_fn: Callable = _topk) -> DraftCandidates:
     """Grow B candidate trees of depth ``depth`` (see the module docstring).
 
     Args:
@@ -116,6 +120,9 @@ def expand_tree(root_log_probs: torch.Tensor, step: Callable[[Frontier], torch.T
         step: the draft model, ``step(frontier) -> log_probs [B, M, V]``.
         depth: D >= 1 (``step`` is called D - 1 times). topk: children per node (>= 1).
         beam: frontier width per depth (>= 1).
+        topk_fn: ``topk_fn(scores [..., V], k) -> (log-probs, token ids) [..., k]``, descending; by
+            default the top-k of the scores themselves (log-probabilities). The engine passes raw
+            logits and the backend's fused log-softmax top-k (``kernels.logits_topk``).
     """
     if root_log_probs.dim() != 2:
         raise ValueError(f"root_log_probs must be [B, V], got {tuple(root_log_probs.shape)}")
@@ -123,7 +130,7 @@ def expand_tree(root_log_probs: torch.Tensor, step: Callable[[Frontier], torch.T
         raise ValueError(f"depth={depth}, topk={topk} and beam={beam} must all be >= 1")
     B, V = root_log_probs.shape
     k = min(topk, V)
-    rho, tok = root_log_probs.float().topk(k, dim=-1)                  # [B, k], distinct tokens
+    rho, tok = topk_fn(root_log_probs, k)                              # [B, k], distinct tokens
     par = torch.full_like(tok, -1)
     blocks = [(tok, par, rho)]
     offset = 0                                                         # start of the last block
@@ -137,7 +144,7 @@ def expand_tree(root_log_probs: torch.Tensor, step: Callable[[Frontier], torch.T
         log_probs = step(frontier)
         if log_probs.shape != (B, M, V):
             raise ValueError(f"step returned {tuple(log_probs.shape)}, expected {(B, M, V)}")
-        c_lp, c_tok = log_probs.float().topk(k, dim=-1)                # [B, M, k]
+        c_lp, c_tok = topk_fn(log_probs, k)                            # [B, M, k]
         offset += rho.shape[1]
         blocks.append((c_tok.reshape(B, M * k), f_ids[:, :, None].expand(B, M, k).reshape(B, M * k),
                        (f_rho[:, :, None] + c_lp).reshape(B, M * k)))
