@@ -163,7 +163,7 @@ def case_phases(name: str, args, device) -> dict:
         end.record()
         torch.cuda.synchronize()
         ms = start.elapsed_time(end) / 20
-        p = profile(g.replay, device, warmup=1, reps=3, top=8)
+        p = profile(g.replay, device, warmup=1, reps=3, top=40)
         total += ms
         out["graphs"][nm] = dict(replay_ms=round(ms, 3), gpu_ms=p["gpu_busy_ms"], kernels=p["gpu_kernel_calls"],
                                  top_gpu=p["top_gpu"])

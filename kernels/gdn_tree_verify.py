@@ -319,7 +319,7 @@ def group_heads(heads_per_program: int, HV: int, HK: int) -> int:
 # gdn_verify_h200.json, bole_config). rel_err <= 7e-3 against SGLang's serial O, within bf16 input
 # rounding. Rows: (max requests x heads, config, method, input_precision).
 # tf32 products err by ~2^-11 relative, below the bf16 rounding of q/k/v themselves (2^-9); fp32
-# activations keep the exact "ieee" default (``tuned`` changes nothing for them).
+# activations take ``_TUNED_FP32`` below instead.
 _TUNED_LOWP = {
     16: [(128, VerifyConfig(64, 32, 4, 2), "neumann", "tf32"), (256, VerifyConfig(64, 64, 4, 2), "neumann", "ieee"),
          (None, VerifyConfig(64, 64, 4, 2), "inverse", "ieee")],
@@ -331,10 +331,27 @@ _TUNED_LOWP = {
 }
 
 
-def tuned_launch(BT: int, num_heads_x_requests: int, K: int, V: int) -> tuple[VerifyConfig, str, str]:
-    """(config, method, input_precision) from ``_TUNED_LOWP`` for half-precision q/k; tiles clamped to
-    K and V (the table's shapes are Qwen3.5's K = V = 128)."""
-    _, cfg, method, precision = next(row for row in _TUNED_LOWP[BT] if row[0] is None or num_heads_x_requests <= row[0])
+# The engine's dispatch for fp32 q/k (the embedded model's engine runs): "tf32x3" products (3xTF32: a
+# TF32 product plus the two cross terms of the split low words, on tensor cores), which validated at
+# rel_err <= 5e-7 against the float64 closed form, as fp32 "ieee" does (2e-7), and ran up to 4x faster
+# than the previous fp32 default: the FMA dots of a latency-bound program were its time. Measured on the
+# H200 at the embedded model's shapes (HK=4, HV=8, K=V=64, trees of depth 16; results/
+# verify_fp32_h200.json, 2026-12-01, benchmarks/verify_fp32.py); other shapes take the same rows untested.
+_TUNED_FP32 = {
+    16: [(None, VerifyConfig(64, 32, 4, 1), "inverse", "tf32x3")],
+    32: [(32, VerifyConfig(64, 16, 4, 1), "inverse", "tf32x3"), (64, VerifyConfig(64, 32, 4, 1), "inverse", "tf32x3"),
+         (None, VerifyConfig(64, 64, 4, 1), "inverse", "tf32x3")],
+    64: [(32, VerifyConfig(64, 16, 4, 1), "neumann", "tf32x3"),
+         (None, VerifyConfig(64, 32, 4, 1), "neumann", "tf32x3")],
+}  # BT = 128 was not measured: the fp32 default ("ieee", ``default_config``)
+
+
+def tuned_launch(BT: int, num_heads_x_requests: int, K: int, V: int,
+                 table: dict | None = None) -> tuple[VerifyConfig, str, str]:
+    """(config, method, input_precision) from ``table`` (default ``_TUNED_LOWP``, for half-precision q/k;
+    ``_TUNED_FP32`` for fp32); tiles clamped to K and V."""
+    rows = (_TUNED_LOWP if table is None else table)[BT]
+    _, cfg, method, precision = next(row for row in rows if row[0] is None or num_heads_x_requests <= row[0])
     vmax, kmax = max(16, triton.next_power_of_2(V)), max(16, triton.next_power_of_2(K))
     bk = min(cfg.block_k, kmax)
     return dataclasses.replace(cfg, block_k=bk, block_v=min(cfg.block_v, vmax),
@@ -440,9 +457,9 @@ def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state
             W, C W once per value head, on chip; `config.heads_per_program` / `tiles_per_program`).
         workspace: two_pass only, optional fp32 scratch of at least `two_pass_workspace_numel(B, HV, max_nodes)`
             elements; allocated per call if None.
-        tuned: with fp16/bf16 q and k (and no explicit config), take config, method and precision
-            from the measured table `_TUNED_LOWP` (`tuned_launch`; tf32 products for most shapes):
-            the engine's setting. fp32 inputs ignore it.
+        tuned: without an explicit config, take config, method and precision from a measured table
+            (`tuned_launch`): `_TUNED_LOWP` for fp16/bf16 q and k (tf32 products for most shapes),
+            `_TUNED_FP32` for fp32 (3xTF32 products, fp32-grade): the engine's setting.
     Returns:
         o [1, N, HV, V] in v's dtype, u [N, HV, V] fp32 and logp [N, HV] fp32 (the commit's factors).
     """
@@ -495,9 +512,10 @@ def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state
         raise ValueError(f"num_rounds must be >= 1, got {num_rounds}")
 
     BT = max(16, triton.next_power_of_2(forest.max_nodes))
-    if tuned and config is None and block_v is None and q.dtype in (torch.float16, torch.bfloat16) \
-            and num_rounds is None and workspace is None:
-        config, method, input_precision = tuned_launch(BT, B * HV, K, V)
+    if tuned and config is None and block_v is None and num_rounds is None and workspace is None:
+        table = _TUNED_LOWP if q.dtype in (torch.float16, torch.bfloat16) else _TUNED_FP32
+        if BT in table:
+            config, method, input_precision = tuned_launch(BT, B * HV, K, V, table)
     if config is None:
         config = default_config(K, V, BT, B * HV, block_v, method)
     elif block_v is not None:

@@ -7,9 +7,10 @@
 #   calibrate  scripts/run_gpu_calibrate.sh; the measured tiny-model table is then copied to
 #              calibration_tables/ so that later steps of the same call use it            (~3 min)
 #   budget     benchmarks/run_gpu_budget.sh (Fig. 11 sweep)                              (~2.5 min)
-#   gdn        benchmarks/run_gpu_gdn.sh --models qwen3.5-9b --budget-s 120             (~2.5 min)
+#   gdn        benchmarks/run_gpu_gdn.sh --models qwen3.5-9b --budget-s 120 $GDN_FLAGS  (~2.5 min)
 #   e2e        benchmarks/run_gpu_e2e.sh (set E2E_FLAGS for extra e2e.py flags)          (~5-6 min)
 #   profile    benchmarks/profile_step.py: torch.profiler over the engine's steps           (~1 min)
+#   fp32verify benchmarks/verify_fp32.py: verify launches on fp32 activations vs serial_tree (~3 min)
 # $OUT receives results.tar.gz (every step's files, one folder per step) and summary.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,11 +40,19 @@ step_calibrate() {
   cp "$1/$hw-bole-tiny-coder.yaml" calibration_tables/ 2>/dev/null || true
 }
 step_budget() { OUT="$1" bash benchmarks/run_gpu_budget.sh; }
-step_gdn() { OUT="$1" bash benchmarks/run_gpu_gdn.sh --models qwen3.5-9b --budget-s "${GDN_BUDGET_S:-120}"; }
+step_gdn() {
+  # shellcheck disable=SC2086
+  OUT="$1" timeout -k 10 "${GDN_S:-300}" bash benchmarks/run_gpu_gdn.sh --models qwen3.5-9b \
+    --budget-s "${GDN_BUDGET_S:-120}" ${GDN_FLAGS:-}
+}
 step_e2e() {
   # shellcheck disable=SC2086
   OUT="$1" SKIP_GPU_TESTS=1 E2E_BUDGET_S="${E2E_BUDGET_S:-260}" E2E_KILL_S="${E2E_KILL_S:-320}" \
     bash benchmarks/run_gpu_e2e.sh ${E2E_FLAGS:-}
+}
+step_fp32verify() {
+  # shellcheck disable=SC2086
+  timeout -k 10 "${FP32_S:-300}" python3 benchmarks/verify_fp32.py --out "$1/verify_fp32_h200.json" ${FP32_FLAGS:-}
 }
 step_profile() {
   # shellcheck disable=SC2086

@@ -279,6 +279,32 @@ def test_tuned_launch_table():
     assert cfg.block_v == 16 and cfg.block_k == 16 and cfg.num_stages == 1
 
 
+def test_tuned_launch_table_fp32():
+    # fp32 q/k: 3xTF32 rows for the tiles measured, catch-alls; the embedded model's batch-1 tree
+    from kernels.gdn_tree_verify import _TUNED_FP32, tuned_launch
+
+    for BT, rows in _TUNED_FP32.items():
+        assert rows[-1][0] is None
+        for n in (1, 32, 512):
+            _, method, precision = tuned_launch(BT, n, 64, 64, _TUNED_FP32)
+            assert method in ("neumann", "inverse") and precision == "tf32x3"
+    cfg, method, precision = tuned_launch(64, 8, 64, 64, _TUNED_FP32)  # HV=8, batch 1, 59 nodes
+    assert (cfg.block_k, cfg.block_v, cfg.num_warps, method, precision) == (64, 16, 4, "neumann", "tf32x3")
+    assert 128 not in _TUNED_FP32
+
+
+@pytest.mark.parametrize("sizes", [[5, 1, 9], [20, 33], [70]])
+def test_tuned_matches_twin_fp32(device, sizes):
+    # fp32 q/k take the 3xTF32 rows (BT 16 and 64) or, at BT = 128, the exact default; fp32-grade
+    # results either way (the interpreter runs every precision exactly)
+    forest = make_forest(sizes, seed=33, device=device, depth=6)
+    q, k, v, g, beta, pool, idx = make_inputs(forest, 2, 4, 32, 16, torch.float32, torch.float32, 34, device)
+    o, u, logp = gdn_tree_verify(q, k, v, g, beta, forest, pool, idx, use_qk_l2norm=True, tuned=True,
+                                 **poisoned(q, v, 4))
+    o_r, u_r, lp_r = reference(q, k, v, g, beta, forest, pool, idx, use_qk_l2norm=True)
+    assert rel_err(o, o_r) < 1e-5 and rel_err(u, u_r) < 1e-5 and rel_err(logp, lp_r) < 1e-5
+
+
 @pytest.mark.parametrize("sizes", [[5, 1, 9], [20, 33]])
 def test_tuned_matches_twin_fp16(device, sizes):
     # fp16 q/k take the tuned launch (BT 16 and 64 rows); on the CPU the interpreter runs it exactly,
