@@ -28,7 +28,8 @@ Registered backends:
               (bole.ops.gdn_decode), torch norms, attention prologue and gated activations.
     "triton": kernels.gdn_tree_verify / kernels.gdn_commit (and kernels.gdn_tree_serial for the
               serial_tree baseline); verify's conv and gating with kernels.gdn_tree_conv; prefill with
-              flash-linear-attention's chunk_gated_delta_rule when importable (else the torch chunk);
+              kernels.gdn_recurrent below 65 tokens, else flash-linear-attention's
+              chunk_gated_delta_rule when importable (else the torch chunk);
               decode and its conv with kernels.gdn_decode; norms with kernels.rmsnorm; the graphed
               decode's attention with kernels.paged_decode_attention (keys read in place from the
               paged cache); the attention prologue (q / k norms, RoPE, KV store) with
@@ -128,15 +129,19 @@ def _fla_prefill():
 FLA_MIN_TOKENS = 65
 
 
-def _short_to_torch(fla_prefill, min_tokens: int = FLA_MIN_TOKENS):
-    """Prefills of fewer than ``min_tokens`` tokens (in the whole batch) through the torch chunk: there
-    the launch count decides, and fla's chunk (many kernels behind its compile guards) measured slower
-    on the H200: 62 against 33 ms for a 13-token prompt of the embedded model, first engine step of
-    ``profile_step.py --cases ar_tiny_generate``. The crossover above was not measured."""
+def _short_to_recurrent(long_prefill, min_tokens: int = FLA_MIN_TOKENS):
+    """Prefills of fewer than ``min_tokens`` tokens (in the whole batch) through the Triton recurrence
+    (``kernels.gdn_recurrent``, one launch per layer); longer ones through ``long_prefill``. For short
+    prefills the launch count decides: fla's chunk (many kernels behind its compile guards) measured
+    62 ms and the torch chunk 33 ms for a 13-token prompt of the embedded model on the H200, both
+    host-bound (first engine step of ``profile_step.py --cases ar_tiny_generate``). The crossover to
+    fla was not measured."""
+    from kernels.gdn_recurrent import gdn_recurrent
+
     def prefill(q, k, v, g, beta, **kw):
         if q.shape[1] < min_tokens:
-            return gdn_chunk(q, k, v, g, beta, **kw)
-        return fla_prefill(q, k, v, g, beta, **kw)
+            return gdn_recurrent(q, k, v, g, beta, **kw)
+        return long_prefill(q, k, v, g, beta, **kw)
     return prefill
 
 
@@ -156,14 +161,16 @@ def _triton_backend() -> GDNBackend:
     from kernels.rmsnorm import gated_rms_norm, rms_norm
     from kernels.tree_layout import tree_layout
 
-    prefill, prefill_name = gdn_chunk, "torch chunk"
+    long_prefill, prefill_name = gdn_chunk, "torch chunk"
     # fla's kernels need a GPU driver: under the Triton interpreter (CPU tests) the torch chunk
     if torch.cuda.is_available() and not interpreting():
         try:
-            prefill, prefill_name = _short_to_torch(_fla_prefill()), "fla.chunk_gated_delta_rule"
+            long_prefill, prefill_name = _fla_prefill(), "fla.chunk_gated_delta_rule"
         except Exception as e:  # absent, or an fla that does not import against this torch / triton
             logger.warning("GDN triton backend: flash-linear-attention unavailable (%s); torch chunk prefill", e)
-    logger.info("GDN triton backend: prefill via %s", prefill_name)
+    prefill = _short_to_recurrent(long_prefill)
+    logger.info("GDN triton backend: prefill via kernels.gdn_recurrent below %d tokens, else %s",
+                FLA_MIN_TOKENS, prefill_name)
     # the measured per-shape launch table for half-precision activations (kernels.gdn_tree_verify._TUNED_LOWP)
     tree_verify = functools.partial(triton_verify, tuned=True)
     return GDNBackend("triton", prefill=prefill, decode_step=gdn_decode_step, conv_update=causal_conv1d_update,

@@ -1,0 +1,120 @@
+"""Short GDN prefills in Triton: the recurrence (eq. 1) token by token, the state on chip.
+
+Twin: `bole.ops.gdn.gdn_recurrent`. A prefill of a few tokens (a short prompt, the tail of a chunked
+one) went through the torch chunk (``bole.ops.gdn_chunk``): dozens of small launches per layer, ~2 ms
+of host time per layer for the embedded model's 13-token prompt on the H200 (benchmarks/profile_step.py
+--cases bole_tiny_generate, 2026-12-01), where the GPU work is a few microseconds. Here one launch per
+layer: a program per (sequence, value head, value tile) loads its Sᵀ tile [BV, K] from the pool slot,
+walks the sequence's tokens (g, beta already gated; q/k normalised in the kernel as the twin does)
+and writes o per token and the final state once: read once, never snapshotted, the pool untouched.
+The loop is serial in the tokens and runs to a static bound (the next power of two of all the
+launch's tokens; the tokens past a sequence's end change nothing: g = beta = 0 there), so it is for
+short prefills: the backend sends those of < 65 tokens here, longer ones to flash-linear-attention.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from bole.ops.gdn import check_gdn_inputs
+
+
+@triton.jit
+def gdn_recurrent_kernel(
+    q, k, v, g, beta,                # [N, HK, K], [N, HK, K], [N, HV, V], [N, HV], [N, HV]
+    h0, state_indices, cu_seqlens,   # pool [slots, HV, V, K], [B], [B+1]
+    o, final,                        # [N, HV, V] (v's dtype), [B, HV, V, K] fp32
+    scale,
+    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_H0: tl.constexpr, HAS_INDICES: tl.constexpr,
+):
+    i_b, i_h, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    i_hk = i_h // (HV // HK)
+    bos = tl.load(cu_seqlens + i_b).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_b + 1).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_s = m_v[:, None] & m_k[None, :]
+    p_tile = (i_h * V + o_v[:, None]).to(tl.int64) * K + o_k[None, :]
+    if HAS_H0:
+        i_slot = i_b
+        if HAS_INDICES:
+            i_slot = tl.load(state_indices + i_b).to(tl.int64)
+        b_s = tl.load(h0 + i_slot * HV * V * K + p_tile, mask=m_s, other=0).to(tl.float32)  # Sᵀ [BV, BK]
+    else:
+        b_s = tl.zeros([BV, BK], dtype=tl.float32)
+    for i in range(0, BT):  # a static bound (the interpreter's loops need one): tokens past T idle
+        t = bos + i
+        m_t = t < eos
+        b_q = tl.load(q + (t * HK + i_hk) * K + o_k, mask=m_k & m_t, other=0).to(tl.float32)
+        b_k = tl.load(k + (t * HK + i_hk) * K + o_k, mask=m_k & m_t, other=0).to(tl.float32)
+        if USE_L2NORM:  # bole.ops.gdn.l2norm: x · rsqrt(Σx² + 1e-6)
+            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
+            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
+        b_g = tl.load(g + t * HV + i_h, mask=m_t, other=0).to(tl.float32)        # past T: g = beta = 0,
+        b_beta = tl.load(beta + t * HV + i_h, mask=m_t, other=0).to(tl.float32)  # the state unchanged
+        b_v = tl.load(v + (t * HV + i_h) * V + o_v, mask=m_v & m_t, other=0).to(tl.float32)
+        b_s = b_s * tl.exp(b_g)
+        b_u = b_beta * (b_v - tl.sum(b_s * b_k[None, :], axis=1))
+        b_s = b_s + b_u[:, None] * b_k[None, :]
+        b_o = tl.sum(b_s * (b_q * scale)[None, :], axis=1)
+        tl.store(o + (t * HV + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v & m_t)
+    tl.store(final + i_b * HV * V * K + p_tile, b_s, mask=m_s)
+
+
+def gdn_recurrent(q, k, v, g, beta, scale=None, initial_state=None, state_indices=None, cu_seqlens=None,
+                  use_qk_l2norm=False, *, block_v: int | None = None):
+    """Serial recurrence over variable-length sequences, one launch; twin `bole.ops.gdn.gdn_recurrent`.
+
+    Args:
+        q, k: [1, N, HK, K]; v: [1, N, HV, V]; g, beta: [1, N, HV] (fp32, fp16 or bf16; gated already).
+        initial_state: the pool [slots, HV, V, K] (fp32 or bf16), read only, or None (zeros).
+        state_indices: int [B] slot per sequence (default: sequence b reads slot b).
+        cu_seqlens: int [B+1] offsets (default: one sequence of N tokens).
+        block_v: value tile per program (a power of two >= 16; default by grid size).
+    Returns:
+        o [1, N, HV, V] in v's dtype, final_state [B, HV, V, K] fp32.
+    """
+    N, HK, HV, K, V = check_gdn_inputs(q, k, v, g, beta)
+    dev = q.device
+    if K > 256 or V > 256:
+        raise ValueError(f"head dims K={K}, V={V} exceed 256")
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, N], dtype=torch.int32, device=dev)
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.device != dev:
+        raise ValueError(f"cu_seqlens must be a 1-d int tensor [B+1] on {dev}, got {tuple(cu_seqlens.shape)} "
+                         f"on {cu_seqlens.device}")
+    B = cu_seqlens.numel() - 1
+    if initial_state is not None:
+        if initial_state.dim() != 4 or tuple(initial_state.shape[1:]) != (HV, V, K):
+            raise ValueError(f"initial_state must be [slots, {HV}, {V}, {K}], "
+                             f"got {tuple(initial_state.shape)}")
+        if not initial_state.is_contiguous() or initial_state.device != dev:
+            raise ValueError("initial_state must be contiguous and on q's device")
+        if state_indices is None and initial_state.shape[0] < B:
+            raise ValueError(f"{B} sequences but only {initial_state.shape[0]} state slots")
+    if state_indices is not None and (state_indices.dim() != 1 or state_indices.numel() != B):
+        raise ValueError(f"state_indices must be [{B}] (one slot per sequence), got {tuple(state_indices.shape)}")
+    if block_v is None:
+        block_v = 16 if B * HV * triton.cdiv(V, 32) < 256 else 32
+    if not isinstance(block_v, int) or block_v < 16 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
+    block_v = min(block_v, max(16, triton.next_power_of_2(V)))
+    scale = K ** -0.5 if scale is None else float(scale)
+    o = torch.empty(1, N, HV, V, dtype=v.dtype, device=dev)
+    final = torch.empty(B, HV, V, K, dtype=torch.float32, device=dev)
+    if B:
+        gdn_recurrent_kernel[(B, HV, triton.cdiv(V, block_v))](
+            q[0].contiguous(), k[0].contiguous(), v[0].contiguous(), g[0].contiguous(), beta[0].contiguous(),
+            initial_state if initial_state is not None else final, state_indices if state_indices is not None
+            else cu_seqlens, cu_seqlens, o[0], final, scale,
+            HK=HK, HV=HV, K=K, V=V, BT=max(16, triton.next_power_of_2(N)),
+            BK=max(16, triton.next_power_of_2(K)), BV=block_v,
+            USE_L2NORM=bool(use_qk_l2norm), HAS_H0=initial_state is not None,
+            HAS_INDICES=state_indices is not None, num_warps=4,
+        )
+    return o, final
