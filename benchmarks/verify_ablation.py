@@ -9,6 +9,8 @@ GDN shapes, same inputs and timing as gdn_verify.py (CUDA-graph replays, L2 flus
   (results/verify_ablation*_h200.json) also hold variants of the kernel as it was then: "anc" (M⁺
   gathered from anc[i, depth(j) − 1]) against "bits" (the bitmask, since the only path) and "_r"
   (fp16 W R with R scaled, dropped: wrong results at BV=32 on the H200).
+  ``--configs 32,128,8,3,128`` takes other launch configs, a 5th entry capping registers per thread
+  (ptxas ``.maxnreg``: more programs per SM, at the price of spills).
 * ``--ablate``: whole stages compiled out (state products, squarings, the series). Those outputs are
   WRONG by design; only their times mean anything. A trivial kernel on the same grid (loads the depths,
   stores logp) gives the floor of launch + graph replay + one wave.
@@ -80,13 +82,15 @@ class Case:
         self.common = (x["q"], x["k"], x["v"], x["g"], x["beta"], f, x["pool"], x["state_indices"])
 
     def kwargs(self, cfg, method, flags) -> dict:
-        bk, bv, w, st = cfg
+        bk, bv, w, st, *reg = cfg  # an optional 5th entry: the register cap (ptxas .maxnreg)
         n_rounds = int(self.f.max_depth)
         n_sq = squarings_for(n_rounds)
         kw = dict(HK=self.HK, HV=self.HV, K=self.K, V=self.V, N_WORDS=self.f.anc_bits.shape[1], BT=self.BT,
                   BK=bk, BV=bv, USE_L2NORM=True, HAS_H0=True, HAS_INDICES=True, INVERSE=method == "inverse",
                   LOWP_QK=True, LOWP_S=False, SPLIT_S=False, PRECISION="tf32", N_ROUNDS=n_rounds,
                   N_SQUARINGS=n_sq, EARLY=False, LOWP_TT=False, num_warps=w, num_stages=st)
+        if reg and reg[0]:
+            kw["maxnreg"] = reg[0]
         return dict(kw, **flags)
 
     def launch(self, kw):
@@ -109,7 +113,8 @@ def _compile_one(cfg, method, flags, tree):
 
 
 def sweep(args, res):
-    jobs = list(itertools.product(CONFIGS, METHODS, VARIANTS.items()))
+    variants = {n: f for n, f in VARIANTS.items() if not args.variants or n in args.variants}
+    jobs = list(itertools.product(args.configs or CONFIGS, METHODS, variants.items()))
     errs = [None] * len(jobs)
     if args.workers > 0:  # compile in parallel (Triton's disk cache); failures are skipped below
         ctx = multiprocessing.get_context("spawn")
@@ -174,6 +179,9 @@ def main():
     ap.add_argument("--batches-ablate", type=int, nargs="*", default=[1, 16])
     ap.add_argument("--tree", type=int, default=64)
     ap.add_argument("--workers", type=int, default=14)
+    ap.add_argument("--configs", nargs="*", default=None, type=lambda c: tuple(int(x) for x in c.split(",")),
+                    help="BK,BV,warps,stages[,maxnreg] each (default: CONFIGS)")
+    ap.add_argument("--variants", nargs="*", default=None, choices=list(VARIANTS))
     args = ap.parse_args()
     res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

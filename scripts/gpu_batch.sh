@@ -10,6 +10,7 @@
 #   gdn        benchmarks/run_gpu_gdn.sh --models qwen3.5-9b --budget-s 120 $GDN_FLAGS  (~2.5 min)
 #   e2e        benchmarks/run_gpu_e2e.sh (set E2E_FLAGS for extra e2e.py flags)          (~5-6 min)
 #   profile    benchmarks/profile_step.py: torch.profiler over the engine's steps           (~1 min)
+#   ablation   benchmarks/verify_ablation.py --sweep $ABL_FLAGS (one-pass kernel variants)  (~2 min)
 #   fp32verify benchmarks/verify_fp32.py: verify launches on fp32 activations vs serial_tree (~3 min)
 # $OUT receives results.tar.gz (every step's files, one folder per step) and summary.log.
 set -uo pipefail
@@ -32,7 +33,7 @@ log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/summary.log"; }
 
 step_tests() {
   # shellcheck disable=SC2086
-  timeout -k 10 "${TESTS_S:-180}" python3 -m pytest -q -p no:cacheprovider -m gpu ${TEST_PATHS:-tests/kernels tests/engine tests/models} -rs
+  timeout -k 10 "${TESTS_S:-180}" python3 -m pytest -q -p no:cacheprovider -m "${TEST_MARK:-gpu}" ${TEST_PATHS:-tests/kernels tests/engine tests/models} -rs
 }
 step_calibrate() {
   OUT="$1" bash scripts/run_gpu_calibrate.sh
@@ -49,6 +50,10 @@ step_e2e() {
   # shellcheck disable=SC2086
   OUT="$1" SKIP_GPU_TESTS=1 E2E_BUDGET_S="${E2E_BUDGET_S:-260}" E2E_KILL_S="${E2E_KILL_S:-320}" \
     bash benchmarks/run_gpu_e2e.sh ${E2E_FLAGS:-}
+}
+step_ablation() {
+  # shellcheck disable=SC2086
+  timeout -k 10 "${ABL_S:-200}" python3 benchmarks/verify_ablation.py --sweep --out "$1/verify_ablation_h200.json" ${ABL_FLAGS:-}
 }
 step_fp32verify() {
   # shellcheck disable=SC2086
