@@ -33,7 +33,7 @@ def log_softmax_topk_kernel(x, vals, idx, V, stride_x, K: tl.constexpr, BV: tl.c
     lse = b_max + tl.log(tl.sum(tl.exp(b_x - b_max), 0))
     for j in tl.static_range(K):
         best = tl.max(b_x, 0)
-        at = tl.min(tl.where(b_x == best, o_v, BV), 0)
+        at = tl.minimum(tl.min(tl.where(b_x == best, o_v, BV), 0), V - 1)  # a NaN row: no match, stay in range
         tl.store(vals + r * K + j, best - lse)
         tl.store(idx + r * K + j, at.to(tl.int64))
         b_x = tl.where(o_v == at, float("-inf"), b_x)

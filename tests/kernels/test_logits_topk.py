@@ -41,6 +41,16 @@ def test_masked_entries_and_strided_rows(device):
     check(base[::2, 10:210], 5)   # rows with a stride, a column window
 
 
+def test_nan_rows_give_ids_in_range(device):
+    # a broken model's NaN logits must not send an out-of-range token id into the drafter's embedding
+    x = torch.randn(3, 50, generator=torch.Generator().manual_seed(2)).to(device)
+    x[1] = float("nan")
+    vals, idx = log_softmax_topk(x, 3)
+    assert ((idx >= 0) & (idx < 50)).all()
+    ref_vals, ref_idx = log_softmax_topk_ref(x[::2], 3)
+    assert torch.equal(idx[::2], ref_idx) and torch.allclose(vals[::2], ref_vals, atol=1e-5)
+
+
 def test_wide_rows_use_the_twin(device):
     x = torch.randn(2, MAX_V + 1, generator=torch.Generator().manual_seed(1)).to(device)
     check(x, 2)
