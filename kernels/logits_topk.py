@@ -31,12 +31,13 @@ def log_softmax_topk_kernel(x, vals, idx, V, stride_x, K: tl.constexpr, BV: tl.c
     b_x = tl.load(x + r * stride_x + o_v, mask=o_v < V, other=float("-inf")).to(tl.float32)
     b_max = tl.max(b_x, 0)
     lse = b_max + tl.log(tl.sum(tl.exp(b_x - b_max), 0))
+    free = o_v < V  # lanes not taken yet (and inside the row): ids stay distinct with -inf entries
     for j in tl.static_range(K):
-        best = tl.max(b_x, 0)
-        at = tl.minimum(tl.min(tl.where(b_x == best, o_v, BV), 0), V - 1)  # a NaN row: no match, stay in range
+        best = tl.max(tl.where(free, b_x, float("-inf")), 0)
+        at = tl.minimum(tl.min(tl.where(free & (b_x == best), o_v, BV), 0), V - 1)  # a NaN row: in range
         tl.store(vals + r * K + j, best - lse)
         tl.store(idx + r * K + j, at.to(tl.int64))
-        b_x = tl.where(o_v == at, float("-inf"), b_x)
+        free = free & (o_v != at)
 
 
 def log_softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,16 +25,32 @@ def bf16_attention() -> bool:
     return _BF16_ATTENTION.get()
 
 
+def _matmul_precision() -> str | None:
+    """The legacy fp32 matmul precision, or None where the process sets TF32 through torch's newer
+    per-backend API (``torch.backends.cuda.matmul.fp32_precision``): the legacy getter then raises on
+    the mix, so the drafter leaves that process's GEMM setting alone rather than mixing the two."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return None
+
+
 @contextlib.contextmanager
 def draft_math(enabled: bool):
+    """Inside: TF32 GEMMs (legacy ``set_float32_matmul_precision("high")``, restored on exit, also on
+    an exception) and bf16 SDPA for fp32 CUDA inputs. The context is process-wide for the GEMM setting:
+    one engine thread drafts at a time. The legacy setter pins the newer per-backend values, so a later
+    ``torch.backends.fp32_precision`` change no longer reaches cuBLAS matmuls (set the per-backend one)."""
     if not enabled:
         yield
         return
-    prev = torch.get_float32_matmul_precision()
+    prev = _matmul_precision()
     token = _BF16_ATTENTION.set(True)
-    torch.set_float32_matmul_precision("high")
+    if prev is not None:
+        torch.set_float32_matmul_precision("high")
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(prev)
+        if prev is not None:
+            torch.set_float32_matmul_precision(prev)
         _BF16_ATTENTION.reset(token)

@@ -41,6 +41,16 @@ def test_masked_entries_and_strided_rows(device):
     check(base[::2, 10:210], 5)   # rows with a stride, a column window
 
 
+def test_rows_with_fewer_finite_entries_than_k(device):
+    # the drafter then proposes -inf children (invalid, dropped); their ids must still be distinct
+    x = torch.randn(2, 100, generator=torch.Generator().manual_seed(4)).to(device)
+    x[0, 3:] = float("-inf")
+    vals, idx = log_softmax_topk(x, 5)
+    assert (idx.sort(-1).values.diff(dim=-1) != 0).all()
+    assert torch.equal(idx[0, :3].sort().values, torch.arange(3, device=idx.device))
+    assert torch.isinf(vals[0, 3:]).all() and torch.equal(idx[1], log_softmax_topk_ref(x[1], 5)[1])
+
+
 def test_nan_rows_give_ids_in_range(device):
     # a broken model's NaN logits must not send an out-of-range token id into the drafter's embedding
     x = torch.randn(3, 50, generator=torch.Generator().manual_seed(2)).to(device)

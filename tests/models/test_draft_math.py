@@ -29,6 +29,21 @@ def test_context_is_scoped_and_restores_after_errors():
     assert not bf16_attention() and torch.get_float32_matmul_precision() == before
 
 
+def test_new_precision_api_is_left_alone():
+    # a process that sets TF32 through torch's per-backend API: the legacy getter would raise on the
+    # mix, so the drafter keeps that setting and only switches its attention
+    m = torch.backends.cuda.matmul
+    before = m.fp32_precision
+    try:
+        m.fp32_precision = "tf32"
+        with draft_math(True):
+            assert bf16_attention() and m.fp32_precision == "tf32"
+        assert not bf16_attention() and m.fp32_precision == "tf32"
+    finally:
+        m.fp32_precision = before
+        torch.set_float32_matmul_precision("highest")
+
+
 def test_sdpa_on_cpu_is_untouched_inside_the_context():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 5, 8, generator=gen) for _ in range(3))
