@@ -16,6 +16,9 @@ O and U relative to max |ref|); above ``FP32_TOL`` it is rejected, not timed. Ti
 ``gdn_verify.bench_us`` (CUDA-graph replays, L2 flushed).
 
     python benchmarks/verify_fp32.py --out $OUT/verify_fp32_h200.json
+
+``--smoke`` runs the same code on the CPU (Triton interpreter, one small tree, two closed-form jobs,
+wall-clock times that mean nothing): tests/bench/test_verify_fp32.py.
 """
 
 from __future__ import annotations
@@ -100,7 +103,9 @@ class Case:
                                block_v=block_v)
 
 
-def closed_jobs() -> list[dict]:
+def closed_jobs(smoke: bool = False) -> list[dict]:
+    if smoke:
+        return [dict(config=(64, 16, 4, 1), method="inverse", input_precision="tf32x3"), dict(tuned=True)]
     jobs = [dict(config=c, method=m, input_precision=p) for c, m, p in itertools.product(CONFIGS, METHODS, PRECISIONS)]
     return jobs + [dict(tuned=True)]
 
@@ -112,26 +117,44 @@ def label(kw) -> str:
 def _compile(kw, T):
     try:
         Case(1, T).closed(kw)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # fills Triton's disk cache for the main process
         return None
     except Exception as e:
         return f"{type(e).__name__}: {str(e)[:200]}"
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="/tmp/verify_fp32.json")
-    ap.add_argument("--trees", type=int, nargs="*", default=[16, 32, 59])
-    ap.add_argument("--batches", type=int, nargs="*", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--trees", type=int, nargs="*", default=None, help="nodes per tree (16 32 59)")
+    ap.add_argument("--batches", type=int, nargs="*", default=None, help="(1 2 4 8 16)")
     ap.add_argument("--workers", type=int, default=14)
     ap.add_argument("--compile-s", type=float, default=150.0, help="precompile budget; unfinished jobs skipped")
-    a = ap.parse_args()
-    res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+    ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, one small tree")
+    a = ap.parse_args(argv)
+    a.trees = a.trees or ([DEPTH] if a.smoke else [16, 32, 59])
+    a.batches = a.batches or ([1] if a.smoke else [1, 2, 4, 8, 16])
+    device = "cpu" if a.smoke else "cuda"
+    res = dict(gpu="cpu (smoke)" if a.smoke else torch.cuda.get_device_name(), torch=torch.__version__,
+               triton=triton.__version__,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               command="python " + " ".join(sys.argv), shape=SHAPE, depth=DEPTH, tol=FP32_TOL, rows=[],
-               compile_failed=[])
-    jobs = closed_jobs()
+               command="python " + " ".join(sys.argv if argv is None else ["verify_fp32.py", *argv]), shape=SHAPE,
+               depth=DEPTH, tol=FP32_TOL, rows=[], compile_failed=[])
+    jobs = closed_jobs(a.smoke)
     failed: dict = {}
+    if not a.smoke:
+        precompile(jobs, a, failed, res)
+    for T, B in itertools.product(a.trees, a.batches):
+        c = Case(B, T, device=device)
+        run_row(c, T, B, jobs, failed, a.smoke, res)
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    return res
+
+
+def precompile(jobs, a, failed, res):
+    """Every (job, tree) compiled once in worker processes (Triton's disk cache); failures and what has
+    not compiled within ``--compile-s`` are skipped, never launched here."""
     ctx = multiprocessing.get_context("spawn")
     pool = cf.ProcessPoolExecutor(max_workers=a.workers, mp_context=ctx)
     futs = {(label(kw), T): pool.submit(_compile, kw, T) for T in a.trees for kw in jobs}
@@ -145,35 +168,35 @@ def main():
         p.terminate()
     pool.shutdown(wait=False, cancel_futures=True)
     print(f"compiled {len(futs) - len(failed)} of {len(futs)}", flush=True)
-    for T, B in itertools.product(a.trees, a.batches):
-        c = Case(B, T)
-        o_ref, u_ref = c.reference()
-        row = dict(tree_nodes=T, batch=B, serial={}, closed=[])
-        for bv in (16, 32):
-            row["serial"][str(bv)] = bench_us(lambda bv=bv, c=c: c.serial(bv), False)
-            if bv == 16:
-                row["serial_rel_err"] = rel_err(c.serial(16)[0], o_ref)
-        for kw in jobs:
-            if (label(kw), T) in failed:
-                continue
-            e = dict(job=label(kw), us=None)
-            c.o.fill_(float("nan"))
-            c.u.fill_(float("nan"))
-            o, u, _ = c.closed(kw)
-            e["rel_err"], e["rel_err_u"] = rel_err(o, o_ref), rel_err(u, u_ref)
-            if None in (e["rel_err"], e["rel_err_u"]) or max(e["rel_err"], e["rel_err_u"]) > FP32_TOL:
-                e["rejected"] = True
-            else:
-                e["us"] = bench_us(lambda kw=kw, c=c: c.closed(kw), False)
-            row["closed"].append(e)
-        res["rows"].append(row)
-        timed = sorted((e for e in row["closed"] if e["us"] is not None), key=lambda e: e["us"])
-        tuned = next((e for e in row["closed"] if e["job"] == "tuned"), {})
-        print(f"T={T:3d} B={B:2d} serial16={row['serial']['16']:7.1f} serial32={row['serial']['32']:7.1f} "
-              f"tuned={tuned.get('us') or float('nan'):7.1f} us; best: "
-              + "; ".join(f"{e['job']} {e['us']:.1f} ({e['rel_err']:.0e})" for e in timed[:3]), flush=True)
-        Path(a.out).write_text(json.dumps(res, indent=1))
-    Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+def run_row(c, T, B, jobs, failed, smoke, res):
+    """One (tree size, batch): the serial kernel timed, every closed-form job validated, then timed."""
+    o_ref, u_ref = c.reference()
+    row = dict(tree_nodes=T, batch=B, serial={}, closed=[])
+    for bv in (16, 32):
+        row["serial"][str(bv)] = bench_us(lambda bv=bv, c=c: c.serial(bv), smoke)
+        if bv == 16:
+            row["serial_rel_err"] = rel_err(c.serial(16)[0], o_ref)
+    for kw in jobs:
+        if (label(kw), T) in failed:
+            continue
+        e = dict(job=label(kw), us=None)
+        c.o.fill_(float("nan"))
+        c.u.fill_(float("nan"))
+        o, u, _ = c.closed(kw)
+        e["rel_err"], e["rel_err_u"] = rel_err(o, o_ref), rel_err(u, u_ref)
+        if None in (e["rel_err"], e["rel_err_u"]) or max(e["rel_err"], e["rel_err_u"]) > FP32_TOL:
+            e["rejected"] = True
+        else:
+            e["us"] = bench_us(lambda kw=kw, c=c: c.closed(kw), smoke)
+        row["closed"].append(e)
+    res["rows"].append(row)
+    timed = sorted((e for e in row["closed"] if e["us"] is not None), key=lambda e: e["us"])
+    tuned = next((e for e in row["closed"] if e["job"] == "tuned"), {})
+    print(f"T={T:3d} B={B:2d} serial16={row['serial']['16']:7.1f} serial32={row['serial']['32']:7.1f} "
+          f"tuned={tuned.get('us') or float('nan'):7.1f} us; best: "
+          + "; ".join(f"{e['job']} {e['us']:.1f} ({e['rel_err']:.0e})" for e in timed[:3]), flush=True)
 
 
 if __name__ == "__main__":
