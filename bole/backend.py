@@ -171,7 +171,8 @@ def _triton_backend() -> GDNBackend:
     prefill = _short_to_recurrent(long_prefill)
     logger.info("GDN triton backend: prefill via kernels.gdn_recurrent below %d tokens, else %s",
                 FLA_MIN_TOKENS, prefill_name)
-    # the measured per-shape launch table for half-precision activations (kernels.gdn_tree_verify._TUNED_LOWP)
+    # the measured per-shape launch tables (kernels.gdn_tree_verify._TUNED_LOWP for half-precision q/k,
+    # _TUNED_FP32 for fp32)
     tree_verify = functools.partial(triton_verify, tuned=True)
     return GDNBackend("triton", prefill=prefill, decode_step=gdn_decode_step, conv_update=causal_conv1d_update,
                       tree_verify=tree_verify,
