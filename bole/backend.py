@@ -34,7 +34,8 @@ Registered backends:
               decode's attention with kernels.paged_decode_attention (keys read in place from the
               paged cache); the attention prologue (q / k norms, RoPE, KV store) with
               kernels.qk_norm_rope; x · silu / sigmoid(gate) (MLP, MoE, attention output gate) with
-              kernels.act_mul; the graphed speculative step's forest layouts with kernels.tree_layout and its
+              kernels.act_mul; the drafter's tree attention (its forwards over the frontier forest) with
+              kernels.tree_attention; the graphed speculative step's forest layouts with kernels.tree_layout and its
               greedy acceptance with kernels.greedy_accept; the drafter's per-level top-k of log-softmax with
               kernels.logits_topk.
     "auto":   "triton" on CUDA when the kernels import, else "torch". Resolved once, logged.
@@ -75,6 +76,7 @@ class GDNBackend:
     rms_norm: Callable | None = None          # fused norms (kernels.rmsnorm); None: the torch twins
     gated_rms_norm: Callable | None = None
     decode_attention: Callable | None = None  # paged decode attention (kernels.paged_decode_attention)
+    tree_attention: Callable | None = None    # the drafter's verify-mode attention (kernels.tree_attention)
     qk_norm_rope_store: Callable = qk_norm_rope_store_ref  # attention prologue (kernels.qk_norm_rope)
     act_mul: Callable = act_mul_ref            # x · silu / sigmoid(gate): MLP, MoE, attention output gate
     tree_layout: Callable = tree_layout_ref   # a graphed step's forest layout (kernels.tree_layout)
@@ -159,6 +161,7 @@ def _triton_backend() -> GDNBackend:
     from kernels.paged_decode_attention import paged_decode_attention
     from kernels.qk_norm_rope import qk_norm_rope_store
     from kernels.rmsnorm import gated_rms_norm, rms_norm
+    from kernels.tree_attention import tree_attention
     from kernels.tree_layout import tree_layout
 
     long_prefill, prefill_name = gdn_chunk, "torch chunk"
@@ -178,6 +181,7 @@ def _triton_backend() -> GDNBackend:
                       tree_verify=tree_verify,
                       commit=triton_commit, tree_serial=triton_serial, tree_conv=gdn_tree_conv, rms_norm=rms_norm,
                       gated_rms_norm=gated_rms_norm, decode_attention=paged_decode_attention,
+                      tree_attention=tree_attention,
                       qk_norm_rope_store=qk_norm_rope_store, act_mul=act_mul, tree_layout=tree_layout,
                       greedy_accept=greedy_accept, log_softmax_topk=log_softmax_topk)
 

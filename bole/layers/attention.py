@@ -82,6 +82,9 @@ class GatedAttention(nn.Module):
         self.decode_attention = None  # paged decode attention
         self.qk_norm_rope_store: Callable = qk_norm_rope_store_ref  # q / k norms, RoPE, K/V into the cache
         self.act_mul: Callable = act_mul_ref                        # the output gate o · sigmoid(gate)
+        # verify-mode attention in one launch (kernels.tree_attention), set on the MTP drafter's layers:
+        # None keeps the batched SDPA path (the target's, where exactness is measured against ar)
+        self.tree_attention: Callable | None = None
 
     def fuse_projections(self) -> None:
         """One GEMM for q_proj (queries and gate) | k_proj | v_proj (``bole.layers.linear``)."""
@@ -102,6 +105,11 @@ class GatedAttention(nn.Module):
             cache.k(self.cache_index).flatten(0, 1), cache.v(self.cache_index).flatten(0, 1), ctx.slot_mapping)
         if ctx.static is not None:
             out = self._static_decode(q, cache, ctx.static, x.dtype)
+        elif ctx.mode == "verify" and self.tree_attention is not None and BATCHED_VERIFY_DECODE:
+            pa = ctx.padded_attention()
+            out = self.tree_attention(q.to(x.dtype), cache.k(self.cache_index).flatten(0, 1),
+                                      cache.v(self.cache_index).flatten(0, 1), pa.kv_index, pa.mask, ctx.cu_seqlens,
+                                      ctx.num_cached, D ** -0.5, precision="tf32" if bf16_attention() else None)
         elif ctx.mode in ("verify", "decode") and BATCHED_VERIFY_DECODE:
             out = self._padded(q, cache, ctx.padded_attention(), x.dtype)
         else:

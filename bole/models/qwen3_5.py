@@ -183,6 +183,10 @@ class HybridForCausalLM(nn.Module):
                 m.qk_norm_rope_store = self.backend.qk_norm_rope_store
             if isinstance(m, (GatedAttention, MLP, SparseMoE, Experts)):
                 m.act_mul = self.backend.act_mul
+        if self.mtp is not None:  # the drafter's tree forwards (proposals only: exactness never rests on them)
+            for m in self.mtp.modules():
+                if isinstance(m, GatedAttention):
+                    m.tree_attention = self.backend.tree_attention
 
     def fuse_projections(self) -> "HybridForCausalLM":
         """Concatenate the projections that share an input into one GEMM each (``bole.layers.linear``);

@@ -24,6 +24,7 @@ from bole.engine.engine import LLMEngine
 from bole.engine.runner import ModelRunner
 from bole.engine.sequence import Request
 from bole.engine.spec_graphs import tree_widths
+from bole.layers.attention import GatedAttention
 from bole.models.loader import load_model
 from bole.sampling_params import SamplingParams
 from bole.spec.tree import MAX_TREE_NODES, PackedForest, random_tree
@@ -155,15 +156,23 @@ def test_static_verify_reads_nothing_on_the_host():
     assert hidden.shape == (4 * 8, 32) and ctx.forest.num_requests == 4
 
 
-def _compare_draft(path, device, capture, tol):
+def _compare_draft(path, device, capture, tol, tree_attention=None):
     """Two draft + verify + commit steps of the same requests on an eager runner and a draft-graph
     runner: the selected, compacted drafts agree (tokens, parents, depths, sources and counts
-    exactly; log-probabilities within tol), with a budget that keeps everything, then one that cuts."""
+    exactly; log-probabilities within tol), with a budget that keeps everything, then one that cuts.
+    ``tree_attention``: the graph runner's drafter attends through it (its own model copy), the eager
+    one through the batched SDPA path."""
     model = load_model(path, dtype="float32", device=device)
     D, k, beam = 3, 3, 2
     kw = dict(num_blocks=128, block_size=4, num_state_slots=6, max_batch_nodes=4 * 32,
               kv_dtype=torch.float32, device=device)
-    eager, graph = ModelRunner(model, **kw), ModelRunner(model, **kw)
+    graph_model = model
+    if tree_attention is not None:
+        graph_model = load_model(path, dtype="float32", device=device)
+        for m in graph_model.mtp.modules():
+            if isinstance(m, GatedAttention):
+                m.tree_attention = tree_attention
+    eager, graph = ModelRunner(model, **kw), ModelRunner(graph_model, **kw)
     dg = graph.enable_draft_graphs((1, 2, 4), D, k, beam, capture=capture, min_kv=8, max_per_request=127)
     for batch_prompts in (PROMPTS[:1], PROMPTS[:3]):
         re, rg = _requests(eager, batch_prompts, True), _requests(graph, batch_prompts, True)
@@ -198,6 +207,17 @@ def _compare_draft(path, device, capture, tol):
 def test_static_draft_matches_eager_cpu(ckpt):
     dg = _compare_draft(ckpt, "cpu", capture=False, tol=1e-4)
     assert dg.num_captured == 0
+
+
+def test_static_draft_tree_attention_kernel_cpu(ckpt):
+    # the drafter's attention through kernels.tree_attention (interpreted) over the static forests
+    # gives the eager SDPA path's drafts
+    from kernels.tree_attention import tree_attention
+
+    calls = []
+    dg = _compare_draft(ckpt, "cpu", capture=False, tol=1e-4,
+                        tree_attention=lambda *a, **kw: (calls.append(1), tree_attention(*a, **kw))[1])
+    assert dg.num_captured == 0 and len(calls) == 6 * 3  # 6 drafts: the catch-up chain, 2 tree levels
 
 
 def _engine(path, device, mode, graphs: bool, **opts):

@@ -101,3 +101,11 @@ def test_backend_kernels_reach_the_layers(checkpoints):
         assert all(m.act_mul is act for m in mods)
         attn = [m for m in mods if isinstance(m, GatedAttention)]
         assert len(attn) == 2 and all(m.qk_norm_rope_store is prologue for m in attn)  # the MTP layer's too
+    # the drafter's verify-mode attention: kernels.tree_attention on "triton", SDPA for the target
+    from kernels.tree_attention import tree_attention
+
+    for model, want in ((torch_model, None), (triton_model, tree_attention)):
+        mtp_attn = {id(m) for m in model.mtp.modules() if isinstance(m, GatedAttention)}
+        for m in model.modules():
+            if isinstance(m, GatedAttention):
+                assert m.tree_attention is (want if id(m) in mtp_attn else None)

@@ -1,0 +1,182 @@
+"""Paged tree attention in Triton: many query rows per request, each with its own mask over the
+request's paged keys, in one launch (verify-mode attention; the drafter's per-level forward).
+
+Replaces GatedAttention's batched verify path where it is set (``GatedAttention.tree_attention``):
+gather every request's keys into a padded [B, Hkv, L, D] buffer, scatter the queries into padded rows,
+expand the mask, one SDPA call, gather the rows back: about a dozen launches around the attention
+kernel, which at the drafter's sizes (a few dozen nodes, a few hundred keys) cost more than the
+attention itself. Here a program reads its keys straight from the paged cache through ``kv_index``
+and its mask rows from ``mask``, and writes the flat output rows.
+
+    grid (B, Hkv, ceil(tq / BM)): program (b, h, m) owns BM tree rows t0..t0+BM of request b and the
+    REP query heads of kv head h, as one [BM * REPP, D] tile (row r: tree row t0 + r // REPP, head
+    h * REP + r % REPP; REPP = REP rounded up to a power of two, extra heads masked). Online softmax in
+    fp32 over key blocks [0, num_cached[b] + T_b) (the row's committed prefix and its tree: the keys
+    its mask can show); scores masked by ``mask[b, 0, t, p]``.
+
+Key position p of request b is the slot ``kv_index[b, p]``; request b's rows are the flat tokens
+``cu_seqlens[b]:cu_seqlens[b+1]`` (T_b of them, T_b <= tq), tree row t = flat row cu_seqlens[b] + t.
+K/V are cast to q's dtype before the Q·Kᵀ dot (as the layer's ``.to(dtype)``); P stays fp32 for P·V.
+A row that sees no key gets zeros (the engine never makes one). The grid depends on shapes only and
+nothing is read back to the host: CUDA-graph capturable. Twin: bole.ops.attention.tree_attention_ref.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import check_tensor, interpreting
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_INDEX = (torch.int32, torch.int64)
+_PRECISIONS = ("ieee", "tf32")
+
+
+@triton.jit
+def _attend_block(b_q, b_m, b_l, b_acc, p_i, p_k, p_v, p_m, m_r, start, hi, stride_in, stride_kn, stride_vn,
+                  stride_ml, qk_scale, o_d, m_d, BN: tl.constexpr, PRECISION: tl.constexpr):
+    """Keys [start, start + BN) ∩ [., hi) into the running (max, sum, acc) of a tile, masked per row."""
+    o_n = start + tl.arange(0, BN)
+    m_n = o_n < hi
+    m_nd = m_n[:, None] & m_d[None, :]
+    i_slot = tl.load(p_i + o_n * stride_in, mask=m_n, other=0).to(tl.int64)
+    b_k = tl.load(p_k + i_slot[:, None] * stride_kn + o_d[None, :], mask=m_nd, other=0).to(b_q.dtype)
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale
+    vis = tl.load(p_m[:, None] + o_n[None, :] * stride_ml, mask=m_r[:, None] & m_n[None, :], other=0)
+    b_s = tl.where(vis != 0, b_s, float("-inf"))
+    b_mn = tl.maximum(b_m, tl.max(b_s, axis=1))
+    b_ref = tl.where(b_mn == float("-inf"), 0.0, b_mn)   # nothing visible yet: weights 0, not NaN
+    b_p = tl.exp2(b_s - b_ref[:, None])
+    b_alpha = tl.exp2(b_m - b_ref)
+    # masked keys load 0, never the cache: NaN or garbage in unused slots cannot reach 0 · v
+    b_v = tl.load(p_v + i_slot[:, None] * stride_vn + o_d[None, :], mask=m_nd, other=0).to(tl.float32)
+    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p, b_v, input_precision=PRECISION)
+    return b_mn, b_l * b_alpha + tl.sum(b_p, axis=1), b_acc
+
+
+@triton.jit
+def tree_attention_kernel(
+    q, k_cache, v_cache, kv_index, mask, cu_seqlens, num_cached, o,
+    L, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ib, stride_in,
+    stride_mb, stride_mt, stride_ml, stride_on, stride_oh, qk_scale,
+    REP: tl.constexpr, REPP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, NB: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, PRECISION: tl.constexpr,
+):
+    i_b, i_hk, i_m = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(cu_seqlens + i_b).to(tl.int64)
+    T = (tl.load(cu_seqlens + i_b + 1).to(tl.int64) - bos).to(tl.int32)
+    o_r = tl.arange(0, BM * REPP)
+    o_t = i_m * BM + o_r // REPP                                               # tree row of tile row r
+    o_j = o_r % REPP
+    m_r = (o_t < T) & (o_j < REP)
+    i_hq = i_hk * REP + o_j                                                    # its query head
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    m_rd = m_r[:, None] & m_d[None, :]
+    p_row = bos + o_t                                                          # flat row
+    b_q = tl.load(q + p_row[:, None] * stride_qn + i_hq[:, None] * stride_qh + o_d[None, :], mask=m_rd, other=0)
+    # keys the mask can show: the committed prefix and the request's tree; none for a tile past T
+    hi = tl.load(num_cached + i_b).to(tl.int32) + T
+    hi = tl.where(i_m * BM < T, tl.minimum(hi, L), 0)
+
+    b_m = tl.full([BM * REPP], float("-inf"), dtype=tl.float32)  # running max (log2 units)
+    b_l = tl.zeros([BM * REPP], dtype=tl.float32)                # running Σ 2^(s - m)
+    b_acc = tl.zeros([BM * REPP, BD], dtype=tl.float32)          # running Σ 2^(s - m) v
+    p_i = kv_index + i_b * stride_ib
+    p_k, p_v = k_cache + i_hk * stride_kh, v_cache + i_hk * stride_vh
+    p_m = mask + i_b * stride_mb + o_t * stride_mt                             # [BM * REPP] mask rows
+    if DYNAMIC_LOOP:  # compiled: the row's own key blocks only
+        for i_n in range(0, tl.cdiv(hi, BN)):
+            b_m, b_l, b_acc = _attend_block(b_q, b_m, b_l, b_acc, p_i, p_k, p_v, p_m, m_r, i_n * BN, hi, stride_in,
+                                            stride_kn, stride_vn, stride_ml, qk_scale, o_d, m_d, BN, PRECISION)
+    else:  # the interpreter cannot take tensor loop bounds: NB blocks, those past hi fully masked
+        for i_n in range(NB):
+            b_m, b_l, b_acc = _attend_block(b_q, b_m, b_l, b_acc, p_i, p_k, p_v, p_m, m_r, i_n * BN, hi, stride_in,
+                                            stride_kn, stride_vn, stride_ml, qk_scale, o_d, m_d, BN, PRECISION)
+    b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
+    tl.store(o + p_row[:, None] * stride_on + i_hq[:, None] * stride_oh + o_d[None, :],
+             b_o.to(o.dtype.element_ty), mask=m_rd)
+
+
+def tree_attention(q, k_cache, v_cache, kv_index, mask, cu_seqlens, num_cached, scale=None, out=None, *,
+                   precision: str | None = None, block_n: int = 64, num_warps: int = 4):
+    """softmax(q kᵀ · scale + mask) v for the tree rows of every request over its paged keys.
+
+    Twin: `bole.ops.attention.tree_attention_ref`. No host read of a device value.
+
+    Args:
+        q: [N, Hq, D] fp32/fp16/bf16 flat rows (request b's are cu_seqlens[b]:cu_seqlens[b+1]), last dim
+            contiguous (any row / head strides), D <= 256.
+        k_cache, v_cache: [num_slots, Hkv, D] flat views of one layer's paged cache, last dim contiguous;
+            Hq a multiple of Hkv (query head h reads kv head h // (Hq / Hkv)).
+        kv_index: int32/int64 [B, L] the slot of key position p of request b; positions at or past
+            num_cached[b] + T_b are never read.
+        mask: bool [B, 1, tq, L] (``PaddedAttention.mask``): key p visible to tree row t of request b.
+        cu_seqlens: int32/int64 [B + 1] row offsets (T_b = cu_seqlens[b+1] - cu_seqlens[b] <= tq).
+        num_cached: int32/int64 [B] committed keys of request b.
+        scale: score scale (default D ** -0.5).
+        out: optional [N, Hq, D] in q's dtype, last dim contiguous.
+        precision: fp32 dot precision, "ieee" (default) or "tf32" (the drafter's fast math).
+        block_n: keys per block (power of two >= 16).
+    Returns:
+        o [N, Hq, D] in q's dtype.
+    """
+    dev = q.device if isinstance(q, torch.Tensor) else None
+    check_tensor("q", q, 3, _FLOATS, dev)
+    N, HQ, D = q.shape
+    if D > 256 or D < 1:
+        raise ValueError(f"head dim {D} must be in [1, 256]")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, t, 3, _FLOATS, dev)
+        if t.stride(2) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
+    HKV = k_cache.shape[1]
+    if k_cache.shape[2] != D or HKV < 1 or HQ % HKV != 0:
+        raise ValueError(f"k_cache must be [slots, Hkv, {D}] with {HQ} a multiple of Hkv, "
+                         f"got {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+    check_tensor("kv_index", kv_index, 2, _INDEX, dev)
+    B, L = kv_index.shape
+    check_tensor("mask", mask, 4, (torch.bool,), dev)
+    if mask.shape[0] != B or mask.shape[1] != 1 or mask.shape[3] != L:
+        raise ValueError(f"mask must be [{B}, 1, tq, {L}], got {tuple(mask.shape)}")
+    check_tensor("cu_seqlens", cu_seqlens, 1, _INDEX, dev)
+    check_tensor("num_cached", num_cached, 1, _INDEX, dev)
+    if cu_seqlens.shape[0] != B + 1 or num_cached.shape[0] != B:
+        raise ValueError(f"cu_seqlens must be [{B + 1}] and num_cached [{B}], got {tuple(cu_seqlens.shape)} "
+                         f"and {tuple(num_cached.shape)}")
+    precision = precision or "ieee"
+    if precision not in _PRECISIONS:
+        raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if out is None:
+        out = torch.empty(N, HQ, D, dtype=q.dtype, device=q.device)
+    else:
+        check_tensor("out", out, 3, (q.dtype,), dev)
+        if tuple(out.shape) != (N, HQ, D) or out.stride(2) != 1:
+            raise ValueError(f"out must be [{N}, {HQ}, {D}] with a contiguous last dim, got "
+                             f"{tuple(out.shape)} strides {out.stride()}")
+    tq = mask.shape[2]
+    if N == 0 or B == 0 or tq == 0:
+        return out
+    rep = HQ // HKV
+    repp = triton.next_power_of_2(rep)
+    bm = max(1, 32 // repp)               # 32 tile rows (at least 16 for tl.dot)
+    bm = max(bm, triton.cdiv(16, repp))
+    dynamic = not interpreting()
+    tree_attention_kernel[(B, HKV, triton.cdiv(tq, bm))](
+        q, k_cache, v_cache, kv_index, mask.view(torch.uint8), cu_seqlens, num_cached, out,
+        L, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        kv_index.stride(0), kv_index.stride(1), mask.stride(0), mask.stride(2), mask.stride(3),
+        out.stride(0), out.stride(1), float(D ** -0.5 if scale is None else scale) * math.log2(math.e),
+        REP=rep, REPP=repp, D=D, BD=max(16, triton.next_power_of_2(D)), BM=bm, BN=block_n,
+        NB=triton.cdiv(L, block_n), DYNAMIC_LOOP=dynamic,
+        PRECISION=precision if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
+    )
+    return out
