@@ -36,7 +36,7 @@ from bole.engine.spec_graphs import DraftGraphs, VerifyGraphs
 from bole.engine.step_graphs import StepGraphs
 from bole.models.context import ForwardContext, TreeFactors
 from bole.spec.budget import select_nodes
-from bole.spec.drafter import DraftBatch, Frontier, compact, expand_tree, tree_size
+from bole.spec.drafter import DraftBatch, Frontier, compact, expand_tree, frontier_sizes
 from bole.spec.tree import PackedForest, path_prefixes
 
 logger = logging.getLogger(__name__)
@@ -367,28 +367,31 @@ def grow_draft_tree(mtp, h_root: torch.Tensor, depth: int, topk: int, beam: int,
     """
     root_logits = mtp.compute_logits(h_root)
     B, H = h_root.shape
-    dev = h_root.device
-    t_max = tree_size(root_logits.shape[-1], depth, topk, beam)
-    out_hidden = h_root.new_zeros(B, t_max, H)      # MTP output of each evaluated candidate id
-    local_of = torch.full((B, t_max), -1, dtype=torch.long, device=dev)  # candidate id -> forest idx
-    acc_tok, acc_par, acc_ids = [], [], []
-    rows = torch.arange(B, device=dev)[:, None]
+    # The forest evaluated at level d is every frontier so far, in call order: frontier nodes at forest
+    # positions S0..S0+M (static buffers, appended per call). A node's parent is a node of the previous
+    # frontier (``Frontier.parent_slots``), whose MTP output that call returned; first-level nodes take
+    # ``h_root``. Fixed-shape device ops only, a handful per level (the launch count is the cost here).
+    s_max = sum(frontier_sizes(root_logits.shape[-1], depth, topk, beam))
+    tok_buf = torch.empty(B, s_max, dtype=torch.long, device=h_root.device)
+    par_buf = torch.empty(B, s_max, dtype=torch.long, device=h_root.device)
+    hid_buf = h_root.new_empty(B, s_max, H)             # each forest node's input hidden
+    prev = {}                                            # the previous call: its S0 and outputs [B, S, H]
 
     def step(fr: Frontier) -> torch.Tensor:
-        S0 = sum(t.shape[1] for t in acc_tok)
         M = fr.node_ids.shape[1]
-        local_of[rows.expand(B, M), fr.node_ids] = torch.arange(S0, S0 + M, device=dev).expand(B, M)
-        par_local = torch.where(fr.parent_ids >= 0, local_of.gather(1, fr.parent_ids.clamp(min=0)), -1)
-        acc_tok.append(fr.tokens)
-        acc_par.append(par_local)
-        acc_ids.append(fr.node_ids)
-        tok, par, ids = torch.cat(acc_tok, 1), torch.cat(acc_par, 1), torch.cat(acc_ids, 1)
-        par_ids = torch.gather(ids, 1, par.clamp(min=0))
-        in_hidden = torch.where((par >= 0)[..., None],
-                                out_hidden.gather(1, par_ids[..., None].expand(-1, -1, H)),
-                                h_root[:, None, :])
-        h = mtp(tok.reshape(-1), in_hidden.reshape(-1, H), tree_ctx(par, fr.depth), step=fr.depth).view(B, -1, H)
-        out_hidden[rows.expand(B, M), fr.node_ids] = h[:, S0:]
+        S0 = prev["s0"] + prev["m"] if prev else 0
+        S = S0 + M
+        tok_buf[:, S0:S].copy_(fr.tokens)
+        if fr.parent_slots is None:                      # children of the root
+            par_buf[:, S0:S].fill_(-1)
+            hid_buf[:, S0:S].copy_(h_root[:, None, :].expand(B, M, H))
+        else:
+            par = fr.parent_slots + prev["s0"]
+            par_buf[:, S0:S].copy_(par)
+            hid_buf[:, S0:S].copy_(prev["h"].gather(1, par[..., None].expand(B, M, H)))
+        h = mtp(tok_buf[:, :S].reshape(-1), hid_buf[:, :S].reshape(-1, H), tree_ctx(par_buf[:, :S], fr.depth),
+                step=fr.depth).view(B, S, H)
+        prev.update(s0=S0, m=M, h=h)
         return mtp.compute_logits(h[:, S0:])
 
     # the steps return raw logits: the backend's fused log-softmax top-k forms the children's log-probs

@@ -65,6 +65,7 @@ from bole.engine.cuda_graphs import (
 )
 from bole.models.context import ForwardContext, PaddedAttention
 from bole.ops.tree_layout import LAYOUT_MAX_NODES, tree_layout_ref
+from bole.spec.drafter import frontier_sizes
 from bole.spec.tree import PackedForest, path_prefixes
 
 logger = logging.getLogger(__name__)
@@ -436,13 +437,7 @@ class DraftGraphs:
 
     def _levels(self) -> list[int]:
         """Frontier size evaluated at each expansion level (depth 2..D), as ``expand_tree`` forms them."""
-        k = min(self.topk, self.model.config.vocab_size)
-        block, out = k, []
-        for _ in range(2, self.depth + 1):
-            M = min(self.beam, block)
-            out.append(M)
-            block = M * k
-        return out
+        return frontier_sizes(self.model.config.vocab_size, self.depth, self.topk, self.beam)
 
     def _make(self, Bc: int, Lc: int) -> Callable[[], None]:
         """The draft of key (Bc, Lc) as a closure over static buffers (captured by ``_build``, or inside

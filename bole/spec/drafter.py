@@ -44,12 +44,16 @@ class Frontier:
     node_ids: index of each frontier node in the candidate list.
     parent_ids: index of its parent (-1 = the committed root).
     tokens: its draft token (the MTP input embedding).
+    parent_slots: the position of its parent in the previous call's frontier (None at depth 1, where
+        every parent is the root): a model that keeps each call's outputs in frontier order finds the
+        parent's there, without a candidate-id map.
     """
 
     depth: int
     node_ids: torch.Tensor
     parent_ids: torch.Tensor
     tokens: torch.Tensor
+    parent_slots: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,17 @@ def tree_size(vocab_size: int, depth: int, topk: int, beam: int) -> int:
     return total
 
 
+def frontier_sizes(vocab_size: int, depth: int, topk: int, beam: int) -> list[int]:
+    """The frontier size ``expand_tree`` evaluates at each expansion level (depth 2..D): Python ints."""
+    k = min(topk, vocab_size)
+    block, out = k, []
+    for _ in range(2, depth + 1):
+        M = min(beam, block)
+        out.append(M)
+        block = M * k
+    return out
+
+
 def _topk(log_probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return log_probs.float().topk(k, dim=-1)
 
@@ -139,8 +154,10 @@ def expand_tree(root_log_probs: torch.Tensor, step: Callable[[Frontier], torch.T
         M = min(beam, rho.shape[1])
         f_rho, f_local = rho.topk(M, dim=-1)                           # [B, M] frontier
         f_ids = f_local + offset
+        # block d - 1 holds the previous frontier's children as [M_prev, k]: candidate j * k + i is child i
+        # of frontier slot j (block 1: children of the root)
         frontier = Frontier(depth=d - 1, node_ids=f_ids, parent_ids=par.gather(1, f_local),
-                            tokens=tok.gather(1, f_local))
+                            tokens=tok.gather(1, f_local), parent_slots=f_local // k if d > 2 else None)
         log_probs = step(frontier)
         if log_probs.shape != (B, M, V):
             raise ValueError(f"step returned {tuple(log_probs.shape)}, expected {(B, M, V)}")
