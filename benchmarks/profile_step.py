@@ -16,6 +16,7 @@ Cases (``--cases``):
                      forward, tail; with --step-graphs the one step graph): per graph the GPU kernels and
                      the replay time, and the host time beside them
   {ar,bole}_tiny_generate   one timed ``generate`` as e2e.py runs it: per-step wall times, cProfile
+  {ar,bole}_tiny_prefill    one warm prefill step of the held-out prompt (a fresh one-token request)
 Each case also lists the top GPU kernels by device time.
 
     python benchmarks/profile_step.py --out benchmarks/results/profile_h200.json
@@ -230,6 +231,30 @@ def case_generate(name: str, args, device) -> dict:
                 table="")
 
 
+def case_prefill(name: str, args, device) -> dict:
+    """One prefill step of the engine (held-out prompt 0, graphs captured, warm): a fresh request of one
+    token each call, so the step runs the prompt's forward and samples its first token."""
+    from bole import LLM, SamplingParams
+
+    mode = name.split("_")[0]
+    dtype = "float32" if args.smoke else args.tiny_dtype
+    llm = LLM(str(REPO_ROOT / "models" / "bole-tiny-coder"), mode=mode, depth=args.depth, topk=args.topk,
+              beam=args.beam, device=str(device), dtype=dtype, num_blocks=1024, max_num_seqs=1,
+              calibration_table="calibration_tables/default.yaml", enable_cuda_graphs=device.type == "cuda")
+    eng = llm.engine
+    prompt = llm._encode(json.loads(open(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl").readline())
+                         ["prompt"])
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    def fn():
+        rid = eng.add_request(prompt, sp)
+        eng.step()
+        eng.pop_finished(rid)
+    out = profile(fn, device, warmup=3, reps=7)
+    out["prompt_tokens"] = len(prompt)
+    return out
+
+
 CASES = {"decode9b": case_target, "verify9b": case_target,
          "ar_tiny": lambda n, a, d: case_engine("ar", a, d), "bole_tiny": lambda n, a, d: case_engine("bole", a, d),
          "ar_tiny_graphs": lambda n, a, d: case_engine("ar", a, d, True),
@@ -237,7 +262,8 @@ CASES = {"decode9b": case_target, "verify9b": case_target,
          "decode9b_graph": case_target, "verify9b_graph": case_target,
          **{f"{m}_tiny_graphs_b16": (lambda n, a, d, m=m: case_engine(m, a, d, True, 16))
             for m in ("ar", "serial_tree", "bole")},
-         "bole_tiny_phases": case_phases, "ar_tiny_generate": case_generate, "bole_tiny_generate": case_generate}
+         "bole_tiny_phases": case_phases, "ar_tiny_generate": case_generate, "bole_tiny_generate": case_generate,
+         "ar_tiny_prefill": case_prefill, "bole_tiny_prefill": case_prefill}
 DEFAULT_CASES = ["decode9b", "verify9b", "ar_tiny", "bole_tiny", "ar_tiny_graphs", "bole_tiny_graphs"]
 
 

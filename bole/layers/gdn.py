@@ -83,7 +83,10 @@ class GatedDeltaNet(nn.Module):
             o = self._verify(mixed, a, b, weight, ctx)
         else:
             g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
-            y = causal_conv1d(mixed, weight, None, pool.conv[i], ctx.state_slots, ctx.cu_seqlens)
+            # the host copies of the offsets and slots: the twin loops over sequences on the host, and
+            # reading the device tensors there synchronised every layer (3 reads each, 36 per prefill)
+            y = causal_conv1d(mixed, weight, None, pool.conv[i], ctx.state_slots_host or ctx.state_slots,
+                              ctx.cu_host)
             q, k, v = (t[None] for t in split(y))
             o, final = self.backend.prefill(q, k, v, g[None], beta[None], initial_state=pool.ssm[i],
                                             state_indices=ctx.state_slots, cu_seqlens=ctx.cu_seqlens,

@@ -146,6 +146,7 @@ class ForwardContext:
         block_tables:  host list of each request's block ids.
         forest / factors: verify only.
         cu_host, num_cached_host: host copies of cu_seqlens / num_cached.
+        state_slots_host: host copy of state_slots (``build``; empty in static contexts).
         static:        ``StaticDecode`` for a graph-capturable decode context (``kv_slots``,
                        ``block_tables`` and ``num_cached_host`` are then empty), else None.
     """
@@ -166,6 +167,7 @@ class ForwardContext:
     forest: PackedForest | None = None
     factors: TreeFactors | None = None
     static: StaticDecode | None = None
+    state_slots_host: list = field(default_factory=list)
     _memo: dict = field(default_factory=dict, repr=False, compare=False)  # per-forward layouts, built once
 
     def padded_attention(self) -> PaddedAttention:
@@ -292,4 +294,5 @@ class ForwardContext:
             state_pool=state_pool,
             forest=None if forest is None else forest.to(device),
             factors=factors,
+            state_slots_host=[int(s) for s in state_slots],
         )
