@@ -12,11 +12,12 @@ Cases (``--cases``):
   ar_tiny_graphs, bole_tiny_graphs   the same with CUDA graphs (decode / verify forwards replayed)
   decode9b_graph, verify9b_graph     the 9B forwards replayed from CUDA graphs (their kernels listed)
   {ar,serial_tree,bole}_tiny_graphs_b16   engine steps at batch 16 with graphs
-  bole_tiny_phases   a graphed ``bole`` step at batch 1 split into its graph replays (draft, verify
+  {bole,serial_tree}_tiny_phases   a graphed step at batch 1 split into its graph replays (draft, verify
                      forward, tail; with --step-graphs the one step graph): per graph the GPU kernels and
                      the replay time, and the host time beside them
-  {ar,bole}_tiny_generate   one timed ``generate`` as e2e.py runs it: per-step wall times, cProfile
-  {ar,bole}_tiny_prefill    one warm prefill step of the held-out prompt (a fresh one-token request)
+  {ar,serial_tree,bole}_tiny_generate   one timed ``generate`` as e2e.py runs it: per-step wall times,
+                     then a cProfile of a second call
+  {ar,serial_tree,bole}_tiny_prefill    one warm prefill step of the held-out prompt (a fresh one-token request)
 Each case also lists the top GPU kernels by device time.
 
     python benchmarks/profile_step.py --out benchmarks/results/profile_h200.json
@@ -139,7 +140,7 @@ def case_phases(name: str, args, device) -> dict:
     tail replays commit the same path again: the engine's state is spent afterwards (the case's last use)."""
     if device.type != "cuda":
         return dict(skipped="needs CUDA graphs")
-    eng = _engine("bole", args, device, True, 1)
+    eng = _engine(name.split("_tiny")[0], args, device, True, 1)
     seen: list = []
     replay = torch.cuda.CUDAGraph.replay
     torch.cuda.CUDAGraph.replay = lambda g: (seen.append(g), replay(g))[1]
@@ -190,7 +191,7 @@ def case_generate(name: str, args, device) -> dict:
     from benchmarks.engine_modes import run_mode
     from bole import LLM, SamplingParams
 
-    mode = "ar" if name.startswith("ar") else "bole"
+    mode = name.split("_tiny")[0]
     prompts = [json.loads(line)["prompt"] for line in open(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl")]
     dtype = "float32" if args.smoke else args.tiny_dtype
     opts = dict(device=str(device), dtype=dtype, num_blocks=2048, enable_cuda_graphs=device.type == "cuda",
@@ -217,18 +218,21 @@ def case_generate(name: str, args, device) -> dict:
         return out
     eng.step = timed
     sp = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
-    prof = cProfile.Profile()
+    # the per-step times from a plain call, then a second call under cProfile (which slows Python)
     t0 = time.perf_counter()
-    prof.enable()
     outs = llm.generate(prompts[:1], sp)
-    prof.disable()
     wall = time.perf_counter() - t0
+    plain_steps, steps[:] = list(steps), []
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate(prompts[:1], sp)
+    prof.disable()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(30)
     n = sum(len(o.token_ids) for o in outs)
     return dict(wall_ms=round(wall * 1e3, 3), gpu_busy_ms=0.0, host_overhead_ms=0.0, launches=0, counts={},
-                tokens=n, tokens_per_s=round(n / wall, 1), run_mode_row=row, steps=steps, cprofile=buf.getvalue(),
-                table="")
+                tokens=n, tokens_per_s=round(n / wall, 1), run_mode_row=row, steps=plain_steps,
+                steps_under_cprofile=steps, cprofile=buf.getvalue(), table="")
 
 
 def case_prefill(name: str, args, device) -> dict:
@@ -236,7 +240,7 @@ def case_prefill(name: str, args, device) -> dict:
     token each call, so the step runs the prompt's forward and samples its first token."""
     from bole import LLM, SamplingParams
 
-    mode = name.split("_")[0]
+    mode = name.split("_tiny")[0]
     dtype = "float32" if args.smoke else args.tiny_dtype
     llm = LLM(str(REPO_ROOT / "models" / "bole-tiny-coder"), mode=mode, depth=args.depth, topk=args.topk,
               beam=args.beam, device=str(device), dtype=dtype, num_blocks=1024, max_num_seqs=1,
@@ -262,8 +266,9 @@ CASES = {"decode9b": case_target, "verify9b": case_target,
          "decode9b_graph": case_target, "verify9b_graph": case_target,
          **{f"{m}_tiny_graphs_b16": (lambda n, a, d, m=m: case_engine(m, a, d, True, 16))
             for m in ("ar", "serial_tree", "bole")},
-         "bole_tiny_phases": case_phases, "ar_tiny_generate": case_generate, "bole_tiny_generate": case_generate,
-         "ar_tiny_prefill": case_prefill, "bole_tiny_prefill": case_prefill}
+         "bole_tiny_phases": case_phases, "serial_tree_tiny_phases": case_phases,
+         **{f"{m}_tiny_generate": case_generate for m in ("ar", "serial_tree", "bole")},
+         **{f"{m}_tiny_prefill": case_prefill for m in ("ar", "serial_tree", "bole")}}
 DEFAULT_CASES = ["decode9b", "verify9b", "ar_tiny", "bole_tiny", "ar_tiny_graphs", "bole_tiny_graphs"]
 
 

