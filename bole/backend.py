@@ -29,7 +29,8 @@ Registered backends:
     "triton": kernels.gdn_tree_verify / kernels.gdn_commit (and kernels.gdn_tree_serial for the
               serial_tree baseline); verify's conv and gating with kernels.gdn_tree_conv; prefill with
               kernels.gdn_recurrent below 65 tokens, else flash-linear-attention's
-              chunk_gated_delta_rule when importable (else the torch chunk);
+              chunk_gated_delta_rule when importable (else the torch chunk), its conv with
+              kernels.causal_conv1d;
               decode and its conv with kernels.gdn_decode; norms with kernels.rmsnorm; the graphed
               decode's attention with kernels.paged_decode_attention (keys read in place from the
               paged cache); the attention prologue (q / k norms, RoPE, KV store) with
@@ -52,7 +53,7 @@ import torch
 
 from bole.ops.accept import greedy_accept_ref
 from bole.ops.activation import act_mul_ref
-from bole.ops.conv import gdn_tree_conv_ref
+from bole.ops.conv import causal_conv1d_varlen_ref, gdn_tree_conv_ref
 from bole.ops.gdn import gdn_commit, gdn_tree_serial, gdn_tree_verify
 from bole.ops.gdn_chunk import gdn_chunk
 from bole.ops.gdn_decode import causal_conv1d_update_ref, gdn_decode_step_ref
@@ -73,6 +74,7 @@ class GDNBackend:
     commit: Callable
     tree_serial: Callable = gdn_tree_serial   # the serial_tree baseline (per-node snapshots)
     tree_conv: Callable = gdn_tree_conv_ref   # verify's conv along the tree paths + gating (kernels.gdn_tree_conv)
+    prefill_conv: Callable = causal_conv1d_varlen_ref  # prefill's conv over packed sequences (kernels.causal_conv1d)
     rms_norm: Callable | None = None          # fused norms (kernels.rmsnorm); None: the torch twins
     gated_rms_norm: Callable | None = None
     decode_attention: Callable | None = None  # paged decode attention (kernels.paged_decode_attention)
@@ -151,6 +153,7 @@ def _short_to_recurrent(long_prefill, min_tokens: int = FLA_MIN_TOKENS):
 def _triton_backend() -> GDNBackend:
     from kernels._checks import interpreting
     from kernels.act_mul import act_mul
+    from kernels.causal_conv1d import causal_conv1d_varlen
     from kernels.gdn_commit import gdn_commit as triton_commit
     from kernels.gdn_decode import causal_conv1d_update, gdn_decode_step
     from kernels.gdn_tree_conv import gdn_tree_conv
@@ -178,7 +181,7 @@ def _triton_backend() -> GDNBackend:
     # _TUNED_FP32 for fp32)
     tree_verify = functools.partial(triton_verify, tuned=True)
     return GDNBackend("triton", prefill=prefill, decode_step=gdn_decode_step, conv_update=causal_conv1d_update,
-                      tree_verify=tree_verify,
+                      tree_verify=tree_verify, prefill_conv=causal_conv1d_varlen,
                       commit=triton_commit, tree_serial=triton_serial, tree_conv=gdn_tree_conv, rms_norm=rms_norm,
                       gated_rms_norm=gated_rms_norm, decode_attention=paged_decode_attention,
                       tree_attention=tree_attention,

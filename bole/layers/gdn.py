@@ -29,7 +29,6 @@ from torch import nn
 
 from bole.layers.linear import FusedLinear
 from bole.layers.norm import GatedRMSNorm
-from bole.ops.conv import causal_conv1d
 from bole.ops.gdn import gdn_gating
 from bole.parallel import local_heads, split_heads
 
@@ -83,10 +82,10 @@ class GatedDeltaNet(nn.Module):
             o = self._verify(mixed, a, b, weight, ctx)
         else:
             g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
-            # the host copies of the offsets and slots: the twin loops over sequences on the host, and
-            # reading the device tensors there synchronised every layer (3 reads each, 36 per prefill)
-            y = causal_conv1d(mixed, weight, None, pool.conv[i], ctx.state_slots_host or ctx.state_slots,
-                              ctx.cu_host)
+            # one launch on "triton" (kernels.causal_conv1d); the twin loops over the sequences on the host,
+            # with the context's host copies of the offsets and slots (no device read)
+            y = self.backend.prefill_conv(mixed, weight, pool.conv[i], ctx.state_slots, ctx.cu_seqlens,
+                                          cu_host=ctx.cu_host, slots_host=ctx.state_slots_host)
             q, k, v = (t[None] for t in split(y))
             o, final = self.backend.prefill(q, k, v, g[None], beta[None], initial_state=pool.ssm[i],
                                             state_indices=ctx.state_slots, cu_seqlens=ctx.cu_seqlens,

@@ -51,6 +51,16 @@ def causal_conv1d(x, weight, bias, conv_state, state_indices, cu_seqlens=None, a
     return y
 
 
+def causal_conv1d_varlen_ref(x, weight, conv_state, state_indices, cu_seqlens, bias=None, activation="silu",
+                             out=None, *, cu_host=None, slots_host=None):
+    """The backend's prefill conv (kernels.causal_conv1d.causal_conv1d_varlen's signature) on the twin:
+    ``causal_conv1d`` over the host copies of the offsets and slots when given (the twin loops over the
+    sequences on the host; reading the device tensors there would synchronise on every layer)."""
+    y = causal_conv1d(x, weight, bias, conv_state, slots_host if slots_host else state_indices,
+                      cu_host if cu_host else cu_seqlens, activation)
+    return y if out is None else out.copy_(y)
+
+
 def causal_conv1d_decode(x, weight, bias, conv_state, state_indices, activation="silu"):
     """One new token per sequence (row b continues slot ``state_indices[b]``); updates conv_state in place.
 

@@ -1,8 +1,9 @@
-"""The layers on the attention prologue and gated activation kernels (kernels/qk_norm_rope.py,
-kernels/act_mul.py, interpreted on CPU) against the same layers on their torch twins, in fp32.
+"""The layers on the attention prologue, gated activation and prefill conv kernels
+(kernels/qk_norm_rope.py, kernels/act_mul.py, kernels/causal_conv1d.py, interpreted on CPU) against the
+same layers on their torch twins, in fp32.
 
-The kernels are swapped in alone (the torch backend with only ``qk_norm_rope_store`` and ``act_mul``
-replaced), so every difference is theirs: each GatedAttention, MLP and SparseMoE output is compared
+The kernels are swapped in alone (the torch backend with only ``qk_norm_rope_store``, ``act_mul`` and
+``prefill_conv`` replaced), so every difference is theirs: each GatedAttention, MLP and SparseMoE output is compared
 module by module through prefill, decode, tree verification and the commit, and the KV caches slot by
 slot. The backend wiring itself (model -> layers) is checked for the "triton" and "torch" backends.
 """
@@ -28,10 +29,11 @@ FUSED = (GatedAttention, MLP, SparseMoE)
 
 def kernels_backend():
     from kernels.act_mul import act_mul
+    from kernels.causal_conv1d import causal_conv1d_varlen
     from kernels.qk_norm_rope import qk_norm_rope_store
 
     return dataclasses.replace(resolve_backend("torch"), name="torch+fused", qk_norm_rope_store=qk_norm_rope_store,
-                               act_mul=act_mul)
+                               act_mul=act_mul, prefill_conv=causal_conv1d_varlen)
 
 
 def record(model):
