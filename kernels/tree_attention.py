@@ -1,5 +1,6 @@
 """Paged tree attention in Triton: many query rows per request, each with its own mask over the
-request's paged keys, in one launch (verify-mode attention; the drafter's per-level forward).
+request's paged keys, in one launch (verify-mode attention: the drafter's per-level forward; with no
+mask, causal rows: a short prefill chunk).
 
 Replaces GatedAttention's batched verify path where it is set (``GatedAttention.tree_attention``):
 gather every request's keys into a padded [B, Hkv, L, D] buffer, scatter the queries into padded rows,
@@ -37,17 +38,21 @@ _PRECISIONS = ("ieee", "tf32")
 
 
 @triton.jit
-def _attend_block(b_q, b_m, b_l, b_acc, p_i, p_k, p_v, p_m, m_r, start, hi, stride_in, stride_kn, stride_vn,
-                  stride_ml, qk_scale, o_d, m_d, BN: tl.constexpr, PRECISION: tl.constexpr):
-    """Keys [start, start + BN) ∩ [., hi) into the running (max, sum, acc) of a tile, masked per row."""
+def _attend_block(b_q, b_m, b_l, b_acc, p_i, p_k, p_v, p_m, m_r, last, start, hi, stride_in, stride_kn, stride_vn,
+                  stride_ml, qk_scale, o_d, m_d, BN: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
+    """Keys [start, start + BN) ∩ [., hi) into the running (max, sum, acc) of a tile, masked per row (by the
+    mask rows ``p_m``, or with CAUSAL by each row's last visible key ``last``)."""
     o_n = start + tl.arange(0, BN)
     m_n = o_n < hi
     m_nd = m_n[:, None] & m_d[None, :]
     i_slot = tl.load(p_i + o_n * stride_in, mask=m_n, other=0).to(tl.int64)
     b_k = tl.load(p_k + i_slot[:, None] * stride_kn + o_d[None, :], mask=m_nd, other=0).to(b_q.dtype)
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale
-    vis = tl.load(p_m[:, None] + o_n[None, :] * stride_ml, mask=m_r[:, None] & m_n[None, :], other=0)
-    b_s = tl.where(vis != 0, b_s, float("-inf"))
+    if CAUSAL:
+        vis = (o_n[None, :] <= last[:, None]) & m_n[None, :]
+    else:
+        vis = tl.load(p_m[:, None] + o_n[None, :] * stride_ml, mask=m_r[:, None] & m_n[None, :], other=0) != 0
+    b_s = tl.where(vis, b_s, float("-inf"))
     b_mn = tl.maximum(b_m, tl.max(b_s, axis=1))
     b_ref = tl.where(b_mn == float("-inf"), 0.0, b_mn)   # nothing visible yet: weights 0, not NaN
     b_p = tl.exp2(b_s - b_ref[:, None])
@@ -64,7 +69,7 @@ def tree_attention_kernel(
     L, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ib, stride_in,
     stride_mb, stride_mt, stride_ml, stride_on, stride_oh, qk_scale,
     REP: tl.constexpr, REPP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, NB: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, PRECISION: tl.constexpr,
+    BN: tl.constexpr, NB: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
 ):
     i_b, i_hk, i_m = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu_seqlens + i_b).to(tl.int64)
@@ -80,8 +85,11 @@ def tree_attention_kernel(
     p_row = bos + o_t                                                          # flat row
     b_q = tl.load(q + p_row[:, None] * stride_qn + i_hq[:, None] * stride_qh + o_d[None, :], mask=m_rd, other=0)
     # keys the mask can show: the committed prefix and the request's tree; none for a tile past T
-    hi = tl.load(num_cached + i_b).to(tl.int32) + T
-    hi = tl.where(i_m * BM < T, tl.minimum(hi, L), 0)
+    P = tl.load(num_cached + i_b).to(tl.int32)
+    hi = tl.where(i_m * BM < T, tl.minimum(P + T, L), 0)
+    last = P + o_t                                   # CAUSAL: row t sees keys p <= P + t
+    if CAUSAL:
+        hi = tl.minimum(hi, P + (i_m + 1) * BM)       # the tile's last row's keys
 
     b_m = tl.full([BM * REPP], float("-inf"), dtype=tl.float32)  # running max (log2 units)
     b_l = tl.zeros([BM * REPP], dtype=tl.float32)                # running Σ 2^(s - m)
@@ -91,12 +99,14 @@ def tree_attention_kernel(
     p_m = mask + i_b * stride_mb + o_t * stride_mt                             # [BM * REPP] mask rows
     if DYNAMIC_LOOP:  # compiled: the row's own key blocks only
         for i_n in range(0, tl.cdiv(hi, BN)):
-            b_m, b_l, b_acc = _attend_block(b_q, b_m, b_l, b_acc, p_i, p_k, p_v, p_m, m_r, i_n * BN, hi, stride_in,
-                                            stride_kn, stride_vn, stride_ml, qk_scale, o_d, m_d, BN, PRECISION)
+            b_m, b_l, b_acc = _attend_block(b_q, b_m, b_l, b_acc, p_i, p_k, p_v, p_m, m_r, last, i_n * BN, hi,
+                                            stride_in, stride_kn, stride_vn, stride_ml, qk_scale, o_d, m_d, BN,
+                                            PRECISION, CAUSAL)
     else:  # the interpreter cannot take tensor loop bounds: NB blocks, those past hi fully masked
         for i_n in range(NB):
-            b_m, b_l, b_acc = _attend_block(b_q, b_m, b_l, b_acc, p_i, p_k, p_v, p_m, m_r, i_n * BN, hi, stride_in,
-                                            stride_kn, stride_vn, stride_ml, qk_scale, o_d, m_d, BN, PRECISION)
+            b_m, b_l, b_acc = _attend_block(b_q, b_m, b_l, b_acc, p_i, p_k, p_v, p_m, m_r, last, i_n * BN, hi,
+                                            stride_in, stride_kn, stride_vn, stride_ml, qk_scale, o_d, m_d, BN,
+                                            PRECISION, CAUSAL)
     b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
     tl.store(o + p_row[:, None] * stride_on + i_hq[:, None] * stride_oh + o_d[None, :],
              b_o.to(o.dtype.element_ty), mask=m_rd)
@@ -115,7 +125,8 @@ def tree_attention(q, k_cache, v_cache, kv_index, mask, cu_seqlens, num_cached, 
             Hq a multiple of Hkv (query head h reads kv head h // (Hq / Hkv)).
         kv_index: int32/int64 [B, L] the slot of key position p of request b; positions at or past
             num_cached[b] + T_b are never read.
-        mask: bool [B, 1, tq, L] (``PaddedAttention.mask``): key p visible to tree row t of request b.
+        mask: bool [B, 1, tq, L] (``PaddedAttention.mask``): key p visible to tree row t of request b; or
+            None for causal rows (a prefill chunk): row t sees the keys p <= num_cached[b] + t.
         cu_seqlens: int32/int64 [B + 1] row offsets (T_b = cu_seqlens[b+1] - cu_seqlens[b] <= tq).
         num_cached: int32/int64 [B] committed keys of request b.
         scale: score scale (default D ** -0.5).
@@ -142,9 +153,10 @@ def tree_attention(q, k_cache, v_cache, kv_index, mask, cu_seqlens, num_cached, 
         raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
     check_tensor("kv_index", kv_index, 2, _INDEX, dev)
     B, L = kv_index.shape
-    check_tensor("mask", mask, 4, (torch.bool,), dev)
-    if mask.shape[0] != B or mask.shape[1] != 1 or mask.shape[3] != L:
-        raise ValueError(f"mask must be [{B}, 1, tq, {L}], got {tuple(mask.shape)}")
+    if mask is not None:
+        check_tensor("mask", mask, 4, (torch.bool,), dev)
+        if mask.shape[0] != B or mask.shape[1] != 1 or mask.shape[3] != L:
+            raise ValueError(f"mask must be [{B}, 1, tq, {L}], got {tuple(mask.shape)}")
     check_tensor("cu_seqlens", cu_seqlens, 1, _INDEX, dev)
     check_tensor("num_cached", num_cached, 1, _INDEX, dev)
     if cu_seqlens.shape[0] != B + 1 or num_cached.shape[0] != B:
@@ -162,7 +174,7 @@ def tree_attention(q, k_cache, v_cache, kv_index, mask, cu_seqlens, num_cached, 
         if tuple(out.shape) != (N, HQ, D) or out.stride(2) != 1:
             raise ValueError(f"out must be [{N}, {HQ}, {D}] with a contiguous last dim, got "
                              f"{tuple(out.shape)} strides {out.stride()}")
-    tq = mask.shape[2]
+    tq = mask.shape[2] if mask is not None else N       # causal: no request has more rows than N
     if N == 0 or B == 0 or tq == 0:
         return out
     rep = HQ // HKV
@@ -170,13 +182,16 @@ def tree_attention(q, k_cache, v_cache, kv_index, mask, cu_seqlens, num_cached, 
     bm = max(1, 32 // repp)               # 32 tile rows (at least 16 for tl.dot)
     bm = max(bm, triton.cdiv(16, repp))
     dynamic = not interpreting()
+    # causal: the mask pointer is never read (kv_index stands in)
+    m, m_strides = (mask.view(torch.uint8), (mask.stride(0), mask.stride(2), mask.stride(3))) if mask is not None \
+        else (kv_index, (0, 0, 0))
     tree_attention_kernel[(B, HKV, triton.cdiv(tq, bm))](
-        q, k_cache, v_cache, kv_index, mask.view(torch.uint8), cu_seqlens, num_cached, out,
+        q, k_cache, v_cache, kv_index, m, cu_seqlens, num_cached, out,
         L, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        kv_index.stride(0), kv_index.stride(1), mask.stride(0), mask.stride(2), mask.stride(3),
+        kv_index.stride(0), kv_index.stride(1), *m_strides,
         out.stride(0), out.stride(1), float(D ** -0.5 if scale is None else scale) * math.log2(math.e),
         REP=rep, REPP=repp, D=D, BD=max(16, triton.next_power_of_2(D)), BM=bm, BN=block_n,
         NB=triton.cdiv(L, block_n), DYNAMIC_LOOP=dynamic,
-        PRECISION=precision if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        PRECISION=precision if q.dtype == torch.float32 else "tf32", CAUSAL=mask is None, num_warps=num_warps,
     )
     return out

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from bole.backend import FLA_MIN_TOKENS
 from bole.layers.draft_math import bf16_attention
 from bole.layers.linear import FusedLinear
 from bole.layers.norm import RMSNorm
@@ -43,6 +44,11 @@ from bole.parallel import local_heads, split_heads
 # verify and decode steps attend in one batched SDPA call per layer (``_padded``); prefill keeps the
 # per-request reference path (its chunks can be long, and padding them to the widest would cost).
 BATCHED_VERIFY_DECODE = True
+
+# prefill chunks below this many tokens (the whole forward's) take ``prefill_attention`` when set: the
+# short-prefill regime of the backend's recurrence (bole.backend.FLA_MIN_TOKENS), where launches and host
+# work decide; longer ones keep the per-request SDPA (flash / memory-efficient kernels)
+SHORT_PREFILL_TOKENS = FLA_MIN_TOKENS
 
 # SDPA backends, in torch's order of preference, without cuDNN: cuDNN's attention builds an execution
 # plan per input shape, ~10 ms of host time each time the key length changes, i.e. on every engine
@@ -85,6 +91,9 @@ class GatedAttention(nn.Module):
         # verify-mode attention in one launch (kernels.tree_attention), set on the MTP drafter's layers:
         # None keeps the batched SDPA path (the target's, where exactness is measured against ar)
         self.tree_attention: Callable | None = None
+        # short prefill chunks' causal attention in one launch (kernels.tree_attention without a mask), on
+        # every attention layer of the "triton" backend; None (or a long chunk) keeps the per-request SDPA
+        self.prefill_attention: Callable | None = None
 
     def fuse_projections(self) -> None:
         """One GEMM for q_proj (queries and gate) | k_proj | v_proj (``bole.layers.linear``)."""
@@ -110,6 +119,12 @@ class GatedAttention(nn.Module):
             out = self.tree_attention(q.to(x.dtype), cache.k(self.cache_index).flatten(0, 1),
                                       cache.v(self.cache_index).flatten(0, 1), pa.kv_index, pa.mask, ctx.cu_seqlens,
                                       ctx.num_cached, D ** -0.5, precision="tf32" if bf16_attention() else None)
+        elif ctx.mode == "prefill" and self.prefill_attention is not None and ctx.num_tokens < SHORT_PREFILL_TOKENS:
+            kv = ctx.kv_slots[0][None] if ctx.num_requests == 1 else \
+                torch.nn.utils.rnn.pad_sequence(ctx.kv_slots, batch_first=True)
+            out = self.prefill_attention(q.to(x.dtype), cache.k(self.cache_index).flatten(0, 1),
+                                         cache.v(self.cache_index).flatten(0, 1), kv, None, ctx.cu_seqlens,
+                                         ctx.num_cached, D ** -0.5, precision="tf32" if bf16_attention() else None)
         elif ctx.mode in ("verify", "decode") and BATCHED_VERIFY_DECODE:
             out = self._padded(q, cache, ctx.padded_attention(), x.dtype)
         else:

@@ -181,6 +181,7 @@ class HybridForCausalLM(nn.Module):
             elif isinstance(m, GatedAttention):
                 m.decode_attention = self.backend.decode_attention
                 m.qk_norm_rope_store = self.backend.qk_norm_rope_store
+                m.prefill_attention = self.backend.tree_attention   # short prefill chunks (causal rows)
             if isinstance(m, (GatedAttention, MLP, SparseMoE, Experts)):
                 m.act_mul = self.backend.act_mul
         if self.mtp is not None:  # the drafter's tree forwards (proposals only: exactness never rests on them)

@@ -44,7 +44,8 @@ def tree_attention_ref(q, k_cache, v_cache, kv_index, mask, cu_seqlens, num_cach
     in fp32 (K/V cast to q's dtype first), rounded to q's dtype once; no visible key gives zeros.
 
     Shapes: q [N, Hq, D]; k_cache, v_cache [num_slots, Hkv, D]; kv_index [B, L]; mask bool
-    [B, 1, tq, L]; cu_seqlens [B + 1]; num_cached [B]. ``precision`` is the kernel's (ignored: fp32).
+    [B, 1, tq, L], or None for causal rows (row t sees the keys p <= num_cached[b] + t); cu_seqlens
+    [B + 1]; num_cached [B]. ``precision`` is the kernel's (ignored: fp32).
     """
     N, HQ, D = q.shape
     HKV, L = k_cache.shape[1], kv_index.shape[1]
@@ -60,7 +61,10 @@ def tree_attention_ref(q, k_cache, v_cache, kv_index, mask, cu_seqlens, num_cach
         slots = kv_index[b, :hi].long()
         kb = k_cache[slots].to(q.dtype).float().repeat_interleave(rep, dim=1)            # [hi, Hq, D]
         vb = v_cache[slots].to(q.dtype).float().repeat_interleave(rep, dim=1)
-        vis = mask[b, 0, :T, :hi]                                                       # [T, hi]
+        if mask is None:
+            vis = torch.arange(hi, device=q.device)[None, :] <= nc[b] + torch.arange(T, device=q.device)[:, None]
+        else:
+            vis = mask[b, 0, :T, :hi]                                                   # [T, hi]
         sc = torch.einsum("thd,phd->htp", q[s:e].float(), kb) * scale
         sc = sc.masked_fill(~vis[None], float("-inf"))
         p = torch.softmax(sc, dim=-1).nan_to_num(0.0)

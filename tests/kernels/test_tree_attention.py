@@ -92,6 +92,20 @@ def test_padded_bucket_and_int32(device, block_n):
     assert rel_err(o_k, o_t) <= TOL[torch.float32]
 
 
+@pytest.mark.parametrize("prefixes,sizes,HQ,HKV", [([0], [13], 4, 2), ([30, 0, 5], [1, 40, 17], 4, 2),
+                                                  ([8, 3], [20, 9], 6, 2)])
+def test_causal_rows(device, prefixes, sizes, HQ, HKV):
+    # mask=None: a prefill chunk's causal rows, each over its prefix and the chunk up to itself
+    args, _ = tree_inputs(device, prefixes, sizes, HQ, HKV, 32, torch.float32, torch.float32, seed=sum(sizes))
+    q, kc, vc, kv_index, mask, cu, nc = args
+    causal = torch.zeros_like(mask)
+    for b, (P, T) in enumerate(zip(prefixes, sizes)):
+        causal[b, 0, :T, :P + T] = torch.ones(T, P + T, dtype=torch.bool, device=device).tril(P)
+    o_k, o_t = run_both((q, kc, vc, kv_index, None, cu, nc))
+    assert rel_err(o_k, o_t) <= TOL[torch.float32]
+    assert rel_err(o_t, tree_attention_ref(q, kc, vc, kv_index, causal, cu, nc)) <= 1e-6  # the twin's causal rows
+
+
 def padded_verify_sdpa(q, cache, layer, kv_index, mask, cu, D):
     """GatedAttention._padded as it stands: padded rows, gathered keys, masked SDPA, grouped heads."""
     N, HQ, _ = q.shape

@@ -1,11 +1,12 @@
 """The layers on the attention prologue, gated activation and prefill conv kernels
-(kernels/qk_norm_rope.py, kernels/act_mul.py, kernels/causal_conv1d.py, interpreted on CPU) against the
-same layers on their torch twins, in fp32.
+(kernels/qk_norm_rope.py, kernels/act_mul.py, kernels/causal_conv1d.py, and kernels/tree_attention.py
+for short prefills' attention, interpreted on CPU) against the same layers on their torch twins, in fp32.
 
-The kernels are swapped in alone (the torch backend with only ``qk_norm_rope_store``, ``act_mul`` and
-``prefill_conv`` replaced), so every difference is theirs: each GatedAttention, MLP and SparseMoE output is compared
-module by module through prefill, decode, tree verification and the commit, and the KV caches slot by
-slot. The backend wiring itself (model -> layers) is checked for the "triton" and "torch" backends.
+The kernels are swapped in alone (the torch backend with only ``qk_norm_rope_store``, ``act_mul``,
+``prefill_conv`` and ``tree_attention`` replaced), so every difference is theirs: each GatedAttention,
+MLP and SparseMoE output is compared module by module through prefill, decode, tree verification and
+the commit, and the KV caches slot by slot. The backend wiring itself (model -> layers) is checked for
+the "triton" and "torch" backends.
 """
 
 import dataclasses
@@ -31,9 +32,10 @@ def kernels_backend():
     from kernels.act_mul import act_mul
     from kernels.causal_conv1d import causal_conv1d_varlen
     from kernels.qk_norm_rope import qk_norm_rope_store
+    from kernels.tree_attention import tree_attention
 
     return dataclasses.replace(resolve_backend("torch"), name="torch+fused", qk_norm_rope_store=qk_norm_rope_store,
-                               act_mul=act_mul, prefill_conv=causal_conv1d_varlen)
+                               act_mul=act_mul, prefill_conv=causal_conv1d_varlen, tree_attention=tree_attention)
 
 
 def record(model):
@@ -111,3 +113,4 @@ def test_backend_kernels_reach_the_layers(checkpoints):
         for m in model.modules():
             if isinstance(m, GatedAttention):
                 assert m.tree_attention is (want if id(m) in mtp_attn else None)
+                assert m.prefill_attention is want   # short prefill chunks, every attention layer
