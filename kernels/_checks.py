@@ -20,3 +20,44 @@ def check_tensor(name: str, t, dim: int, dtypes, device) -> None:
         raise ValueError(f"{name} must be one of {dtypes}, got {t.dtype}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device}")
+
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_attention_inputs(q, k_cache, v_cache) -> tuple[int, int, int, int]:
+    """q [rows, Hq, D] and one layer's flat paged caches k_cache / v_cache [slots, Hkv, D] (float, on q's
+    device, last dims contiguous, D <= 256, Hq a multiple of Hkv); returns (rows, Hq, D, Hkv)."""
+    dev = q.device if isinstance(q, torch.Tensor) else None
+    check_tensor("q", q, 3, FLOATS, dev)
+    N, HQ, D = q.shape
+    if D > 256 or D < 1:
+        raise ValueError(f"head dim {D} must be in [1, 256]")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, t, 3, FLOATS, dev)
+        if t.stride(2) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
+    HKV = k_cache.shape[1]
+    if k_cache.shape[2] != D or HKV < 1 or HQ % HKV != 0:
+        raise ValueError(f"k_cache must be [slots, Hkv, {D}] with {HQ} a multiple of Hkv, "
+                         f"got {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+    return N, HQ, D, HKV
+
+
+def check_conv_inputs(x, weight, conv_state) -> tuple[int, int, int]:
+    """The GDN conv's x [N, C] (last dim contiguous), depthwise weight [C, W >= 2] and window pool
+    conv_state [slots, C, W - 1], float, on x's device; returns (N, C, W)."""
+    check_tensor("x", x, 2, FLOATS, x.device if isinstance(x, torch.Tensor) else None)
+    N, C = x.shape
+    if x.stride(1) != 1:
+        raise ValueError(f"x must have a contiguous last dim, got strides {x.stride()}")
+    check_tensor("weight", weight, 2, FLOATS, x.device)
+    W = weight.shape[1]
+    if weight.shape[0] != C or W < 2:
+        raise ValueError(f"weight must be [{C}, W >= 2], got {tuple(weight.shape)}")
+    check_tensor("conv_state", conv_state, 3, FLOATS, x.device)
+    if tuple(conv_state.shape[1:]) != (C, W - 1):
+        raise ValueError(f"conv_state must be [slots, {C}, {W - 1}], got {tuple(conv_state.shape)}")
+    return N, C, W

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_tensor
+from kernels._checks import check_conv_inputs, check_tensor
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX = (torch.int32, torch.int64)
@@ -102,18 +102,8 @@ def causal_conv1d_varlen(x, weight, conv_state, state_indices, cu_seqlens, bias=
     Returns:
         y [N, C] in x's dtype.
     """
-    dev = x.device if isinstance(x, torch.Tensor) else None
-    check_tensor("x", x, 2, _FLOATS, dev)
-    N, C = x.shape
-    if x.stride(1) != 1:
-        raise ValueError(f"x must have a contiguous last dim, got strides {x.stride()}")
-    check_tensor("weight", weight, 2, _FLOATS, dev)
-    W = weight.shape[1]
-    if weight.shape[0] != C or W < 2:
-        raise ValueError(f"weight must be [{C}, W >= 2], got {tuple(weight.shape)}")
-    check_tensor("conv_state", conv_state, 3, _FLOATS, dev)
-    if tuple(conv_state.shape[1:]) != (C, W - 1):
-        raise ValueError(f"conv_state must be [slots, {C}, {W - 1}], got {tuple(conv_state.shape)}")
+    N, C, W = check_conv_inputs(x, weight, conv_state)
+    dev = x.device
     check_tensor("state_indices", state_indices, 1, _INDEX, dev)
     check_tensor("cu_seqlens", cu_seqlens, 1, _INDEX, dev)
     B = state_indices.shape[0]

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from bole.spec.tree import PackedForest
-from kernels._checks import check_tensor
+from kernels._checks import check_conv_inputs, check_tensor
 from kernels.gdn_decode import softplus
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -118,22 +118,12 @@ def launch_gdn_tree_conv(x, weight, bias, conv_state, state_indices, forest: Pac
 
 def _check_conv_args(x, weight, bias, conv_state, state_indices, forest, activation, block_c):
     """ValueError naming the bad argument (STYLE 7); returns (N, C)."""
-    check_tensor("x", x, 2, _FLOATS, x.device if isinstance(x, torch.Tensor) else None)
-    N, C = x.shape
+    N, C, W = check_conv_inputs(x, weight, conv_state)
     dev = x.device
-    if x.stride(1) != 1:
-        raise ValueError(f"x must have a contiguous last dim, got strides {x.stride()}")
-    check_tensor("weight", weight, 2, _FLOATS, dev)
-    W = weight.shape[1]
-    if weight.shape[0] != C or W < 2:
-        raise ValueError(f"weight must be [{C}, W >= 2], got {tuple(weight.shape)}")
     if bias is not None:
         check_tensor("bias", bias, 1, _FLOATS, dev)
         if bias.shape[0] != C or bias.stride(0) != 1:
             raise ValueError(f"bias must be a contiguous [{C}], got {tuple(bias.shape)} strides {bias.stride()}")
-    check_tensor("conv_state", conv_state, 3, _FLOATS, dev)
-    if tuple(conv_state.shape[1:]) != (C, W - 1):
-        raise ValueError(f"conv_state must be [slots, {C}, {W - 1}], got {tuple(conv_state.shape)}")
     if not isinstance(forest, PackedForest):
         raise ValueError(f"forest must be a PackedForest, got {type(forest)}")
     if forest.num_nodes != N:

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_tensor, interpreting
+from kernels._checks import check_attention_inputs, check_tensor, interpreting
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX = (torch.int32, torch.int64)
@@ -136,21 +136,8 @@ def tree_attention(q, k_cache, v_cache, kv_index, mask, cu_seqlens, num_cached, 
     Returns:
         o [N, Hq, D] in q's dtype.
     """
-    dev = q.device if isinstance(q, torch.Tensor) else None
-    check_tensor("q", q, 3, _FLOATS, dev)
-    N, HQ, D = q.shape
-    if D > 256 or D < 1:
-        raise ValueError(f"head dim {D} must be in [1, 256]")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_tensor(name, t, 3, _FLOATS, dev)
-        if t.stride(2) != 1:
-            raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
-    HKV = k_cache.shape[1]
-    if k_cache.shape[2] != D or HKV < 1 or HQ % HKV != 0:
-        raise ValueError(f"k_cache must be [slots, Hkv, {D}] with {HQ} a multiple of Hkv, "
-                         f"got {tuple(k_cache.shape)}")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+    N, HQ, D, HKV = check_attention_inputs(q, k_cache, v_cache)
+    dev = q.device
     check_tensor("kv_index", kv_index, 2, _INDEX, dev)
     B, L = kv_index.shape
     if mask is not None:
