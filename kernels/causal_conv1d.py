@@ -16,9 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_conv_inputs, check_tensor
+from kernels._checks import FLOATS, check_conv_inputs, check_tensor
 
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX = (torch.int32, torch.int64)
 _ACTIVATIONS = {"silu": True, "swish": True, None: False, "identity": False}
 
@@ -110,7 +109,7 @@ def causal_conv1d_varlen(x, weight, conv_state, state_indices, cu_seqlens, bias=
     if cu_seqlens.shape[0] != B + 1:
         raise ValueError(f"cu_seqlens must be [{B + 1}] for {B} sequences, got {tuple(cu_seqlens.shape)}")
     if bias is not None:
-        check_tensor("bias", bias, 1, _FLOATS, dev)
+        check_tensor("bias", bias, 1, FLOATS, dev)
         if bias.shape[0] != C:
             raise ValueError(f"bias must be [{C}], got {tuple(bias.shape)}")
     if activation not in _ACTIVATIONS:

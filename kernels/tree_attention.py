@@ -32,7 +32,6 @@ import triton.language as tl
 
 from kernels._checks import check_attention_inputs, check_tensor, interpreting
 
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX = (torch.int32, torch.int64)
 _PRECISIONS = ("ieee", "tf32")
 

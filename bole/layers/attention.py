@@ -116,20 +116,21 @@ class GatedAttention(nn.Module):
             out = self._static_decode(q, cache, ctx.static, x.dtype)
         elif ctx.mode == "verify" and self.tree_attention is not None and BATCHED_VERIFY_DECODE:
             pa = ctx.padded_attention()
-            out = self.tree_attention(q.to(x.dtype), cache.k(self.cache_index).flatten(0, 1),
-                                      cache.v(self.cache_index).flatten(0, 1), pa.kv_index, pa.mask, ctx.cu_seqlens,
-                                      ctx.num_cached, D ** -0.5, precision="tf32" if bf16_attention() else None)
+            out = self._in_one_launch(self.tree_attention, q, cache, pa.kv_index, pa.mask, ctx, x.dtype)
         elif ctx.mode == "prefill" and self.prefill_attention is not None and ctx.num_tokens < SHORT_PREFILL_TOKENS:
-            kv = ctx.kv_slots[0][None] if ctx.num_requests == 1 else \
-                torch.nn.utils.rnn.pad_sequence(ctx.kv_slots, batch_first=True)
-            out = self.prefill_attention(q.to(x.dtype), cache.k(self.cache_index).flatten(0, 1),
-                                         cache.v(self.cache_index).flatten(0, 1), kv, None, ctx.cu_seqlens,
-                                         ctx.num_cached, D ** -0.5, precision="tf32" if bf16_attention() else None)
+            out = self._in_one_launch(self.prefill_attention, q, cache, ctx.key_index(), None, ctx, x.dtype)
         elif ctx.mode in ("verify", "decode") and BATCHED_VERIFY_DECODE:
             out = self._padded(q, cache, ctx.padded_attention(), x.dtype)
         else:
             out = self._per_request(q, cache, ctx, x.dtype)
         return self.o_proj(self.act_mul(out, gate, "sigmoid").reshape(N, -1))
+
+    def _in_one_launch(self, attend: Callable, q: torch.Tensor, cache, kv_index, mask, ctx, dtype) -> torch.Tensor:
+        """``kernels.tree_attention``'s call: keys read in place through kv_index, rows masked by ``mask``
+        (None: causal), TF32 products inside the drafter's fast math."""
+        return attend(q.to(dtype), cache.k(self.cache_index).flatten(0, 1), cache.v(self.cache_index).flatten(0, 1),
+                      kv_index, mask, ctx.cu_seqlens, ctx.num_cached, self.head_dim ** -0.5,
+                      precision="tf32" if bf16_attention() else None)
 
     def _padded(self, q: torch.Tensor, cache, pa, dtype) -> torch.Tensor:
         """Every request in one SDPA call over its padded keys (``ForwardContext.padded_attention``):

@@ -176,6 +176,14 @@ class ForwardContext:
             self._memo["padded"] = self._build_padded_attention()
         return self._memo["padded"]
 
+    def key_index(self) -> torch.Tensor:
+        """int64 [B, L]: request b's key slots (``kv_slots[b]``: prefix, then its new tokens), 0 past them;
+        built once per forward, shared by every attention layer."""
+        if "keys" not in self._memo:
+            self._memo["keys"] = self.kv_slots[0][None] if len(self.kv_slots) == 1 else \
+                torch.nn.utils.rnn.pad_sequence(self.kv_slots, batch_first=True)
+        return self._memo["keys"]
+
     def _build_padded_attention(self) -> PaddedAttention:
         if self.mode not in ("verify", "decode"):
             raise ValueError(f"padded attention is for verify / decode steps, not {self.mode}")
@@ -184,7 +192,7 @@ class ForwardContext:
         counts = [cu[b + 1] - cu[b] for b in range(B)]
         tq = max(counts)
         dev = self.slot_mapping.device
-        kv_index = torch.nn.utils.rnn.pad_sequence(self.kv_slots, batch_first=True)       # [B, L]
+        kv_index = self.key_index()                                                          # [B, L]
         L = kv_index.shape[1]
         req = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))
         rows_host = req * tq + torch.arange(cu[-1]) - torch.tensor(cu[:-1])[req]

@@ -104,11 +104,7 @@ class DraftBatch:
 def tree_size(vocab_size: int, depth: int, topk: int, beam: int) -> int:
     """T_max of ``expand_tree`` for these settings (a Python int: buffers can be sized up front)."""
     k = min(topk, vocab_size)
-    block, total = k, k
-    for _ in range(2, depth + 1):
-        block = min(beam, block) * k
-        total += block
-    return total
+    return k + k * sum(frontier_sizes(vocab_size, depth, topk, beam))   # block d holds M_d * k candidates
 
 
 def frontier_sizes(vocab_size: int, depth: int, topk: int, beam: int) -> list[int]:
