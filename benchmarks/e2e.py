@@ -106,6 +106,8 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--budget-s", type=float, default=330.0, help="no new point starts after this")
+    ap.add_argument("--eager-prefill", action="store_true",
+                    help="c: prefills eager under CUDA graphs too (EngineConfig.cuda_graph_prefill=False)")
     ap.add_argument("--throughput-s", type=float, default=240.0, help="c's engine runs stop after this")
     ap.add_argument("--repeats", type=int, default=3, help="c: timed runs per point (the median is reported)")
     ap.add_argument("--graphs-only", action="store_true", help="c: on a GPU, only the CUDA-graph runs of each mode")
@@ -233,7 +235,7 @@ def section_throughput(rep: Report, args, device: torch.device, t_end: float) ->
         ([("serial_tree", True), ("bole", True)] if cuda else [])
     if cuda and args.graphs_only:
         configs = [c for c in configs if c[1]]
-    opts = dict(device=str(device), dtype=args.tiny_dtype, num_blocks=2048)
+    opts = dict(device=str(device), dtype=args.tiny_dtype, num_blocks=2048, cuda_graph_prefill=not args.eager_prefill)
     for batch in args.batches:
         ref = None
         for mode, graphs in configs:
@@ -249,6 +251,7 @@ def section_throughput(rep: Report, args, device: torch.device, t_end: float) ->
             rep.add("throughput", dict(model=name, mode=mode, batch=batch, tokens_per_s=row["tokens_per_s"],
                                        tokens_per_s_runs=row["tokens_per_s_runs"], mat=row["mat"], cuda_graphs=graphs,
                                        mean_tree_nodes=row["mean_tree_nodes"],
+                                       prefill_graphs=graphs and not args.eager_prefill,
                                        exact_vs_ar=toks == ref, source="engine", max_tokens=args.max_tokens))
             print(f"[{time.time() - T0:6.1f}s] throughput {label:<18} batch={batch:<3} "
                   f"{row['tokens_per_s']:8.1f} tok/s  MAT={row['mat']:.2f}  exact={toks == ref}  "

@@ -50,9 +50,8 @@ def run_mode(path: str, mode: str, batch: int, prompts, max_tokens: int = 48, de
     runner = llm.engine.runner
     longest = max(len(llm._encode(p)) for p in prompts[:batch]) + max_tokens + 1
     # CUDA graphs: capture every graph the run can need (batch, tree width, KV length) before timing it
-    for graphs in (runner.graphs, runner.verify_graphs, runner.draft_graphs, runner.step_graphs):
-        if graphs is not None:
-            graphs.capture_all(batch, longest)
+    for graphs in runner.all_graphs():
+        graphs.capture_all(batch, longest)
     llm.generate(prompts[:batch], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     rates, outs = [], None
     llm.engine.metrics.__init__()

@@ -123,9 +123,8 @@ def _engine(mode: str, args, device, graphs: bool, batch: int):
         eng.step()  # prefill (and the first steps)
     if args.step_graphs and eng.runner.draft_graphs is not None:
         eng.runner.enable_step_graphs()
-    for g in (eng.runner.graphs, eng.runner.verify_graphs, eng.runner.draft_graphs, eng.runner.step_graphs):
-        if g is not None:
-            g.capture_all(batch, 1024)
+    for g in eng.runner.all_graphs():
+        g.capture_all(batch, 1024)
     return eng
 
 
@@ -195,7 +194,7 @@ def case_generate(name: str, args, device) -> dict:
     prompts = [json.loads(line)["prompt"] for line in open(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl")]
     dtype = "float32" if args.smoke else args.tiny_dtype
     opts = dict(device=str(device), dtype=dtype, num_blocks=2048, enable_cuda_graphs=device.type == "cuda",
-                max_num_seqs=1)
+                max_num_seqs=1, cuda_graph_prefill=not name.endswith("_eager_prefill"))
     made = []
     real_init = LLM.__init__
     LLM.__init__ = lambda self, *a, **k: (real_init(self, *a, **k), made.append(self))[0]
@@ -244,7 +243,8 @@ def case_prefill(name: str, args, device) -> dict:
     dtype = "float32" if args.smoke else args.tiny_dtype
     llm = LLM(str(REPO_ROOT / "models" / "bole-tiny-coder"), mode=mode, depth=args.depth, topk=args.topk,
               beam=args.beam, device=str(device), dtype=dtype, num_blocks=1024, max_num_seqs=1,
-              calibration_table="calibration_tables/default.yaml", enable_cuda_graphs=device.type == "cuda")
+              calibration_table="calibration_tables/default.yaml", enable_cuda_graphs=device.type == "cuda",
+              cuda_graph_prefill=not name.endswith("_eager_prefill"))
     eng = llm.engine
     prompt = llm._encode(json.loads(open(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl").readline())
                          ["prompt"])
@@ -267,8 +267,10 @@ CASES = {"decode9b": case_target, "verify9b": case_target,
          **{f"{m}_tiny_graphs_b16": (lambda n, a, d, m=m: case_engine(m, a, d, True, 16))
             for m in ("ar", "serial_tree", "bole")},
          "bole_tiny_phases": case_phases, "serial_tree_tiny_phases": case_phases,
-         **{f"{m}_tiny_generate": case_generate for m in ("ar", "serial_tree", "bole")},
-         **{f"{m}_tiny_prefill": case_prefill for m in ("ar", "serial_tree", "bole")}}
+         **{f"{m}_tiny_generate{e}": case_generate for m in ("ar", "serial_tree", "bole")
+            for e in ("", "_eager_prefill")},
+         **{f"{m}_tiny_prefill{e}": case_prefill for m in ("ar", "serial_tree", "bole")
+            for e in ("", "_eager_prefill")}}
 DEFAULT_CASES = ["decode9b", "verify9b", "ar_tiny", "bole_tiny", "ar_tiny_graphs", "bole_tiny_graphs"]
 
 

@@ -295,6 +295,9 @@ class EngineConfig:
     # verify graph with its tail. Off by default: on the H200 at batch 1 it measured slower (the host's
     # input copies for the verify no longer overlap the draft's GPU time)
     cuda_graph_whole_step: bool = False
+    # with enable_cuda_graphs, short prefill steps (<= 64 tokens with padding) replay captured graphs in
+    # every mode (bole.engine.prefill_graphs; the "triton" backend only); off: prefills run eagerly
+    cuda_graph_prefill: bool = True
     spec: SpecConfig = SpecConfig()
     cache: CacheConfig = CacheConfig()
 
@@ -311,7 +314,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
             raise ValueError(f"tp_size must be an int >= 1, got {self.tp_size!r}")
-        for name in ("enable_cuda_graphs", "cuda_graph_whole_step"):
+        for name in ("enable_cuda_graphs", "cuda_graph_whole_step", "cuda_graph_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         sizes = self.cuda_graph_batch_sizes

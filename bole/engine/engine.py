@@ -93,7 +93,9 @@ class LLMEngine:
                                                          max_depth=spec.depth + 1) if spec_graphs else None,
                                   draft_graph_spec=dict(batch_sizes=spec_sizes, depth=spec.depth, topk=spec.topk,
                                                         beam=spec.beam, max_per_request=MAX_TREE_NODES - 1)
-                                  if spec_graphs else None)
+                                  if spec_graphs else None,
+                                  prefill_graph_sizes=(spec_sizes if spec_graphs else config.cuda_graph_batch_sizes)
+                                  if graphs and config.cuda_graph_prefill else None)
         if config.cuda_graph_whole_step and self.runner.draft_graphs is not None and \
                 self.runner.verify_graphs is not None:
             self.runner.enable_step_graphs()

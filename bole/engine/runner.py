@@ -7,6 +7,8 @@ Three kinds of forward per step (DESIGN.md §2), all batched over requests:
 * ``decode(reqs)``: autoregressive mode: one forward over every request's pending root token; on a
   GPU with ``cuda_graph_batch_sizes`` it replays a captured CUDA graph (``bole.engine.cuda_graphs``:
   the runner then reserves one extra KV block and one GDN state slot for the graphs' padding rows).
+  Short prefills (<= 64 tokens with the padding) replay captured graphs too (``prefill_graph_sizes``:
+  ``bole.engine.prefill_graphs``), in every mode.
 * ``draft(reqs)`` + ``verify(reqs, batch)``: speculative modes. The MTP drafter first catches up
   on the committed positions it has not seen, then grows each request's candidate tree
   (``bole.spec.drafter.expand_tree``); the budget (``select_nodes``) keeps at most B_ver nodes for
@@ -31,6 +33,7 @@ import torch
 from bole.cache.kv_cache import PagedKVCache
 from bole.cache.state_pool import StatePool
 from bole.engine.cuda_graphs import DecodeGraphs, graphs_unsupported
+from bole.engine.prefill_graphs import PrefillGraphs, prefill_graphs_unsupported
 from bole.engine.sequence import Request
 from bole.engine.spec_graphs import DraftGraphs, VerifyGraphs
 from bole.engine.step_graphs import StepGraphs
@@ -60,11 +63,12 @@ class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, num_state_slots: int,
                  max_batch_nodes: int, kv_dtype: torch.dtype, device, snapshot_verify: bool = False,
                  cuda_graph_batch_sizes: Sequence[int] | None = None, verify_graph_spec: dict | None = None,
-                 draft_graph_spec: dict | None = None):
+                 draft_graph_spec: dict | None = None, prefill_graph_sizes: Sequence[int] | None = None):
         cfg = getattr(model, "local_config", model.config)  # this TP rank's head counts (bole.parallel)
         self.model, self.cfg, self.device = model, cfg, torch.device(device)
         self.block_size = block_size
-        graphs = bool(cuda_graph_batch_sizes or verify_graph_spec or draft_graph_spec) and self.device.type == "cuda"
+        graphs = bool(cuda_graph_batch_sizes or verify_graph_spec or draft_graph_spec or prefill_graph_sizes) and \
+            self.device.type == "cuda"
         if graphs and graphs_unsupported(model):
             logger.warning("CUDA graphs off: %s; decode and verify run eagerly", graphs_unsupported(model))
             graphs = False
@@ -84,6 +88,7 @@ class ModelRunner:
         self.verify_graphs: VerifyGraphs | None = None
         self.draft_graphs: DraftGraphs | None = None
         self.step_graphs: StepGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         self._pad: tuple[int, int] | None = None
         if graphs and cuda_graph_batch_sizes:
             self.enable_cuda_graphs(cuda_graph_batch_sizes)
@@ -91,6 +96,12 @@ class ModelRunner:
             self.enable_verify_graphs(**verify_graph_spec)
         if graphs and draft_graph_spec and model.mtp is not None:
             self.enable_draft_graphs(**draft_graph_spec)
+        if graphs and prefill_graph_sizes:
+            why = prefill_graphs_unsupported(model)
+            if why:
+                logger.warning("prefill graphs off: %s; prefills run eagerly", why)
+            else:
+                self.enable_prefill_graphs(prefill_graph_sizes)
 
     def enable_cuda_graphs(self, batch_sizes: Sequence[int], capture: bool = True, **kw) -> DecodeGraphs:
         """Route ``decode`` through ``DecodeGraphs``; takes one KV block and one state slot for padding
@@ -117,6 +128,18 @@ class ModelRunner:
                                         capture=capture, pool=pool, **kw)
         return self.draft_graphs
 
+    def enable_prefill_graphs(self, batch_sizes: Sequence[int], capture: bool = True, **kw) -> PrefillGraphs:
+        """Route short ``prefill`` steps through ``PrefillGraphs``; shares the padding block and slot and
+        the decode graphs' memory pool."""
+        pool = next((g.pool for g in (self.graphs, self.verify_graphs, self.draft_graphs) if g is not None), None)
+        self.prefill_graphs = PrefillGraphs(self, batch_sizes, *self._padding(), capture=capture, pool=pool, **kw)
+        return self.prefill_graphs
+
+    def all_graphs(self) -> list:
+        """The runner's graph families (those enabled), for ``capture_all`` before a timed run."""
+        return [g for g in (self.graphs, self.verify_graphs, self.draft_graphs, self.step_graphs, self.prefill_graphs)
+                if g is not None]
+
     def enable_step_graphs(self, capture: bool = True) -> StepGraphs:
         """Greedy steps as ONE graph (``bole.engine.step_graphs``) over the draft and verify graphs."""
         self.step_graphs = StepGraphs(self.draft_graphs, self.verify_graphs, capture=capture)
@@ -135,20 +158,29 @@ class ModelRunner:
     # -- target forwards -------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, chunks: list[tuple[Request, int]], keep_hidden: bool) -> dict[str, torch.Tensor]:
-        """Run each request's next chunk; return {request_id: last logits [V]} for completed prefills."""
-        ids = torch.cat([torch.tensor(r.all_token_ids[r.num_computed:r.num_computed + n]) for r, n in chunks])
-        ctx = ForwardContext.build("prefill", [n for _, n in chunks], [r.num_computed for r, _ in chunks],
-                                   [r.state_slot for r, _ in chunks], [r.block_table for r, _ in chunks],
-                                   self.kv_cache, self.state_pool, device=self.device)
-        hidden = self.model(ids.to(self.device), ctx)
+        """Run each request's next chunk; return {request_id: last logits [V]} for completed prefills.
+        From a captured graph when the runner has prefill graphs and one fits (short prefills)."""
+        cu = [0]
+        for _, n in chunks:
+            cu.append(cu[-1] + n)
+        pg = self.prefill_graphs
+        if pg is not None and pg.supports(chunks):
+            hidden, last = pg.run(chunks)
+            logits_of = lambda b: last[b]
+        else:
+            ids = torch.cat([torch.tensor(r.all_token_ids[r.num_computed:r.num_computed + n]) for r, n in chunks])
+            ctx = ForwardContext.build("prefill", [n for _, n in chunks], [r.num_computed for r, _ in chunks],
+                                       [r.state_slot for r, _ in chunks], [r.block_table for r, _ in chunks],
+                                       self.kv_cache, self.state_pool, device=self.device)
+            hidden = self.model(ids.to(self.device), ctx)
+            logits_of = lambda b: self.model.compute_logits(hidden[cu[b + 1] - 1:cu[b + 1]])[0]
         out = {}
         for b, (req, n) in enumerate(chunks):
-            s, e = ctx.cu_host[b], ctx.cu_host[b + 1]
             if keep_hidden:
-                req.queue_hidden(hidden[s:e])
+                req.queue_hidden(hidden[cu[b]:cu[b + 1]])
             req.num_computed += n
             if req.num_computed == req.num_tokens:
-                out[req.request_id] = self.model.compute_logits(hidden[e - 1:e])[0]
+                out[req.request_id] = logits_of(b)
         return out
 
     @torch.inference_mode()

@@ -1,0 +1,249 @@
+"""CUDA-graph capture of short prefill forwards (a request's first step, in every mode).
+
+On a small model a short prefill is host bound: the embedded model's 13-token prompt issues ~330
+launches from Python, 16.8 ms of wall time for 1.5 ms of GPU work on the H200 (``profile_step.py
+--cases ar_tiny_prefill``), a sixth of an ``ar`` request and a quarter of a ``bole`` one.
+``PrefillGraphs`` captures the target's prefill forward (embedding -> layers -> norm, plus the
+logits of each row's last token) per key
+
+    (Bc, Nc, Lc)   Bc: the smallest captured batch size >= the step's chunks (DecodeGraphs' sizes)
+                   Nc: the smallest token bucket (16, 32, 64) >= the chunks' tokens + Bc - B + 1
+                   Lc: the smallest KV-length bucket >= every row's keys (committed prefix + chunk) and Nc
+
+over Bc + 1 rows: the step's B chunks first, their tokens packed in order, then padding rows B .. Bc,
+each of B .. Bc-1 one token and row Bc the rest of the Nc tokens, so no row is empty. Padding rows
+start at position 0 and run over the pad KV block (every block-table entry) and the pad GDN slot the
+runner reserves: they read and write garbage there and nowhere else, and no real row reads them.
+
+Only short prefills (Nc <= 64, below ``bole.backend.FLA_MIN_TOKENS`` and the attention layer's
+``SHORT_PREFILL_TOKENS``) are captured: there the "triton" backend's prefill reads no device value
+on the host (the conv is ``kernels.causal_conv1d``, the recurrence ``kernels.gdn_recurrent``, the
+attention ``kernels.tree_attention`` with causal rows, each over the device offsets); longer prefills
+run eagerly (fla's chunked kernels plan on the host). So capture needs that backend.
+
+Static inputs (``StaticRows``, one pinned host-to-device copy each): per row its token count, its
+committed length, its GDN slot and its block table; the packed token ids. Everything else is derived
+inside the graph: offsets, positions, KV slots, the rows' key slots, each row's last token.
+
+With ``capture=False`` the same static forward runs without a graph (any device, any backend): the
+context's host lists are refilled each step, so the torch twins, which loop over host offsets, see
+the step's real layout (CPU tests of the padding and bucketing).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from bole.backend import FLA_MIN_TOKENS
+from bole.engine.cuda_graphs import (
+    DEFAULT_BATCH_SIZES,
+    DEFAULT_MIN_KV,
+    StaticRows,
+    capture_graph,
+    graphs_unsupported,
+    kv_layout,
+    sizes_upto,
+    smallest_at_least,
+)
+from bole.models.context import ForwardContext
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TOKEN_SIZES = (16, 32, 64)
+_CNT, _POS, _SLOT, _TABLE = 0, 1, 2, 3  # columns of the per-row input buffer
+
+
+def prefill_graphs_unsupported(model) -> str | None:
+    """Why the model's short prefill cannot be captured (None: it can)."""
+    why = graphs_unsupported(model)
+    if why:
+        return why
+    backend = getattr(model, "backend", None)
+    if getattr(backend, "name", None) != "triton" or backend.tree_attention is None:
+        return f"the {getattr(backend, 'name', None)!r} backend's prefill reads offsets on the host"
+    return None
+
+
+@dataclass
+class _PGraph:
+    batch: int
+    tokens: int
+    kv_len: int
+    ctx: ForwardContext
+    run: Callable[[], None]
+    graph: "torch.cuda.CUDAGraph | None" = None
+
+
+class PrefillGraphs:
+    """Captured short prefill forwards of one ``ModelRunner``; see the module docstring."""
+
+    def __init__(self, runner, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, pad_block: int = 0,
+                 pad_slot: int = 0, capture: bool = True, min_kv: int = DEFAULT_MIN_KV,
+                 token_sizes: Sequence[int] = DEFAULT_TOKEN_SIZES, pool=None):
+        sizes = sorted({int(b) for b in batch_sizes})
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"batch sizes must be ints >= 1, got {list(batch_sizes)}")
+        tokens = sorted({int(n) for n in token_sizes})
+        if not tokens or tokens[0] < 2 or tokens[-1] >= FLA_MIN_TOKENS:
+            raise ValueError(f"token sizes must be ints in [2, {FLA_MIN_TOKENS}), got {list(token_sizes)}")
+        if capture and runner.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the runner is on {runner.device}")
+        why = prefill_graphs_unsupported(runner.model) if capture else graphs_unsupported(runner.model)
+        if why:
+            raise ValueError(f"prefill cannot be captured for this model: {why}")
+        self.runner, self.model = runner, runner.model
+        self.batch_sizes, self.token_sizes, self.capture = sizes, tokens, capture
+        self.pad_block, self.pad_slot = int(pad_block), int(pad_slot)
+        self.block_size, self.kv_lengths, self.max_blocks = kv_layout(runner.kv_cache, min_kv)
+        dev = runner.device
+        self.rows = StaticRows(sizes[-1] + 1, _TABLE + self.max_blocks, dev)
+        self.ids = StaticRows(1, tokens[-1], dev)
+        H, V = self.model.config.hidden_size, self.model.config.vocab_size
+        dtype = self.model.lm_head.weight.dtype
+        self.out_hidden = torch.zeros(tokens[-1], H, dtype=dtype, device=dev)
+        self.out_logits = torch.zeros(sizes[-1] + 1, V, dtype=dtype, device=dev)
+        self.graphs: dict[tuple[int, int, int], _PGraph] = {}
+        self.pool = pool
+        self.replays = 0
+
+    @property
+    def num_captured(self) -> int:
+        return sum(g.graph is not None for g in self.graphs.values())
+
+    # -- selection -------------------------------------------------------------------------------
+    def key(self, chunks) -> tuple[int, int, int] | None:
+        """(Bc, Nc, Lc) for a prefill step of ``chunks`` [(request, tokens)], or None when no graph fits."""
+        B = len(chunks)
+        if not 0 < B <= self.batch_sizes[-1] or any(n < 1 for _, n in chunks):
+            return None  # (an empty chunk: the eager path's context rejects it)
+        Bc = smallest_at_least(self.batch_sizes, B)
+        need = sum(n for _, n in chunks) + Bc - B + 1  # the padding rows' tokens: one each, >= 1 in the last
+        if need > self.token_sizes[-1]:
+            return None
+        Nc = smallest_at_least(self.token_sizes, need)
+        longest = max(max(r.num_computed + n for r, n in chunks), Nc)
+        if longest > self.kv_lengths[-1]:
+            return None
+        return Bc, Nc, smallest_at_least(self.kv_lengths, longest)
+
+    def supports(self, chunks) -> bool:
+        return self.key(chunks) is not None
+
+    # -- building --------------------------------------------------------------------------------
+    def _build(self, Bc: int, Nc: int, Lc: int) -> _PGraph:
+        dev, bs, runner = self.runner.device, self.block_size, self.runner
+        R = Bc + 1
+        inp, tok = self.rows.device[:R], self.ids.device[0, :Nc]
+        tables = inp[:, _TABLE:_TABLE + Lc // bs]
+        key_pos = torch.arange(Lc, device=dev)
+        key_block, key_off = key_pos // bs, key_pos % bs
+        t = torch.arange(Nc, device=dev)
+        z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=dev)
+        ids, positions, slot_mapping = z(Nc), z(Nc), z(Nc)
+        cu, num_cached, state_slots, kv_index = z(R + 1, dtype=torch.int32), z(R), z(R), z(R, Lc)
+        ctx = ForwardContext(
+            mode="prefill", cu_seqlens=cu, num_cached=num_cached, positions=positions, kv_positions=positions,
+            slot_mapping=slot_mapping, kv_slots=[], state_slots=state_slots, block_tables=[],
+            cu_host=[0] * R + [Nc], num_cached_host=[0] * R, kv_cache=runner.kv_cache,
+            state_pool=runner.state_pool, state_slots_host=[self.pad_slot] * R)
+        ctx._memo["keys"] = kv_index  # the rows' key slots (``ForwardContext.key_index``), laid out below
+        model, out_h, out_l = self.model, self.out_hidden, self.out_logits
+
+        def run():
+            cnt, nc = inp[:, _CNT], inp[:, _POS]
+            end = cnt.cumsum(0)
+            cu[1:].copy_(end)
+            row = torch.searchsorted(end, t, right=True)         # each token's row
+            pos = nc[row] + t - (end - cnt)[row]
+            positions.copy_(pos)
+            slot_mapping.copy_(tables[row, pos // bs] * bs + pos % bs)
+            num_cached.copy_(nc)
+            state_slots.copy_(inp[:, _SLOT])
+            kv_index.copy_(tables[:, key_block] * bs + key_off)
+            ids.copy_(tok)
+            hidden = model(ids, ctx)
+            out_h[:Nc].copy_(hidden)
+            out_l[:R].copy_(model.compute_logits(hidden[end - 1]))
+
+        g = _PGraph(Bc, Nc, Lc, ctx, run)
+        if self.capture:
+            self._load([], g)  # capture-time warm-up: padding rows only (the pad block and pad slot)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            g.graph = capture_graph(run, self.pool, dev)
+            logger.info("captured prefill graph batch=%d tokens=%d kv_len=%d", Bc, Nc, Lc)
+        self.graphs[Bc, Nc, Lc] = g
+        return g
+
+    def _load(self, chunks, g: _PGraph) -> None:
+        """The step's rows, then the padding rows, into the static inputs (and, uncaptured, the
+        context's host lists)."""
+        Bc, Nc, Lc = g.batch, g.tokens, g.kv_len
+        R, nb = Bc + 1, Lc // self.block_size
+        h, ids = self.rows.begin(), self.ids.begin()
+        h[:R, _CNT] = 1
+        h[:R, _POS] = 0
+        h[:R, _SLOT] = self.pad_slot
+        h[:R, _TABLE:] = self.pad_block
+        at = 0
+        for b, (r, n) in enumerate(chunks):
+            h[b, _CNT], h[b, _POS], h[b, _SLOT] = n, r.num_computed, r.state_slot
+            tbl = r.block_table[:nb]
+            h[b, _TABLE:_TABLE + len(tbl)] = tbl
+            ids[0, at:at + n] = r.all_token_ids[r.num_computed:r.num_computed + n]
+            at += n
+        pad = Nc - at - (Bc - len(chunks))  # the last padding row's tokens (>= 1 by ``key``)
+        h[Bc, _CNT] = pad
+        ids[0, at:Nc] = 0
+        self.rows.upload(R)
+        self.ids.upload(1)
+        if not self.capture:
+            self._host_lists(g.ctx, h[:R], Lc)
+
+    def _host_lists(self, ctx: ForwardContext, h, Lc: int) -> None:
+        """The uncaptured forward's host copies of the layout (what the torch twins read)."""
+        cnt, nc = [int(x) for x in h[:, _CNT]], [int(x) for x in h[:, _POS]]
+        for b in range(len(cnt)):
+            ctx.cu_host[b + 1] = ctx.cu_host[b] + cnt[b]
+        ctx.num_cached_host[:] = nc
+        ctx.state_slots_host[:] = [int(x) for x in h[:, _SLOT]]
+        tables = [[int(x) for x in row[_TABLE:_TABLE + Lc // self.block_size]] for row in h]
+        ctx.block_tables[:] = tables
+        cache, dev = self.runner.kv_cache, self.runner.device
+        ctx.kv_slots[:] = [cache.slots_for(tbl, torch.arange(c + n)).to(dev)
+                           for tbl, c, n in zip(tables, nc, cnt, strict=True)]
+
+    @torch.inference_mode()
+    def capture_all(self, max_batch: int | None = None, max_len: int | None = None) -> int:
+        """Build every graph a prefill step of <= max_batch chunks with <= max_len keys can need
+        (all when None), so none is captured inside a timed run; returns how many were built."""
+        built = 0
+        for Bc in sizes_upto(self.batch_sizes, max_batch):
+            for Nc in self.token_sizes:
+                if Nc < Bc + 1:
+                    continue
+                for Lc in sizes_upto(self.kv_lengths, None if max_len is None else max(Nc, max_len)):
+                    if Lc >= Nc and (Bc, Nc, Lc) not in self.graphs:
+                        self._build(Bc, Nc, Lc)
+                        built += 1
+        return built
+
+    @torch.inference_mode()
+    def run(self, chunks) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill forward of ``chunks`` (``supports(chunks)`` must hold): K/V written, GDN states
+        and conv windows advanced as in the eager prefill (num_computed is not advanced). Returns
+        (hidden [N, H] of the chunks' packed tokens, logits [B, V] of each chunk's last token), copies."""
+        Bc, Nc, Lc = self.key(chunks)
+        g = self.graphs.get((Bc, Nc, Lc)) or self._build(Bc, Nc, Lc)
+        self._load(chunks, g)
+        if g.graph is not None:
+            g.graph.replay()
+        else:
+            g.run()
+        self.replays += 1
+        N = sum(n for _, n in chunks)
+        return self.out_hidden[:N].clone(), self.out_logits[:len(chunks)].clone()

@@ -1,0 +1,186 @@
+"""CUDA-graph short prefill (bole.engine.prefill_graphs).
+
+CPU: the static prefill forward the graphs capture (chunks packed with padding rows, bucketed tokens
+and KV length, offsets and slots derived on the device) run uncaptured equals the eager prefill: the
+same last logits and hiddens, the same K/V, GDN states and conv windows afterwards, on the torch twins
+and on the Triton kernels (interpreted); the engine emits the same greedy tokens through it. GPU
+(``gpu`` mark): the same with real capture and replay, several inputs through each graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import make_checkpoint
+from engine_helpers import default_table, run_arrivals
+
+from bole.cache.kv_cache import blocks_needed
+from bole.config import EngineConfig
+from bole.engine.engine import LLMEngine
+from bole.engine.prefill_graphs import prefill_graphs_unsupported
+from bole.engine.runner import ModelRunner
+from bole.engine.sequence import Request
+from bole.models.loader import load_model
+from bole.sampling_params import SamplingParams
+
+PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15], [3] * 14, [5, 1, 6, 2, 8]]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prefill_graphs_dense")
+    make_checkpoint(path, "dense", 64)
+    return str(path)
+
+
+def _runner(model, device):
+    return ModelRunner(model, num_blocks=48, block_size=4, num_state_slots=8, max_batch_nodes=8,
+                       kv_dtype=model.lm_head.weight.dtype, device=device)
+
+
+def _requests(runner, prompts) -> list[Request]:
+    reqs = []
+    for i, p in enumerate(prompts):
+        r = Request(f"r{i}", list(p), SamplingParams(), seed=0)
+        r.block_table = runner.allocator.allocate(blocks_needed(len(p) + 4, runner.block_size))
+        r.state_slot = runner.state_pool.allocate()
+        reqs.append(r)
+    return reqs
+
+
+def _state(runner, reqs):
+    """Each request's caches after its prefill: its K/V slots of every attention layer, GDN state and
+    conv window of every GDN layer."""
+    out = []
+    for r in reqs:
+        slots = runner.kv_cache.slots_for(r.block_table, torch.arange(r.num_computed)).to(runner.device)
+        kv = [t.float() for i in range(runner.kv_cache.num_layers) for t in runner.kv_cache.gather(i, slots)]
+        pool = runner.state_pool
+        out.append(kv + [pool.ssm[:, r.state_slot].float(), pool.conv[:, r.state_slot].float()])
+    return out
+
+
+def _rel(a, b) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+# chunk plans: each step's (request index, tokens); a request's chunks continue where the last ended
+PLANS = [
+    [[(0, 3)]],                                     # one short prompt
+    [[(0, 3), (1, 9), (3, 5)]],                     # three prompts in one step (padded to 4 rows)
+    [[(2, 6), (1, 4)], [(2, 8), (1, 5), (0, 3)]],   # chunked prefills: the second step continues them
+]
+
+
+def _compare(path, device, backend, capture, tol, plans=PLANS, dtype="float32"):
+    """The same prefill steps on an eager runner and a graph runner (same model)."""
+    model = load_model(path, dtype=dtype, device=device, backend=backend)
+    eager, graph = _runner(model, device), _runner(model, device)
+    pg = graph.enable_prefill_graphs((1, 2, 4), capture=capture, min_kv=8)
+    for plan in plans:
+        re, rg = _requests(eager, PROMPTS), _requests(graph, PROMPTS)
+        for step in plan:
+            ce, cg = [(re[i], n) for i, n in step], [(rg[i], n) for i, n in step]
+            assert pg.supports(cg)
+            before = pg.replays
+            le, lg = eager.prefill(ce, keep_hidden=True), graph.prefill(cg, keep_hidden=True)
+            assert pg.replays == before + 1
+            assert le.keys() == lg.keys()
+            for k in le:
+                assert _rel(lg[k], le[k]) <= tol, (plan, k)
+            for (r1, _), (r2, _) in zip(ce, cg, strict=True):
+                assert r1.num_computed == r2.num_computed
+                assert _rel(r2.pending_hidden, r1.pending_hidden) <= tol
+        used = sorted({i for step in plan for i, _ in step})
+        for a, b in zip(_state(eager, [re[i] for i in used]), _state(graph, [rg[i] for i in used]), strict=True):
+            for x, y in zip(a, b, strict=True):
+                assert _rel(y, x) <= tol, plan
+        for runner, reqs in ((eager, re), (graph, rg)):
+            for r in reqs:
+                runner.allocator.free(r.block_table)
+                runner.state_pool.free(r.state_slot)
+    return pg
+
+
+# ------------------------------------------------------------------------------------------- CPU
+def test_static_prefill_matches_eager_torch_twins(ckpt):
+    pg = _compare(ckpt, "cpu", "torch", capture=False, tol=1e-5)
+    assert pg.num_captured == 0
+    # one prompt: 1 row + the padding row, 16 tokens; three prompts: 4 + 1 rows, 32 tokens
+    assert {k[:2] for k in pg.graphs} >= {(1, 16), (4, 32)}, sorted(pg.graphs)
+
+
+def test_static_prefill_matches_eager_triton_kernels(ckpt):
+    """The kernels read the device offsets the graph derives (what a captured replay runs)."""
+    _compare(ckpt, "cpu", "triton", capture=False, tol=1e-5, plans=PLANS[2:])
+
+
+def test_keys_and_fallbacks(ckpt):
+    model = load_model(ckpt, dtype="float32")
+    runner = _runner(model, "cpu")
+    pg = runner.enable_prefill_graphs((1, 2, 4), capture=False, min_kv=8)
+    r = _requests(runner, [[1] * 70, [2] * 20, [3] * 20, [4] * 3, [5] * 3])
+    assert pg.key([(r[0], 15)]) == (1, 16, 16)          # 15 tokens + the padding row's one
+    assert pg.key([(r[0], 16)]) == (1, 32, 32)          # the padding row needs a token: the next bucket
+    assert pg.key([(r[3], 3), (r[4], 3), (r[1], 2)]) == (4, 16, 16)  # rows 3, 4 of 5 padding: 8 + 2
+    assert pg.key([(r[0], 63)]) == (1, 64, 64)
+    assert pg.key([(r[0], 64)]) is None                  # past the largest token bucket
+    assert pg.key([(x, 1) for x in r]) is None          # more chunks than the largest batch size
+    assert pg.key([(r[1], 0)]) is None                   # an empty chunk: the eager path rejects it
+    r[0].num_computed = 60
+    assert pg.key([(r[0], 8)]) == (1, 16, 128)          # keys: 60 committed + 8
+    r[0].num_computed = 0
+    out = runner.prefill([(r[0], 64)], keep_hidden=False)  # eager
+    assert pg.replays == 0 and out == {}
+    with pytest.raises(ValueError, match="token sizes"):
+        runner.enable_prefill_graphs((1,), capture=False, token_sizes=(16, 65))
+    with pytest.raises(ValueError, match="CUDA"):
+        runner.enable_prefill_graphs((1,), capture=True)
+    assert "host" in prefill_graphs_unsupported(model)   # the torch twins' prefill loops on the host
+    assert prefill_graphs_unsupported(load_model(ckpt, dtype="float32", backend="triton")) is None
+
+
+def _engine(path, mode, **opts):
+    cfg = EngineConfig.from_options(mode=mode, calibration_table=default_table(), num_blocks=96, block_size=4,
+                                    depth=2, topk=2, beam=2, max_num_seqs=4, **opts)
+    return LLMEngine(load_model(path, dtype="float32", device=cfg.device), cfg)
+
+
+@pytest.mark.parametrize("mode", ["ar", "bole"])
+def test_engine_static_prefill_tokens_cpu(ckpt, mode):
+    max_tokens = [12, 5, 20, 9]
+    ref = run_arrivals(_engine(ckpt, mode), PROMPTS, max_tokens)
+    eng = _engine(ckpt, mode)
+    eng.runner.enable_prefill_graphs((1, 2, 4), capture=False, min_kv=8)
+    assert run_arrivals(eng, PROMPTS, max_tokens) == ref
+    assert eng.runner.prefill_graphs.replays > 0
+
+
+def test_option_validated_and_off_on_cpu(ckpt):
+    assert EngineConfig().cuda_graph_prefill is True
+    with pytest.raises(ValueError, match="cuda_graph_prefill"):
+        EngineConfig(cuda_graph_prefill=1)
+    assert _engine(ckpt, "ar", enable_cuda_graphs=True).runner.prefill_graphs is None
+
+
+# ------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_graphed_prefill_matches_eager_cuda(ckpt):
+    """Captured graphs, each replayed with several layouts (PLANS' steps share keys): a value the host
+    baked in at capture would differ on the later replays."""
+    pg = _compare(ckpt, "cuda", "triton", capture=True, tol=1e-4)
+    assert pg.num_captured == len(pg.graphs) >= 3
+    assert pg.replays > len(pg.graphs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["ar", "serial_tree", "bole"])
+def test_engine_graphed_prefill_tokens_cuda(ckpt, mode):
+    max_tokens = [12, 5, 20, 9]
+    ref = run_arrivals(_engine(ckpt, mode, device="cuda", enable_cuda_graphs=True, cuda_graph_prefill=False),
+                       PROMPTS, max_tokens)
+    eng = _engine(ckpt, mode, device="cuda", enable_cuda_graphs=True)
+    assert eng.runner.prefill_graphs is not None
+    assert run_arrivals(eng, PROMPTS, max_tokens) == ref
+    assert eng.runner.prefill_graphs.replays > 0 and eng.runner.prefill_graphs.num_captured > 0
