@@ -108,14 +108,15 @@ def capture_graph(run: Callable[[], None], pool, device) -> "torch.cuda.CUDAGrap
 
 
 class StaticRows:
-    """A graph's per-row int64 inputs: the host writes a pinned mirror (``begin`` returns it as a numpy
-    array) and ``upload`` moves its first rows to ``device`` (the buffer the graph reads) in ONE
-    non-blocking copy; an event keeps the next ``begin`` from overwriting a copy still in flight."""
+    """A graph's per-row inputs (int64 unless ``dtype``): the host writes a pinned mirror (``begin``
+    returns it as a numpy array) and ``upload`` moves its first rows to ``device`` (the buffer the graph
+    reads) in ONE non-blocking copy; an event keeps the next ``begin`` from overwriting a copy still in
+    flight."""
 
-    def __init__(self, rows: int, width: int, device):
+    def __init__(self, rows: int, width: int, device, dtype=torch.long):
         dev = torch.device(device)
-        self.device = torch.zeros(rows, width, dtype=torch.long, device=dev)
-        self.host = torch.zeros(rows, width, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.device = torch.zeros(rows, width, dtype=dtype, device=dev)
+        self.host = torch.zeros(rows, width, dtype=dtype, pin_memory=dev.type == "cuda")
         self._np = self.host.numpy()
         self._copied = torch.cuda.Event() if dev.type == "cuda" else None
 

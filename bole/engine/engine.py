@@ -90,7 +90,8 @@ class LLMEngine:
                                   cuda_graph_batch_sizes=config.cuda_graph_batch_sizes
                                   if graphs and self.mode == "ar" else None,
                                   verify_graph_spec=dict(batch_sizes=spec_sizes, tree_sizes=tree_widths(self.lookahead),
-                                                         max_depth=spec.depth + 1) if spec_graphs else None,
+                                                         max_depth=spec.depth + 1, sampled_tail=True)
+                                  if spec_graphs else None,
                                   draft_graph_spec=dict(batch_sizes=spec_sizes, depth=spec.depth, topk=spec.topk,
                                                         beam=spec.beam, max_per_request=MAX_TREE_NODES - 1)
                                   if spec_graphs else None,
@@ -259,10 +260,14 @@ class LLMEngine:
         res = self.runner.verify(reqs, batch)
         D = spec.depth
         B, T1 = res.logits.shape[:2]
-        if in_graph and self.runner.can_accept_in_graph(res):
-            # acceptance, commit and checkpoints inside the verify graph's captured tail
+        no_min = not any(r.params.min_tokens for r in reqs)
+        if no_min and self.runner.can_accept_in_graph(res, sampled=not greedy):
+            # acceptance (greedy, or sampled with each request's parameters and seed), commit and
+            # checkpoints inside the verify graph's captured tail
+            sampling = None if greedy else [(r.params.temperature, r.params.top_k, r.params.top_p, r.seed)
+                                            for r in reqs]
             emitted = self._step_in_graph(reqs, stats, lambda slots: self.runner.accept_commit_in_graph(
-                reqs, res, slots))
+                reqs, res, slots, sampling))
             if emitted is not None:
                 return emitted
         row_depth = torch.cat([torch.zeros_like(batch.depth[:, :1]), batch.depth], 1).clamp(max=D)

@@ -258,18 +258,22 @@ class ModelRunner:
             r.num_computed += lengths[b]
         return lengths[:len(reqs)]
 
-    def can_accept_in_graph(self, res: VerifyResult) -> bool:
-        """Whether ``accept_commit_in_graph`` applies: the verify forward was a replayed graph with a tail."""
-        return res.graph is not None and res.graph.tail is not None
+    def can_accept_in_graph(self, res: VerifyResult, sampled: bool = False) -> bool:
+        """Whether ``accept_commit_in_graph`` applies: the verify forward was a replayed graph with a tail
+        (``sampled``: with the sampled tail)."""
+        return res.graph is not None and (res.graph.sampled_tail if sampled else res.graph.tail) is not None
 
     @torch.inference_mode()
     def accept_commit_in_graph(self, reqs: list[Request], res: VerifyResult,
-                               checkpoint_slots: list[int | None] | None = None) -> list[list[int]]:
-        """Greedy acceptance + commit of every request from the verify graph's captured tail
-        (``VerifyGraphs.run_tail``, with its prefix-cache checkpoint slots); advances num_computed and
-        queues the accepted path's hiddens for the drafter. Returns per request [accepted node, emitted
-        count, the tokens (the first ``emitted count`` are emitted), verified drafts]."""
-        return self._committed_in_graph(reqs, self.verify_graphs.run_tail(res.graph, len(reqs), checkpoint_slots))
+                               checkpoint_slots: list[int | None] | None = None,
+                               sampling: list[tuple[float, int, float, int]] | None = None) -> list[list[int]]:
+        """Acceptance + commit of every request from the verify graph's captured tail
+        (``VerifyGraphs.run_tail``, with its prefix-cache checkpoint slots; greedy, or sampled with
+        ``sampling``: per request (temperature, top_k, top_p, seed)); advances num_computed and queues
+        the accepted path's hiddens for the drafter. Returns per request [accepted node, emitted count,
+        the tokens (the first ``emitted count`` are emitted), verified drafts]."""
+        return self._committed_in_graph(reqs, self.verify_graphs.run_tail(res.graph, len(reqs), checkpoint_slots,
+                                                                          sampling))
 
     def _committed_in_graph(self, reqs: list[Request], host: list[list[int]]) -> list[list[int]]:
         """After a graphed tail: queue the accepted paths' hiddens for the drafter, advance num_computed."""

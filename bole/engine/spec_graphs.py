@@ -125,6 +125,7 @@ class _VGraph:
     run: Callable[[], None]
     graph: "torch.cuda.CUDAGraph | None" = None
     tail: "_VGraph | None" = None   # the greedy acceptance + commit after this forward (``run_tail``)
+    sampled_tail: "_VGraph | None" = None  # the same with the sampled acceptance (``sampled_tail=True``)
 
 
 class VerifyGraphs:
@@ -132,7 +133,7 @@ class VerifyGraphs:
 
     def __init__(self, runner, batch_sizes: Sequence[int], tree_sizes: Sequence[int], max_depth: int,
                  pad_block: int, pad_slot: int, capture: bool = True, min_kv: int = 256, pool=None,
-                 tail: bool = True):
+                 tail: bool = True, sampled_tail: bool = False):
         sizes = sorted({int(b) for b in batch_sizes})
         widths = sorted({int(t) for t in tree_sizes})
         if not sizes or sizes[0] < 1 or not widths or widths[0] < 2:
@@ -144,7 +145,7 @@ class VerifyGraphs:
             raise ValueError(f"CUDA graphs need a CUDA device, the runner is on {runner.device}")
         self.runner, self.model = runner, runner.model
         self.batch_sizes, self.widths, self.max_depth, self.capture = sizes, widths, int(max_depth), capture
-        self.tail = tail
+        self.tail, self.sampled_tail = tail, tail and sampled_tail
         self.pad_block, self.pad_slot = int(pad_block), int(pad_slot)
         self.block_size, self.kv_lengths, self.max_blocks = kv_layout(runner.kv_cache, min_kv)
         dev = runner.device
@@ -161,6 +162,9 @@ class VerifyGraphs:
         # and the target hiddens along the accepted path (the drafter's next catch-up inputs)
         self.out_accept = torch.zeros(Bm, 3 + self.max_depth, dtype=torch.long, device=dev)
         self.out_path_hidden = torch.zeros(Bm, self.max_depth, H, dtype=dtype, device=dev)
+        # the sampled tail's per-row parameters: (temperature, top_p) and (top_k, seed)
+        self.sample_floats = StaticRows(Bm, 2, dev, dtype=torch.float32)
+        self.sample_ints = StaticRows(Bm, 2, dev)
         self.graphs: dict[tuple[int, int, int], _VGraph] = {}
         self.pool = pool
         self.replays = self.tail_replays = self.made = 0
@@ -215,6 +219,8 @@ class VerifyGraphs:
         g = _VGraph(Bc, Tc, Lc, ctx, run)
         if self.tail:
             g.tail = self._make_tail(g)
+        if self.sampled_tail:
+            g.sampled_tail = self._make_tail(g, sampled=True)
         return g
 
     def load_padding(self, Bc: int, Tc: int, Lc: int) -> None:
@@ -225,6 +231,7 @@ class VerifyGraphs:
         self.draft_parents[:Bc, 1:Tc].fill_(0)
         if self.checkpoints is not None:
             self.checkpoints[2].device[:Bc].fill_(self.checkpoints[3])
+        self.load_sampling(Bc, None)
 
     def _build(self, Bc: int, Tc: int, Lc: int) -> _VGraph:
         g = self._make(Bc, Tc, Lc)
@@ -234,9 +241,10 @@ class VerifyGraphs:
                 self.pool = torch.cuda.graph_pool_handle()
             g.graph = capture_graph(g.run, self.pool, self.runner.device)
             logger.info("captured verify graph batch=%d width=%d kv_len=%d", Bc, Tc, Lc)
-            if g.tail is not None:
-                g.tail.graph = capture_graph(g.tail.run, self.pool, self.runner.device)
-                logger.info("captured verify tail graph batch=%d width=%d kv_len=%d", Bc, Tc, Lc)
+            for tail in (g.tail, g.sampled_tail):
+                if tail is not None:
+                    tail.graph = capture_graph(tail.run, self.pool, self.runner.device)
+            logger.info("captured verify tail graphs batch=%d width=%d kv_len=%d", Bc, Tc, Lc)
         self.graphs[Bc, Tc, Lc] = g
         return g
 
@@ -297,11 +305,16 @@ class VerifyGraphs:
                             int(scratch_slot))
 
     # -- the tail: greedy acceptance and the commit, after a replayed forward ----------------------------
-    def _make_tail(self, g: _VGraph) -> _VGraph:
+    def _make_tail(self, g: _VGraph, sampled: bool = False) -> _VGraph:
         """The greedy ``accept_tree`` walk over the forward's logits and the commit of the accepted paths
         (``commit_paths``: GDN state, conv windows, K/V), writing the host's one read (``out_accept``)
-        and the path's hiddens (``out_path_hidden``); captured by ``_build``."""
+        and the path's hiddens (``out_path_hidden``); captured by ``_build``.
+
+        ``sampled``: the lossless sampled walk instead (``accept_tree`` over the processed logits, each
+        row's parameters from ``load_sampling``), with the uniforms the eager step draws: request b's
+        ``counter_uniforms(seed, num_computed + 1, depth + 1)``, target row r taking its depth's."""
         from bole.cache.prefix_cache import boundary_cut
+        from bole.spec.sampling import accept_tree, counter_uniforms
 
         Bc, Tc, D = g.batch, g.width, self.max_depth
         V = self.out_logits.shape[1]
@@ -310,6 +323,14 @@ class VerifyGraphs:
         inp, out, out_h = self.rows.device[:Bc], self.out_accept[:Bc], self.out_path_hidden[:Bc]
         model, forest, ctx = self.model, g.ctx.forest, g.ctx
         accept = model.backend.greedy_accept   # accept_tree's greedy walk (kernels.greedy_accept on the GPU)
+        if sampled:
+            fl, it = self.sample_floats.device[:Bc], self.sample_ints.device[:Bc]
+
+            def accept(drafts, parents, logits, max_depth):
+                row_depth = (forest.depth.view(Bc, Tc).long() - 1).clamp(0, max_depth)  # the root 0, drafts theirs
+                u = counter_uniforms(it[:, 1], inp[:, _POS] + 1, max_depth + 1).gather(1, row_depth)
+                return accept_tree(drafts, parents, u, logits=logits.float(), temperature=fl[:, 0], top_k=it[:, 0],
+                                   top_p=fl[:, 1], max_depth=max_depth)
 
         ckpt = self.checkpoints
 
@@ -345,17 +366,31 @@ class VerifyGraphs:
                     h[b, 0] = slot
             rows.upload(Bc)
 
+    def load_sampling(self, Bc: int, params: Sequence[tuple[float, int, float, int]] | None) -> None:
+        """The sampled tail's per-row (temperature, top_k, top_p, seed); padding rows greedy."""
+        fl, it = self.sample_floats.begin(), self.sample_ints.begin()
+        fl[:Bc, 0], fl[:Bc, 1], it[:Bc] = 0.0, 1.0, 0
+        for b, (temp, top_k, top_p, seed) in enumerate(params or ()):
+            fl[b] = temp, top_p
+            it[b] = top_k, seed
+        self.sample_floats.upload(Bc)
+        self.sample_ints.upload(Bc)
+
     @torch.inference_mode()
-    def run_tail(self, g: _VGraph, batch: int, checkpoint_slots: Sequence[int | None] | None = None) -> list[list[int]]:
-        """After ``run`` returned ``g`` (every request greedy): accept and commit in the captured tail;
-        per request [accepted node, emitted count, D tokens (padded), verified drafts] (the step's one
-        device-to-host read).
+    def run_tail(self, g: _VGraph, batch: int, checkpoint_slots: Sequence[int | None] | None = None,
+                 sampling: Sequence[tuple[float, int, float, int]] | None = None) -> list[list[int]]:
+        """After ``run`` returned ``g``: accept and commit in the captured tail; per request [accepted
+        node, emitted count, D tokens (padded), verified drafts] (the step's one device-to-host read).
         ``out_path_hidden`` then holds each request's accepted-path hiddens, valid until the next tail.
         ``checkpoint_slots`` (with ``enable_checkpoints``): per request the checkpoint slot its path's
-        boundary state goes to, None for a request whose path cannot cross a boundary this step."""
-        tail = g.tail
+        boundary state goes to, None for a request whose path cannot cross a boundary this step.
+        ``sampling``: per request (temperature, top_k, top_p, seed) for the sampled tail (``sampled_tail``);
+        None: every request greedy, the greedy tail."""
+        tail = g.tail if sampling is None else g.sampled_tail
         if tail is None:
-            raise ValueError("this VerifyGraphs was built with tail=False")
+            raise ValueError("this VerifyGraphs was built without that tail (tail=False or sampled_tail=False)")
+        if sampling is not None:
+            self.load_sampling(g.batch, sampling)
         self.load_checkpoint_slots(g.batch, checkpoint_slots)
         if tail.graph is not None:
             tail.graph.replay()

@@ -417,6 +417,38 @@ def test_checkpoints_must_precede_step_graphs(ckpt):
                               eng.prefix_cache.scratch_slot)
 
 
+def _run_sampled(eng) -> list[list[int]]:
+    """Seeded sampled requests (and one greedy) arriving one per step: each request's tokens."""
+    params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=11, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=1.3, seed=5, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.5, top_p=0.7, seed=2, max_tokens=9, ignore_eos=True)]
+    ids, outs, pending = [], {}, list(zip(PROMPTS, params))
+    while pending or eng.has_unfinished():
+        if pending:
+            p, sp = pending.pop(0)
+            ids.append(eng.add_request(p, sp))
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o.output_token_ids
+    return [outs[i] for i in ids]
+
+
+@pytest.mark.parametrize("mode", ["bole", "serial_tree"])
+def test_engine_sampled_tail_tokens_cpu(ckpt, mode):
+    """Sampled steps accept and commit in the verify graph's sampled tail (uncaptured): the same tokens as
+    the eager acceptance, which are ar's (a seeded request's tokens do not depend on the mode)."""
+    ref = _run_sampled(_engine(ckpt, "cpu", "ar", False, enable_prefix_cache=False))
+    eng = _engine(ckpt, "cpu", mode, False)
+    spec = eng.config.spec
+    vg = eng.runner.enable_verify_graphs((1, 2, 4), tree_widths(eng.lookahead), spec.depth + 1,
+                                         capture=False, min_kv=8, sampled_tail=True)
+    vg.enable_checkpoints(eng.prefix_cache.checkpoints, eng.config.cache.checkpoint_interval,
+                          eng.prefix_cache.scratch_slot)
+    assert _run_sampled(eng) == ref
+    assert vg.tail_replays == vg.replays > 0
+
+
 def test_verify_tail_matches_eager_cpu(ckpt):
     _compare_tail(ckpt, "cpu", capture=False, tol=1e-4)
 
@@ -432,6 +464,16 @@ def test_graphed_verify_matches_eager_cuda(ckpt):
 def test_graphed_verify_tail_matches_eager_cuda(ckpt):
     vg = _compare_tail(ckpt, "cuda", capture=True, tol=1e-3)
     assert all(g.tail is not None and g.tail.graph is not None for g in vg.graphs.values())
+
+
+@pytest.mark.gpu
+def test_engine_sampled_tail_tokens_cuda(ckpt):
+    ref = _run_sampled(_engine(ckpt, "cuda", "ar", False))
+    eng = _engine(ckpt, "cuda", "bole", True)
+    vg = eng.runner.verify_graphs
+    assert _run_sampled(eng) == ref
+    assert vg.tail_replays == vg.replays > 0
+    assert all(g.sampled_tail is not None and g.sampled_tail.graph is not None for g in vg.graphs.values())
 
 
 @pytest.mark.gpu
