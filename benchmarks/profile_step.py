@@ -182,7 +182,9 @@ def case_generate(name: str, args, device) -> dict:
     """Where a whole ``generate`` call goes, as ``benchmarks/e2e.py`` times it (prompt 0 of the
     held-out set, 256 tokens, greedy, graphs captured and the prefix cache warmed first): every engine
     step's wall time with what it did (prefill tokens, requests decoded, tokens emitted), and the top
-    functions of a cProfile of the call."""
+    functions of a cProfile of the call. Name suffixes: ``_eager_prefill`` (no prefill graphs),
+    ``_sampled`` (temperature 0.8, seed 0: sampled steps through the verify graphs' sampled tail) and
+    ``_sampled_eager_accept`` (the same with the sampled tails dropped: eager acceptance and commit)."""
     import cProfile
     import io
     import pstats
@@ -217,6 +219,13 @@ def case_generate(name: str, args, device) -> dict:
         return out
     eng.step = timed
     sp = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    if "_sampled" in name:
+        sp = SamplingParams(temperature=0.8, seed=0, max_tokens=256, ignore_eos=True)
+        if name.endswith("_eager_accept") and eng.runner.verify_graphs is not None:
+            for g in eng.runner.verify_graphs.graphs.values():
+                g.sampled_tail = None
+        llm.generate(prompts[:1], sp)  # the sampled path once before timing
+        steps.clear()
     # the per-step times from a plain call, then a second call under cProfile (which slows Python)
     t0 = time.perf_counter()
     outs = llm.generate(prompts[:1], sp)
@@ -268,7 +277,7 @@ CASES = {"decode9b": case_target, "verify9b": case_target,
             for m in ("ar", "serial_tree", "bole")},
          "bole_tiny_phases": case_phases, "serial_tree_tiny_phases": case_phases,
          **{f"{m}_tiny_generate{e}": case_generate for m in ("ar", "serial_tree", "bole")
-            for e in ("", "_eager_prefill")},
+            for e in ("", "_eager_prefill", "_sampled", "_sampled_eager_accept")},
          **{f"{m}_tiny_prefill{e}": case_prefill for m in ("ar", "serial_tree", "bole")
             for e in ("", "_eager_prefill")}}
 DEFAULT_CASES = ["decode9b", "verify9b", "ar_tiny", "bole_tiny", "ar_tiny_graphs", "bole_tiny_graphs"]
