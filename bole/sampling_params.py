@@ -77,8 +77,9 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not -(1 << 63) <= self.seed < 1 << 63):
+            # the per-row seed tensors are int64 (bole.spec.sampling.counter_uniforms)
+            raise ValueError(f"seed must be an int in [-2**63, 2**63) or None, got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 

@@ -95,8 +95,8 @@ class LLMEngine:
                                   draft_graph_spec=dict(batch_sizes=spec_sizes, depth=spec.depth, topk=spec.topk,
                                                         beam=spec.beam, max_per_request=MAX_TREE_NODES - 1)
                                   if spec_graphs else None,
-                                  prefill_graph_sizes=(spec_sizes if spec_graphs else config.cuda_graph_batch_sizes)
-                                  if graphs and config.cuda_graph_prefill else None)
+                                  # the same buckets in every mode: a prefill runs at the same padded shapes
+                                  prefill_graph_sizes=spec_sizes if graphs and config.cuda_graph_prefill else None)
         if config.cuda_graph_whole_step and self.runner.draft_graphs is not None and \
                 self.runner.verify_graphs is not None:
             self.runner.enable_step_graphs()

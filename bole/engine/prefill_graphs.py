@@ -90,6 +90,9 @@ class PrefillGraphs:
         tokens = sorted({int(n) for n in token_sizes})
         if not tokens or tokens[0] < 2 or tokens[-1] >= FLA_MIN_TOKENS:
             raise ValueError(f"token sizes must be ints in [2, {FLA_MIN_TOKENS}), got {list(token_sizes)}")
+        sizes = [b for b in sizes if b < tokens[-1]]  # Bc + 1 rows of >= 1 token each fit the largest bucket
+        if not sizes:
+            raise ValueError(f"no batch size in {list(batch_sizes)} fits {tokens[-1]} tokens with its padding row")
         if capture and runner.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the runner is on {runner.device}")
         why = prefill_graphs_unsupported(runner.model) if capture else graphs_unsupported(runner.model)

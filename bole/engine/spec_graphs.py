@@ -329,7 +329,9 @@ class VerifyGraphs:
             def accept(drafts, parents, logits, max_depth):
                 row_depth = (forest.depth.view(Bc, Tc).long() - 1).clamp(0, max_depth)  # the root 0, drafts theirs
                 u = counter_uniforms(it[:, 1], inp[:, _POS] + 1, max_depth + 1).gather(1, row_depth)
-                return accept_tree(drafts, parents, u, logits=logits.float(), temperature=fl[:, 0], top_k=it[:, 0],
+                # the native logits: process_logits upcasts only the rows the walk visits, to the values the
+                # eager step's fp32 copy holds (no [Bc, Tc, V] fp32 copy kept in the graph's pool)
+                return accept_tree(drafts, parents, u, logits=logits, temperature=fl[:, 0], top_k=it[:, 0],
                                    top_p=fl[:, 1], max_depth=max_depth)
 
         ckpt = self.checkpoints

@@ -135,6 +135,9 @@ def test_keys_and_fallbacks(ckpt):
     assert pg.replays == 0 and out == {}
     with pytest.raises(ValueError, match="token sizes"):
         runner.enable_prefill_graphs((1,), capture=False, token_sizes=(16, 65))
+    assert runner.enable_prefill_graphs((1, 4, 64, 256), capture=False, min_kv=8).batch_sizes == [1, 4]
+    with pytest.raises(ValueError, match="fits"):
+        runner.enable_prefill_graphs((64,), capture=False)
     with pytest.raises(ValueError, match="CUDA"):
         runner.enable_prefill_graphs((1,), capture=True)
     assert "host" in prefill_graphs_unsupported(model)   # the torch twins' prefill loops on the host

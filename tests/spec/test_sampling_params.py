@@ -35,6 +35,8 @@ def test_defaults_and_normalisation():
     ({"stop": [""]}, "empty strings"),
     ({"stop_token_ids": [-1]}, "stop_token_ids .* got \\[-1\\]"),
     ({"seed": 1.5}, "seed .* got 1.5"),
+    ({"seed": 1 << 63}, "seed .* got 9223372036854775808"),
+    ({"seed": -(1 << 63) - 1}, "seed .* got -9223372036854775809"),
     ({"ignore_eos": 1}, "ignore_eos"),
 ])
 def test_invalid_values_are_named(kwargs, message):
