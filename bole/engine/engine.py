@@ -154,12 +154,16 @@ class LLMEngine:
         return self.prefix_cache.summary(limit) if self.prefix_cache is not None else []
 
     # -- sampling helpers ------------------------------------------------------------------------
+    @staticmethod
+    def _sampling_rows(reqs: list[Request]) -> list[tuple[float, int, float, int]]:
+        """Per request (temperature, top_k, top_p, seed): the eager step's tensors and the sampled tail's rows."""
+        return [(r.params.temperature, r.params.top_k, r.params.top_p, r.seed) for r in reqs]
+
     def _param_tensors(self, reqs: list[Request]):
         dev = self.runner.device
-        return (torch.tensor([r.params.temperature for r in reqs], device=dev),
-                torch.tensor([r.params.top_k for r in reqs], device=dev),
-                torch.tensor([r.params.top_p for r in reqs], device=dev),
-                torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=dev))
+        temp, top_k, top_p, seed = zip(*self._sampling_rows(reqs))
+        return (torch.tensor(temp, device=dev), torch.tensor(top_k, device=dev), torch.tensor(top_p, device=dev),
+                torch.tensor(seed, dtype=torch.int64, device=dev))
 
     def _mask_early_stops(self, reqs: list[Request], logits: torch.Tensor, out_index: torch.Tensor) -> torch.Tensor:
         """min_tokens: forbid EOS / stop tokens for rows that would emit output token < min_tokens.
@@ -246,8 +250,8 @@ class LLMEngine:
                     MAX_TREE_NODES - 1)
         no_sync = B * (bound + 1) <= 2 * (int(b_ver) + B)
         greedy = all(r.params.temperature <= 0 for r in reqs)
-        in_graph = greedy and not any(r.params.min_tokens for r in reqs)
-        if in_graph and no_sync and self.runner.step_graph_supports(reqs, bound + 1):
+        no_min = not any(r.params.min_tokens for r in reqs)  # min_tokens masks logits: eager acceptance
+        if greedy and no_min and no_sync and self.runner.step_graph_supports(reqs, bound + 1):
             # the whole step in one graph replay (bole.engine.step_graphs), one device-to-host read
             emitted = self._step_in_graph(reqs, stats, lambda slots: self.runner.step_in_graph(
                 reqs, int(b_ver), bound + 1, slots))
@@ -260,12 +264,10 @@ class LLMEngine:
         res = self.runner.verify(reqs, batch)
         D = spec.depth
         B, T1 = res.logits.shape[:2]
-        no_min = not any(r.params.min_tokens for r in reqs)
         if no_min and self.runner.can_accept_in_graph(res, sampled=not greedy):
             # acceptance (greedy, or sampled with each request's parameters and seed), commit and
             # checkpoints inside the verify graph's captured tail
-            sampling = None if greedy else [(r.params.temperature, r.params.top_k, r.params.top_p, r.seed)
-                                            for r in reqs]
+            sampling = None if greedy else self._sampling_rows(reqs)
             emitted = self._step_in_graph(reqs, stats, lambda slots: self.runner.accept_commit_in_graph(
                 reqs, res, slots, sampling))
             if emitted is not None:
@@ -281,7 +283,7 @@ class LLMEngine:
             u_by_depth = counter_uniforms(seed, n + 1, D + 1)  # [B, D+1]
             uniforms = u_by_depth.gather(1, row_depth)
         logits = res.logits
-        if any(r.params.min_tokens for r in reqs):
+        if not no_min:
             # row r samples output index len(output) + depth(r) (the root x_n is the last output so far)
             n_out = torch.tensor([len(r.output_token_ids) for r in reqs], device=logits.device)
             logits = self._mask_early_stops(reqs, logits, n_out[:, None] + row_depth.to(logits.device))
