@@ -28,9 +28,9 @@ Registered backends:
               (bole.ops.gdn_decode), torch norms, attention prologue and gated activations.
     "triton": kernels.gdn_tree_verify / kernels.gdn_commit (and kernels.gdn_tree_serial for the
               serial_tree baseline); verify's conv and gating with kernels.gdn_tree_conv; prefill with
-              kernels.gdn_recurrent below 65 tokens, else flash-linear-attention's
-              chunk_gated_delta_rule when importable (else the torch chunk), its conv with
-              kernels.causal_conv1d;
+              kernels.gdn_recurrent below 65 tokens (and in fp32 when fla is taken), else
+              flash-linear-attention's chunk_gated_delta_rule when importable (else the torch chunk),
+              its conv with kernels.causal_conv1d;
               decode and its conv with kernels.gdn_decode; norms with kernels.rmsnorm; the graphed
               decode's attention with kernels.paged_decode_attention (keys read in place from the
               paged cache); the attention prologue (q / k norms, RoPE, KV store) with
@@ -133,17 +133,21 @@ def _fla_prefill():
 FLA_MIN_TOKENS = 65
 
 
-def _short_to_recurrent(long_prefill, min_tokens: int = FLA_MIN_TOKENS):
-    """Prefills of fewer than ``min_tokens`` tokens (in the whole batch) through the Triton recurrence
-    (``kernels.gdn_recurrent``, one launch per layer); longer ones through ``long_prefill``. For short
+def _short_to_recurrent(long_prefill, min_tokens: int = FLA_MIN_TOKENS, fp32_to_recurrent: bool = True):
+    """Prefills of fewer than ``min_tokens`` tokens (in the whole batch), and with ``fp32_to_recurrent``
+    (``long_prefill`` is fla's) every prefill of fp32 activations, through the Triton recurrence
+    (``kernels.gdn_recurrent``, one launch per layer); the others through ``long_prefill``. For short
     prefills the launch count decides: fla's chunk (many kernels behind its compile guards) measured
     62 ms and the torch chunk 33 ms for a 13-token prompt of the embedded model on the H200, both
     host-bound (first engine step of ``profile_step.py --cases ar_tiny_generate``). The crossover to
-    fla was not measured."""
+    fla was not measured. fp32: fla's
+    chunk takes TF32 products for fp32 inputs, and put our fp32 model 1.5e-2 (max-relative logits)
+    from transformers' fp32 forward on the CPU after a 70-token prefill on the H200 (2026-12-02,
+    tests/models/test_gpu.py); the recurrence is fp32 throughout."""
     from kernels.gdn_recurrent import gdn_recurrent
 
     def prefill(q, k, v, g, beta, **kw):
-        if q.shape[1] < min_tokens:
+        if q.shape[1] < min_tokens or (fp32_to_recurrent and q.dtype == torch.float32):
             return gdn_recurrent(q, k, v, g, beta, **kw)
         return long_prefill(q, k, v, g, beta, **kw)
     return prefill
@@ -174,9 +178,11 @@ def _triton_backend() -> GDNBackend:
             long_prefill, prefill_name = _fla_prefill(), "fla.chunk_gated_delta_rule"
         except Exception as e:  # absent, or an fla that does not import against this torch / triton
             logger.warning("GDN triton backend: flash-linear-attention unavailable (%s); torch chunk prefill", e)
-    prefill = _short_to_recurrent(long_prefill)
-    logger.info("GDN triton backend: prefill via kernels.gdn_recurrent below %d tokens, else %s",
-                FLA_MIN_TOKENS, prefill_name)
+    # the torch chunk (CPU tests) is exact in fp32: only fla's TF32 products send fp32 to the recurrence
+    fla = long_prefill is not gdn_chunk
+    prefill = _short_to_recurrent(long_prefill, fp32_to_recurrent=fla)
+    logger.info("GDN triton backend: prefill via kernels.gdn_recurrent below %d tokens%s, else %s",
+                FLA_MIN_TOKENS, " or in fp32" if fla else "", prefill_name)
     # the measured per-shape launch tables (kernels.gdn_tree_verify._TUNED_LOWP for half-precision q/k,
     # _TUNED_FP32 for fp32)
     tree_verify = functools.partial(triton_verify, tuned=True)

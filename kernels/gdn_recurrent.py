@@ -7,9 +7,11 @@ of host time per layer for the embedded model's 13-token prompt on the H200 (ben
 layer: a program per (sequence, value head, value tile) loads its Sᵀ tile [BV, K] from the pool slot,
 walks the sequence's tokens (g, beta already gated; q/k normalised in the kernel as the twin does)
 and writes o per token and the final state once: read once, never snapshotted, the pool untouched.
-The loop is serial in the tokens and runs to a static bound (the next power of two of all the
-launch's tokens; the tokens past a sequence's end change nothing: g = beta = 0 there), so it is for
-short prefills: the backend sends those of < 65 tokens here, longer ones to flash-linear-attention.
+The loop is serial in the tokens, so it is for short prefills: the backend sends those of < 65
+tokens here, longer ones to flash-linear-attention, except with fp32 activations, which all come here:
+fla's chunk takes TF32 products for fp32 inputs (bole/backend.py). On the GPU the loop runs to the
+sequence's length; under the interpreter to a static bound (the next power of two of all the launch's
+tokens; the tokens past a sequence's end change nothing: g = beta = 0 there).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import triton
 import triton.language as tl
 
 from bole.ops.gdn import check_gdn_inputs
+from kernels._checks import interpreting
 
 
 @triton.jit
@@ -29,6 +32,7 @@ def gdn_recurrent_kernel(
     scale,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_H0: tl.constexpr, HAS_INDICES: tl.constexpr,
+    DYNAMIC: tl.constexpr,
 ):
     i_b, i_h, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (HV // HK)
@@ -47,7 +51,9 @@ def gdn_recurrent_kernel(
         b_s = tl.load(h0 + i_slot * HV * V * K + p_tile, mask=m_s, other=0).to(tl.float32)  # Sᵀ [BV, BK]
     else:
         b_s = tl.zeros([BV, BK], dtype=tl.float32)
-    for i in range(0, BT):  # a static bound (the interpreter's loops need one): tokens past T idle
+    # GPU: the sequence's own length; the interpreter's loops need a static bound (BT, the tokens past
+    # the sequence's end idle)
+    for i in range(0, (eos - bos) if DYNAMIC else BT):
         t = bos + i
         m_t = t < eos
         b_q = tl.load(q + (t * HK + i_hk) * K + o_k, mask=m_k & m_t, other=0).to(tl.float32)
@@ -112,7 +118,8 @@ def gdn_recurrent(q, k, v, g, beta, scale=None, initial_state=None, state_indice
             q[0].contiguous(), k[0].contiguous(), v[0].contiguous(), g[0].contiguous(), beta[0].contiguous(),
             initial_state if initial_state is not None else final, state_indices if state_indices is not None
             else cu_seqlens, cu_seqlens, o[0], final, scale,
-            HK=HK, HV=HV, K=K, V=V, BT=max(16, triton.next_power_of_2(N)),
+            HK=HK, HV=HV, K=K, V=V, DYNAMIC=not interpreting(),
+            BT=16 if not interpreting() else max(16, triton.next_power_of_2(N)),
             BK=max(16, triton.next_power_of_2(K)), BV=block_v,
             USE_L2NORM=bool(use_qk_l2norm), HAS_H0=initial_state is not None,
             HAS_INDICES=state_indices is not None, num_warps=4,

@@ -1,0 +1,138 @@
+"""fp32 GDN prefill on the GPU: flash-linear-attention's chunk against our recurrence (kernels.gdn_recurrent).
+
+The triton backend sends every fp32 prefill to the recurrence since 2026-12-02 (bole/backend.py): fla's
+chunk kernels take TF32 products for fp32 inputs. This measures, in one run, what that costs and buys:
+
+* op level, the embedded model's GDN shapes (HK=4, HV=8, K=V=64), fp32, L2-normalised q/k, states from
+  pool slots: the time of one layer's prefill (do_bench, no graph: fla plans on the host) and its error
+  (max-abs relative to max |ref|, o and final state) against the float64 twin, for fla, the recurrence
+  and the torch chunk, over single prompts of 13 to 2048 tokens and the 16 held-out prompts packed;
+* engine level, the embedded model in fp32 (``bole`` mode, graphs on): the wall time of the prefill step
+  for held-out prompt 2 (180 tokens) alone and for the 16 held-out prompts at once, with the backend's
+  routing as shipped and with fp32 sent to fla (the previous routing), and whether the first tokens agree.
+
+    python benchmarks/prefill_fp32.py --out $OUT/prefill_fp32_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+from benchmarks.gdn_verify import bench_us  # noqa: E402
+from bole import backend as backend_mod  # noqa: E402
+from bole.ops import gdn as gdn_ops  # noqa: E402
+from bole.ops.gdn_chunk import gdn_chunk  # noqa: E402
+from kernels.gdn_recurrent import gdn_recurrent  # noqa: E402
+
+MODEL = REPO_ROOT / "models" / "bole-tiny-coder"
+PROMPTS = REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl"
+
+
+def rel(a, ref) -> float:
+    return float((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def op_row(fla, name, lens, HK=4, HV=8, K=64, V=64) -> dict:
+    gen = torch.Generator().manual_seed(len(lens) * 1000 + sum(lens))
+    N, B = sum(lens), len(lens)
+    q, k = torch.randn(1, N, HK, K, generator=gen).cuda(), torch.randn(1, N, HK, K, generator=gen).cuda()
+    v = torch.randn(1, N, HV, V, generator=gen).cuda()
+    g = (-torch.rand(1, N, HV, generator=gen) * 0.5).cuda()
+    beta = torch.rand(1, N, HV, generator=gen).cuda()
+    pool = (0.1 * torch.randn(B + 2, HV, V, K, generator=gen)).cuda()
+    idx = torch.randperm(B + 2, generator=gen)[:B].cuda()
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32).cuda()
+    kw = dict(initial_state=pool, state_indices=idx, cu_seqlens=cu, use_qk_l2norm=True)
+    o_ref, f_ref = gdn_ops.gdn_recurrent(q.double(), k.double(), v.double(), g.double(), beta.double(),
+                                         initial_state=pool.double(), state_indices=idx, cu_seqlens=cu,
+                                         use_qk_l2norm=True)
+    row = dict(case=name, sequences=B, tokens=N)
+    for impl, fn in (("fla", fla), ("recurrent", gdn_recurrent), ("torch_chunk", gdn_chunk)):
+        o, f = fn(q, k, v, g, beta, **kw)
+        row[f"{impl}_err_o"], row[f"{impl}_err_state"] = rel(o, o_ref), rel(f, f_ref)
+        row[f"{impl}_us"] = bench_us(lambda fn=fn: fn(q, k, v, g, beta, **kw), False, graph=False)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def engine_rows(reps: int, device: str = "cuda") -> list[dict]:
+    from bole import LLM, SamplingParams
+    from bole.engine.sequence import RequestStatus
+
+    prompts = [json.loads(line)["prompt"] for line in open(PROMPTS)][:16]
+    real = backend_mod._short_to_recurrent
+    rows, first = [], {}
+    for routing in ("shipped", "fp32_to_fla"):
+        if routing == "fp32_to_fla":  # the previous routing: fp32 prefills of >= 65 tokens through fla
+            backend_mod._short_to_recurrent = lambda long, *a, **kw: real(long, *a,
+                                                                          **dict(kw, fp32_to_recurrent=False))
+        try:
+            llm = LLM(str(MODEL), mode="bole", dtype="float32", device=device, num_blocks=4096, max_num_seqs=16,
+                      calibration_table=str(REPO_ROOT / "calibration_tables" / "default.yaml"),
+                      enable_cuda_graphs=device == "cuda")
+        finally:
+            backend_mod._short_to_recurrent = real
+        eng = llm.engine
+        sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        for case, sel in (("prompt2_180tok", prompts[2:3]), ("heldout16", prompts)):
+            ids = [llm._encode(p) for p in sel]
+            times, toks = [], None
+            for i in range(reps + 1):
+                rids = [eng.add_request(p, sp) for p in ids]
+                sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+                sync()
+                t0 = time.perf_counter()
+                steps = 0
+                while any(eng.requests[rid].status != RequestStatus.FINISHED for rid in rids) and steps < 64:
+                    eng.step()
+                    steps += 1
+                sync()
+                if i:  # the first call warms up (compiles, captures)
+                    times.append((time.perf_counter() - t0) * 1e3)
+                toks = [eng.pop_finished(rid).output_token_ids for rid in rids]
+            first.setdefault(case, {})[routing] = toks
+            row = dict(routing=routing, case=case, prompt_tokens=sum(len(x) for x in ids),
+                       steps=steps, ms_median=sorted(times)[len(times) // 2], ms_all=[round(t, 3) for t in times])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del llm, eng
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    for case, by in first.items():
+        rows.append(dict(case=case, same_first_tokens=by["shipped"] == by["fp32_to_fla"]))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/prefill_fp32.json")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    heldout = [13, 128, 180, 32, 84, 27, 138, 111, 32, 33, 92, 40, 92, 68, 60, 124]  # tokenised lengths
+    cases = [(f"one_{n}", [n]) for n in (13, 128, 180, 512, 2048)] + [("heldout16_packed", heldout)]
+    res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               command="python " + " ".join(sys.argv))
+    fla = backend_mod._fla_prefill()
+    res["op"] = [op_row(fla, name, lens) for name, lens in cases]
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    try:
+        res["engine"] = engine_rows(args.reps)
+    except Exception as e:  # keep the op rows
+        res["engine_error"] = f"{type(e).__name__}: {e}"
+        print(res["engine_error"], flush=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
