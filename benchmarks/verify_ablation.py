@@ -51,6 +51,24 @@ VARIANTS = {  # name: constexpr flags; every one exact (validated)
     "early": dict(EARLY=True),
     "tt": dict(LOWP_TT=True),
     "early_tt": dict(EARLY=True, LOWP_TT=True),
+    "tt_cu": dict(LOWP_TT=True, O_FROM_U=True),
+    "tt_cu_kk": dict(LOWP_TT=True, O_FROM_U=True, K2_FROM_KK=True),
+    "tt_cu_s2": dict(LOWP_TT=True, O_FROM_U=True, SPLIT_S=2),
+    "tt_cu_kk_s2": dict(LOWP_TT=True, O_FROM_U=True, K2_FROM_KK=True, SPLIT_S=2),
+    "early_tt_cu_kk": dict(EARLY=True, LOWP_TT=True, O_FROM_U=True, K2_FROM_KK=True),
+    "tree_tt": dict(EARLY=2, LOWP_TT=True),
+    "tt_fx": dict(LOWP_TT=True, FAST_EXP=True),
+    "tree_tt_fx": dict(EARLY=2, LOWP_TT=True, FAST_EXP=True),
+    "tree_tt_fx_kk": dict(EARLY=2, LOWP_TT=True, FAST_EXP=True, K2_FROM_KK=True),
+    "tree_tt_fx_cu_kk": dict(EARLY=2, LOWP_TT=True, FAST_EXP=True, K2_FROM_KK=True, O_FROM_U=True),
+    "early_tt_fx": dict(EARLY=True, LOWP_TT=True, FAST_EXP=True),
+    # L2 prefetch of the program `ahead` linear ids on (1: bulk per row, 2: per 128-byte line)
+    "tt_pf1": dict(LOWP_TT=True, PREFETCH=1, ahead=132),
+    "tt_pf2": dict(LOWP_TT=True, PREFETCH=2, ahead=132),
+    "tt_pf1_264": dict(LOWP_TT=True, PREFETCH=1, ahead=264),
+    "tt_pf2_264": dict(LOWP_TT=True, PREFETCH=2, ahead=264),
+    "tt_pf1_396": dict(LOWP_TT=True, PREFETCH=1, ahead=396),
+    "early_tt_pf1": dict(EARLY=True, LOWP_TT=True, PREFETCH=1, ahead=132),
 }
 CONFIGS = [(32, 64, 4, 3), (32, 32, 4, 3), (32, 32, 4, 2), (32, 128, 8, 3), (32, 128, 8, 2), (32, 64, 8, 3)]
 METHODS = ("inverse",)
@@ -91,6 +109,8 @@ class Case:
                   N_SQUARINGS=n_sq, EARLY=False, LOWP_TT=False, num_warps=w, num_stages=st)
         if reg and reg[0]:
             kw["maxnreg"] = reg[0]
+        if flags.get("PREFETCH"):  # 128-byte lines: bf16 q/k/v, fp32 pool
+            kw.update(QK_LINE=64, S_LINE=32, V_LINE=min(64, bv))
         return dict(kw, **flags)
 
     def launch(self, kw):
@@ -110,6 +130,24 @@ def _compile_one(cfg, method, flags, tree):
         return None
     except Exception as e:
         return f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def kernel_us(fn, name: str, n: int = 50) -> float:
+    """Median device time of the kernels named `name` over n launches, from the profiler (CUPTI), L2
+    flushed before each launch as do_bench does: the kernel alone, without the launch and event
+    overhead that the event-timed `us` carries (a few µs at these sizes, see the "trivial" ablation)."""
+    from torch.profiler import ProfilerActivity, profile
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    times = sorted(e.time_range.elapsed_us() for e in prof.events()
+                   if name in e.name and e.device_type == torch.autograd.DeviceType.CUDA)
+    return times[len(times) // 2] if times else float("nan")
 
 
 def sweep(args, res):
@@ -149,10 +187,50 @@ def sweep(args, res):
         for r in timed[:10]:
             print(f"   {r['us']:7.1f} us  {r['variant']:14s} {r['method']:8s} {r['config']}  "
                   f"err={r['rel_err']:.1e}/{r['rel_err_u']:.1e}")
+        for r in timed[:args.kernel_times]:
+            kw = case.kwargs(tuple(r["config"]), r["method"], variants[r["variant"]])
+            r["kernel_us"] = kernel_us(lambda kw=kw, c=case: c.launch(kw), "gdn_tree_verify_kernel")
+            print(f"   kernel time {r['kernel_us']:7.1f} us (event-timed {r['us']:.1f})  {r['variant']} {r['config']}")
         best = {}
         for r in timed:
             best.setdefault(r["variant"], r)
         print("   best per variant: " + ", ".join(f"{n} {r['us']:.1f}" for n, r in best.items()), flush=True)
+
+
+PERSISTENT_CONFIGS = [(32, 128, 8, 3, 1), (32, 128, 8, 4, 1), (32, 128, 8, 2, 1), (64, 128, 8, 2, 1),
+                      (64, 128, 8, 3, 1), (32, 64, 4, 3, 2), (32, 64, 8, 3, 1), (32, 128, 8, 3, 2)]
+
+
+def persistent(args, res):
+    """method="persistent" (kernels/gdn_tree_verify_persistent.py) against the engine's launch
+    (tuned=True), both through `gdn_tree_verify`, validated like the sweep, event-timed and kernel-timed."""
+    from kernels.gdn_tree_verify import VerifyConfig, gdn_tree_verify
+
+    for batch in args.batches:
+        case = Case(batch, args.tree)
+        o_ref, u_ref, _ = gdn_ops.gdn_tree_verify(*case.common, use_qk_l2norm=True)
+        outs = dict(o_out=case.o, u_out=case.u, logp_out=case.logp)
+        runs = [("tuned", dict(tuned=True))] + [
+            (f"persistent{list(c)}", dict(method="persistent", input_precision="tf32",
+                                          config=VerifyConfig(c[0], c[1], c[2], c[3], programs_per_sm=c[4])))
+            for c in PERSISTENT_CONFIGS]
+        for name, kw in runs:
+            fn = lambda kw=kw, c=case, outs=outs: gdn_tree_verify(*c.common, use_qk_l2norm=True, **outs, **kw)
+            e = dict(batch=batch, run=name, us=None)
+            try:
+                case.o.fill_(float("nan"))
+                case.u.fill_(float("nan"))
+                fn()
+                e["rel_err"], e["rel_err_u"] = rel_err(case.o, o_ref), rel_err(case.u, u_ref)
+                if None in (e["rel_err"], e["rel_err_u"]) or max(e["rel_err"], e["rel_err_u"]) > REL_TOL:
+                    e["rejected"] = True
+                else:
+                    e["us"] = bench_us(fn, False)
+                    e["kernel_us"] = kernel_us(fn, "gdn_tree_verify")
+            except Exception as ex:
+                e["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+            res["persistent"].append(e)
+            print(json.dumps(e), flush=True)
 
 
 def ablate(args, res):
@@ -175,6 +253,7 @@ def main():
     ap.add_argument("--out", default="/tmp/verify_ablation.json")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--ablate", action="store_true")
+    ap.add_argument("--persistent", action="store_true", help="method='persistent' against the tuned launch")
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 4, 8, 16, 32])
     ap.add_argument("--batches-ablate", type=int, nargs="*", default=[1, 16])
     ap.add_argument("--tree", type=int, default=64)
@@ -182,14 +261,19 @@ def main():
     ap.add_argument("--configs", nargs="*", default=None, type=lambda c: tuple(int(x) for x in c.split(",")),
                     help="BK,BV,warps,stages[,maxnreg] each (default: CONFIGS)")
     ap.add_argument("--variants", nargs="*", default=None, choices=list(VARIANTS))
+    ap.add_argument("--kernel-times", type=int, default=0,
+                    help="profiler (CUPTI) kernel times of the N fastest rows of each batch")
     args = ap.parse_args()
     res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               command="python " + " ".join(sys.argv), model=MODEL, tree_nodes=args.tree, sweep=[], ablation=[])
+               command="python " + " ".join(sys.argv), model=MODEL, tree_nodes=args.tree, sweep=[], ablation=[],
+               persistent=[])
     if args.ablate:
         ablate(args, res)
     if args.sweep:
         sweep(args, res)
+    if args.persistent:
+        persistent(args, res)
     Path(args.out).write_text(json.dumps(res, indent=1))
 
 
