@@ -10,7 +10,13 @@ GDN shapes, same inputs and timing as gdn_verify.py (CUDA-graph replays, L2 flus
   gathered from anc[i, depth(j) − 1]) against "bits" (the bitmask, since the only path) and "_r"
   (fp16 W R with R scaled, dropped: wrong results at BV=32 on the H200).
   ``--configs 32,128,8,3,128`` takes other launch configs, a 5th entry capping registers per thread
-  (ptxas ``.maxnreg``: more programs per SM, at the price of spills).
+  (ptxas ``.maxnreg``: more programs per SM, at the price of spills). The results of 2026-12-02
+  (results/verify_ablation4-6_h200.json, verify_persistent_h200.json) hold variants that commit 437e3d5
+  had and the next one removed, none faster at batch 16: "cu" (O = C U), "kk" (‖k‖² from K Kᵀ's
+  diagonal), "s2" (S in two bf16 parts), "pf*" (L2 prefetch of the program one wave on), "tree" (tree
+  loads before the K-loop, the relation after it), "fx" (ex2.approx.ftz), and ``--persistent``
+  (kernels/gdn_tree_verify_persistent.py: one flattened loop over (item, K chunk) per SM).
+  ``--kernel-times N`` adds the profiler's (CUPTI) kernel time of the N fastest rows per batch.
 * ``--ablate``: whole stages compiled out (state products, squarings, the series). Those outputs are
   WRONG by design; only their times mean anything. A trivial kernel on the same grid (loads the depths,
   stores logp) gives the floor of launch + graph replay + one wave.
@@ -51,24 +57,6 @@ VARIANTS = {  # name: constexpr flags; every one exact (validated)
     "early": dict(EARLY=True),
     "tt": dict(LOWP_TT=True),
     "early_tt": dict(EARLY=True, LOWP_TT=True),
-    "tt_cu": dict(LOWP_TT=True, O_FROM_U=True),
-    "tt_cu_kk": dict(LOWP_TT=True, O_FROM_U=True, K2_FROM_KK=True),
-    "tt_cu_s2": dict(LOWP_TT=True, O_FROM_U=True, SPLIT_S=2),
-    "tt_cu_kk_s2": dict(LOWP_TT=True, O_FROM_U=True, K2_FROM_KK=True, SPLIT_S=2),
-    "early_tt_cu_kk": dict(EARLY=True, LOWP_TT=True, O_FROM_U=True, K2_FROM_KK=True),
-    "tree_tt": dict(EARLY=2, LOWP_TT=True),
-    "tt_fx": dict(LOWP_TT=True, FAST_EXP=True),
-    "tree_tt_fx": dict(EARLY=2, LOWP_TT=True, FAST_EXP=True),
-    "tree_tt_fx_kk": dict(EARLY=2, LOWP_TT=True, FAST_EXP=True, K2_FROM_KK=True),
-    "tree_tt_fx_cu_kk": dict(EARLY=2, LOWP_TT=True, FAST_EXP=True, K2_FROM_KK=True, O_FROM_U=True),
-    "early_tt_fx": dict(EARLY=True, LOWP_TT=True, FAST_EXP=True),
-    # L2 prefetch of the program `ahead` linear ids on (1: bulk per row, 2: per 128-byte line)
-    "tt_pf1": dict(LOWP_TT=True, PREFETCH=1, ahead=132),
-    "tt_pf2": dict(LOWP_TT=True, PREFETCH=2, ahead=132),
-    "tt_pf1_264": dict(LOWP_TT=True, PREFETCH=1, ahead=264),
-    "tt_pf2_264": dict(LOWP_TT=True, PREFETCH=2, ahead=264),
-    "tt_pf1_396": dict(LOWP_TT=True, PREFETCH=1, ahead=396),
-    "early_tt_pf1": dict(EARLY=True, LOWP_TT=True, PREFETCH=1, ahead=132),
 }
 CONFIGS = [(32, 64, 4, 3), (32, 32, 4, 3), (32, 32, 4, 2), (32, 128, 8, 3), (32, 128, 8, 2), (32, 64, 8, 3)]
 METHODS = ("inverse",)
@@ -109,8 +97,6 @@ class Case:
                   N_SQUARINGS=n_sq, EARLY=False, LOWP_TT=False, num_warps=w, num_stages=st)
         if reg and reg[0]:
             kw["maxnreg"] = reg[0]
-        if flags.get("PREFETCH"):  # 128-byte lines: bf16 q/k/v, fp32 pool
-            kw.update(QK_LINE=64, S_LINE=32, V_LINE=min(64, bv))
         return dict(kw, **flags)
 
     def launch(self, kw):
@@ -197,42 +183,6 @@ def sweep(args, res):
         print("   best per variant: " + ", ".join(f"{n} {r['us']:.1f}" for n, r in best.items()), flush=True)
 
 
-PERSISTENT_CONFIGS = [(32, 128, 8, 3, 1), (32, 128, 8, 4, 1), (32, 128, 8, 2, 1), (64, 128, 8, 2, 1),
-                      (64, 128, 8, 3, 1), (32, 64, 4, 3, 2), (32, 64, 8, 3, 1), (32, 128, 8, 3, 2)]
-
-
-def persistent(args, res):
-    """method="persistent" (kernels/gdn_tree_verify_persistent.py) against the engine's launch
-    (tuned=True), both through `gdn_tree_verify`, validated like the sweep, event-timed and kernel-timed."""
-    from kernels.gdn_tree_verify import VerifyConfig, gdn_tree_verify
-
-    for batch in args.batches:
-        case = Case(batch, args.tree)
-        o_ref, u_ref, _ = gdn_ops.gdn_tree_verify(*case.common, use_qk_l2norm=True)
-        outs = dict(o_out=case.o, u_out=case.u, logp_out=case.logp)
-        runs = [("tuned", dict(tuned=True))] + [
-            (f"persistent{list(c)}", dict(method="persistent", input_precision="tf32",
-                                          config=VerifyConfig(c[0], c[1], c[2], c[3], programs_per_sm=c[4])))
-            for c in PERSISTENT_CONFIGS]
-        for name, kw in runs:
-            fn = lambda kw=kw, c=case, outs=outs: gdn_tree_verify(*c.common, use_qk_l2norm=True, **outs, **kw)
-            e = dict(batch=batch, run=name, us=None)
-            try:
-                case.o.fill_(float("nan"))
-                case.u.fill_(float("nan"))
-                fn()
-                e["rel_err"], e["rel_err_u"] = rel_err(case.o, o_ref), rel_err(case.u, u_ref)
-                if None in (e["rel_err"], e["rel_err_u"]) or max(e["rel_err"], e["rel_err_u"]) > REL_TOL:
-                    e["rejected"] = True
-                else:
-                    e["us"] = bench_us(fn, False)
-                    e["kernel_us"] = kernel_us(fn, "gdn_tree_verify")
-            except Exception as ex:
-                e["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
-            res["persistent"].append(e)
-            print(json.dumps(e), flush=True)
-
-
 def ablate(args, res):
     for batch in args.batches_ablate:
         case = Case(batch, args.tree)
@@ -253,7 +203,6 @@ def main():
     ap.add_argument("--out", default="/tmp/verify_ablation.json")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--ablate", action="store_true")
-    ap.add_argument("--persistent", action="store_true", help="method='persistent' against the tuned launch")
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 4, 8, 16, 32])
     ap.add_argument("--batches-ablate", type=int, nargs="*", default=[1, 16])
     ap.add_argument("--tree", type=int, default=64)
@@ -266,14 +215,11 @@ def main():
     args = ap.parse_args()
     res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               command="python " + " ".join(sys.argv), model=MODEL, tree_nodes=args.tree, sweep=[], ablation=[],
-               persistent=[])
+               command="python " + " ".join(sys.argv), model=MODEL, tree_nodes=args.tree, sweep=[], ablation=[])
     if args.ablate:
         ablate(args, res)
     if args.sweep:
         sweep(args, res)
-    if args.persistent:
-        persistent(args, res)
     Path(args.out).write_text(json.dumps(res, indent=1))
 
 

@@ -112,21 +112,10 @@ def s_dots(b_q, b_k, b_s, b_qs, b_ks, LOWP_S: tl.constexpr, SPLIT_S: tl.constexp
     """One K chunk of Q S_pre and K S_pre: b_q, b_k [BT, BK] (q's dtype), b_s the S_preᵀ chunk [BV, BK]
     (the pool's dtype), accumulated into b_qs, b_ks [BT, BV] fp32. LOWP_S: the pool has q's half dtype;
     SPLIT_S: bf16 q/k against an fp32 pool, S = hi + mid + lo in bf16 (8 + 8 + 8 mantissa bits) makes
-    each product exact, so three bf16 MMAs reproduce the fp32 product (SPLIT_S == 2: hi + lo only, for
-    tf32-grade callers); else fp32 dots at PRECISION."""
+    each product exact, so three bf16 MMAs reproduce the fp32 product; else fp32 dots at PRECISION."""
     if LOWP_S:
         b_qs += tl.dot(b_q, tl.trans(b_s))
         b_ks += tl.dot(b_k, tl.trans(b_s))
-    elif SPLIT_S == 2:
-        # two bf16 parts (8 + 8 mantissa bits): each product exact, the sum off by <= 2^-16 relative per
-        # S entry (tf32's operand rounding is 2^-11), in four bf16 MMAs instead of two tf32 ones
-        b_sf = b_s.to(tl.float32)
-        b_hi = b_sf.to(tl.bfloat16)
-        b_lo = (b_sf - b_hi.to(tl.float32)).to(tl.bfloat16)
-        b_qs += tl.dot(b_q, tl.trans(b_hi))
-        b_qs += tl.dot(b_q, tl.trans(b_lo))
-        b_ks += tl.dot(b_k, tl.trans(b_hi))
-        b_ks += tl.dot(b_k, tl.trans(b_lo))
     elif SPLIT_S:
         b_sf = b_s.to(tl.float32)
         b_hi = b_sf.to(tl.bfloat16)

@@ -44,14 +44,13 @@ from bole.spec.tree import MAX_TREE_NODES, PackedForest
 from kernels.gdn_tree_tiles import load_anc_bits, s_dots, tree_relation
 from kernels.gdn_tree_verify_2pass import launch_two_pass, workspace_numel
 from kernels.gdn_tree_verify_grouped import launch_grouped
-from kernels.gdn_tree_verify_persistent import launch_persistent
 
 MAX_NODES = MAX_TREE_NODES
 L2NORM_EPS = 1e-6
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _PRECISIONS = ("ieee", "tf32", "tf32x3")
-_METHODS = ("neumann", "inverse", "two_pass", "grouped", "persistent")
+_METHODS = ("neumann", "inverse", "two_pass", "grouped")
 
 
 @triton.jit
@@ -59,57 +58,6 @@ def _relation_and_decay(b_w0, b_w1, b_g, o_t, BT: tl.constexpr):
     """(M⁺, M⁻, logP = M⁺ g) from the ancestor bitmask words (`load_anc_bits`)."""
     m_plus, m_minus = tree_relation(b_w0, b_w1, o_t, BT)
     return m_plus, m_minus, tl.sum(tl.where(m_plus, b_g[None, :], 0.0), axis=1)
-
-
-@triton.jit
-def _l2_prefetch_rows(p_row, m_row, row_bytes, LINE: tl.constexpr, LINES: tl.constexpr, MODE: tl.constexpr):
-    """Ask L2 for `row_bytes` bytes at each row pointer of `p_row` (masked by `m_row`). Holds no
-    registers and changes no value: the data only arrives in L2 earlier. MODE 1: one bulk prefetch per
-    row (`cp.async.bulk.prefetch.L2`, sm_90); MODE 2: one `prefetch.global.L2` per 128-byte line, i.e.
-    per LINE elements, LINES lines a row."""
-    if MODE == 1:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
-            "=r,l,r,r", [p_row.to(tl.int64), m_row.to(tl.int32), tl.zeros_like(m_row.to(tl.int32)) + row_bytes],
-            dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        o_l = tl.arange(0, LINES) * LINE
-        p = p_row[:, None] + o_l[None, :]
-        m = m_row[:, None] & (o_l[None, :] >= 0)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-            "=r,l,r", [p.to(tl.int64), m.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_program(lin, q, k, v, h0, state_indices, cu_seqlens,
-                      HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                      BT: tl.constexpr, BV: tl.constexpr, HAS_INDICES: tl.constexpr, MODE: tl.constexpr,
-                      QK_LINE: tl.constexpr, S_LINE: tl.constexpr, V_LINE: tl.constexpr):
-    """L2 prefetch of the q/k rows, v tile and S_pre tile that program `lin` (linear id over the grid)
-    will load: issued one wave ahead, its DRAM reads overlap this program's products."""
-    nb, nh = tl.num_programs(0), tl.num_programs(1)
-    if lin < nb * nh * tl.num_programs(2):
-        i_b, i_h, i_v = lin % nb, (lin // nb) % nh, lin // (nb * nh)
-        bos = tl.load(cu_seqlens + i_b).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_b + 1).to(tl.int64) - bos).to(tl.int32)
-        o_t = tl.arange(0, BT)
-        m_t = o_t < T
-        p_qk = ((bos + o_t) * HK + i_h // (HV // HK)) * K
-        qk_bytes = K * q.dtype.element_ty.primitive_bitwidth // 8
-        _l2_prefetch_rows(q + p_qk, m_t, qk_bytes, QK_LINE, K // QK_LINE, MODE)
-        _l2_prefetch_rows(k + p_qk, m_t, qk_bytes, QK_LINE, K // QK_LINE, MODE)
-        v0 = i_v * BV
-        _l2_prefetch_rows(v + ((bos + o_t) * HV + i_h) * V + v0, m_t,
-                          tl.minimum(BV, V - v0) * (v.dtype.element_ty.primitive_bitwidth // 8),
-                          V_LINE, BV // V_LINE, MODE)
-        if HAS_INDICES:
-            i_slot = tl.load(state_indices + i_b).to(tl.int64)
-        else:
-            i_slot = i_b.to(tl.int64)
-        o_r = v0 + tl.arange(0, BV)
-        _l2_prefetch_rows(h0 + ((i_slot * HV + i_h) * V + o_r) * K, o_r < V,
-                          K * (h0.dtype.element_ty.primitive_bitwidth // 8), S_LINE, K // S_LINE, MODE)
 
 
 @triton.jit
@@ -128,17 +76,8 @@ def gdn_tree_verify_kernel(
     N_SQUARINGS: tl.constexpr,      # inverse method: squarings until 2^(s+1) >= N_ROUNDS
     EARLY: tl.constexpr,            # issue the tree/gate/v loads before the K-loop, use them after it
     LOWP_TT: tl.constexpr,          # inverse: fp16 operands for the bounded T×T products (see below)
-    O_FROM_U: tl.constexpr = False,  # inverse: O = D_P Q S_pre + C U instead of (C W) R
-    K2_FROM_KK: tl.constexpr = False,  # ||k||² from K Kᵀ's diagonal, not summed per K chunk
-    FAST_EXP: tl.constexpr = False,  # E through ex2.approx.ftz (GPU only)
-    PREFETCH: tl.constexpr = 0,     # L2 prefetch for the program `ahead` ids on: 1 bulk, 2 per line
-    ahead=0, QK_LINE: tl.constexpr = 64, S_LINE: tl.constexpr = 32, V_LINE: tl.constexpr = 64,
 ):
     i_b, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if PREFETCH:
-        _prefetch_program(i_b + tl.num_programs(0) * (i_h + tl.num_programs(1) * i_v) + ahead,
-                          q, k, v, h0, state_indices, cu_seqlens, HK, HV, K, V, BT, BV, HAS_INDICES, PREFETCH,
-                          QK_LINE, S_LINE, V_LINE)
     i_hk = i_h // (HV // HK)
     bos = tl.load(cu_seqlens + i_b).to(tl.int64)
     T = (tl.load(cu_seqlens + i_b + 1).to(tl.int64) - bos).to(tl.int32)
@@ -157,9 +96,9 @@ def gdn_tree_verify_kernel(
     b_g = tl.load(g + (bos + o_t) * HV + i_h, mask=m_t, other=0).to(tl.float32)
     b_beta = tl.load(beta + (bos + o_t) * HV + i_h, mask=m_t, other=0).to(tl.float32)
     p_v = ((bos + o_t[:, None]) * HV + i_h) * V + o_v[None, :]
-    if EARLY == 1:
+    if EARLY:
         b_v = tl.load(v + p_v, mask=m_tv, other=0)
-    elif EARLY == 0:
+    else:
         m_plus, m_minus, b_lp = _relation_and_decay(b_w0, b_w1, b_g, o_t, BT)
 
     # ---- one pass over K: Q Kᵀ, K Kᵀ [BT, BT]; Q S_pre, K S_pre [BT, BV]; sums of squares [BT]
@@ -185,8 +124,7 @@ def gdn_tree_verify_kernel(
         b_kf = b_k.to(tl.float32)
         if USE_L2NORM:
             b_q2 += tl.sum(b_qf * b_qf, axis=1)
-            if not K2_FROM_KK:
-                b_k2 += tl.sum(b_kf * b_kf, axis=1)
+            b_k2 += tl.sum(b_kf * b_kf, axis=1)
         if LOWP_QK:
             # fp16/bf16 products are exact in the fp32 accumulator: tensor cores at no loss
             b_qk += tl.dot(b_q, tl.trans(b_k))
@@ -201,8 +139,6 @@ def gdn_tree_verify_kernel(
 
     # normalisation and scale as diagonal scalings: r_q = scale / ||q||, r_k = 1 / ||k||
     if USE_L2NORM:
-        if K2_FROM_KK:  # ||k_i||² is K Kᵀ's diagonal (exact with LOWP_QK: bf16/fp16 squares, fp32 sums)
-            b_k2 = tl.sum(tl.where(o_t[:, None] == o_t[None, :], b_kk, 0.0), axis=1)
         b_rq = scale * tl.rsqrt(b_q2 + 1e-6)
         b_rk = tl.rsqrt(b_k2 + 1e-6)
         b_qk = b_qk * (b_rq[:, None] * b_rk[None, :])
@@ -213,18 +149,13 @@ def gdn_tree_verify_kernel(
         b_qk = b_qk * scale
         b_qs = b_qs * scale
 
-    if EARLY:  # 1 and 2: the relation after the loop; 2 loads v here (fewer registers through the loop)
+    if EARLY:
         m_plus, m_minus, b_lp = _relation_and_decay(b_w0, b_w1, b_g, o_t, BT)
-    if EARLY != 1:
+    else:
         b_v = tl.load(v + p_v, mask=m_tv, other=0)
 
     # ---- E = P_i / P_j on M⁺ (masked before exp), G, C, R
-    if FAST_EXP:  # ex2.approx.ftz: no range fix-up; ratios below 2^-126 flush to 0
-        b_x = tl.where(m_plus, (b_lp[:, None] - b_lp[None, :]) * 1.4426950408889634, float("-inf"))
-        b_e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [b_x], dtype=tl.float32,
-                                        is_pure=True, pack=1)
-    else:
-        b_e = tl.exp(tl.where(m_plus, b_lp[:, None] - b_lp[None, :], float("-inf")))
+    b_e = tl.exp(tl.where(m_plus, b_lp[:, None] - b_lp[None, :], float("-inf")))
     b_G = tl.where(m_minus, b_beta[:, None] * b_kk * b_e, 0.0)
     b_C = b_qk * b_e
     b_p = tl.exp(b_lp)
@@ -246,17 +177,13 @@ def gdn_tree_verify_kernel(
             else:
                 b_a = tl.dot(b_a, b_a, input_precision=PRECISION)
                 b_w += tl.dot(b_w, b_a, input_precision=PRECISION)
-        b_u = tl.dot(b_w, b_r, input_precision=PRECISION)
-        if O_FROM_U:
-            # O = C U: no C W product, and U's store leaves while C U runs
-            tl.store(u + p_v, b_u, mask=m_tv)
-            b_o = tl.dot(b_C, b_u, acc=b_p[:, None] * b_qs, input_precision=PRECISION)
+        if LOWP_TT:
+            b_wh = b_w.to(tl.float16)
+            b_m = tl.dot(b_C.to(tl.float16), b_wh)
         else:
-            if LOWP_TT:
-                b_m = tl.dot(b_C.to(tl.float16), b_w.to(tl.float16))
-            else:
-                b_m = tl.dot(b_C, b_w, input_precision=PRECISION)
-            b_o = tl.dot(b_m, b_r, acc=b_p[:, None] * b_qs, input_precision=PRECISION)
+            b_m = tl.dot(b_C, b_w, input_precision=PRECISION)
+        b_u = tl.dot(b_w, b_r, input_precision=PRECISION)
+        b_o = tl.dot(b_m, b_r, acc=b_p[:, None] * b_qs, input_precision=PRECISION)
     else:
         # Horner: U ← R − G U, N_ROUNDS − 1 times gives Σ_{m<N_ROUNDS} (−G)^m R. N_ROUNDS is the
         # forest's depth: a shallower tree's rows are already final after its own depth (G is
@@ -270,8 +197,7 @@ def gdn_tree_verify_kernel(
         b_o = tl.dot(b_C, b_u, acc=b_p[:, None] * b_qs, input_precision=PRECISION)
 
     tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_tv)
-    if not (INVERSE and O_FROM_U):
-        tl.store(u + p_v, b_u, mask=m_tv)
+    tl.store(u + p_v, b_u, mask=m_tv)
     if i_v == 0:
         tl.store(logp + (bos + o_t) * HV + i_h, b_lp, mask=m_t)
 
@@ -288,10 +214,6 @@ class VerifyConfig:
     heads_per_program: int = 1
     tiles_per_program: int = 1
     early_loads: bool = False  # one-pass methods: tree, gate and v loads issued before the K-loop
-    o_from_u: bool = False     # inverse, one pass: O from C U (no C W product), U stored before it
-    k2_from_kk: bool = False   # one pass, half-precision q/k: ||k||² from K Kᵀ's diagonal
-    split_s2: bool = False     # one pass, bf16 q/k, fp32 pool, tf32: S in two bf16 parts, not tf32 dots
-    programs_per_sm: int = 1   # method="persistent": programs launched per multiprocessor
 
 
 # Every configuration the benchmark may sweep (filtered per shape by `configs_for`).
@@ -461,13 +383,9 @@ def launch_gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state
     lowp_qk = q.dtype == k.dtype and q.dtype in (torch.float16, torch.bfloat16) and not _interpreting()
     has_h0 = initial_state is not None
     lowp_s = lowp_qk and has_h0 and initial_state.dtype == q.dtype
-    # bf16 q/k with an fp32 pool: split S into 3 bf16 terms unless plain tf32 was asked for (cheaper);
-    # with tf32 and config.split_s2 (one-pass methods), into 2 (tf32-grade or better)
-    bf16_fp32 = (lowp_qk and has_h0 and not lowp_s and q.dtype == torch.bfloat16
-                 and initial_state.dtype == torch.float32)
-    split_s = bf16_fp32 and input_precision != "tf32"
-    if bf16_fp32 and input_precision == "tf32" and config.split_s2 and method in ("neumann", "inverse"):
-        split_s = 2
+    # bf16 q/k with an fp32 pool: split S into 3 bf16 terms unless plain tf32 was asked for (cheaper)
+    split_s = (lowp_qk and has_h0 and not lowp_s and q.dtype == torch.bfloat16
+               and initial_state.dtype == torch.float32 and input_precision != "tf32")
     # fp16 T×T products where tf32 was asked for and the kernel's bound on them holds (see the kernel)
     lowp_tt = input_precision == "tf32" and bool(use_qk_l2norm) and int(forest.max_depth) <= 16
     grid = (B, HV, triton.cdiv(V, BV))
@@ -481,14 +399,6 @@ def launch_gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state
                               tiles_per_program=config.tiles_per_program, num_warps=config.num_warps,
                               num_stages=config.num_stages, input_precision=input_precision,
                               n_squarings=n_squarings, lowp_qk=lowp_qk, lowp_s=lowp_s, split_s=split_s)
-    if method == "persistent":
-        n_sm = (torch.cuda.get_device_properties(q.device).multi_processor_count if q.device.type == "cuda"
-                else 4)  # the interpreter: a few programs, each several items
-        return launch_persistent(q, k, v, g, beta, forest, initial_state, state_indices, scale, use_qk_l2norm,
-                                 o, u, logp, BT=BT, block_k=BK, block_v=BV, programs=n_sm * config.programs_per_sm,
-                                 num_warps=config.num_warps, num_stages=config.num_stages,
-                                 input_precision=input_precision, n_squarings=n_squarings, lowp_qk=lowp_qk,
-                                 lowp_s=lowp_s, split_s=split_s, lowp_tt=lowp_tt)
     if method == "two_pass":
         return launch_two_pass(q, k, v, g, beta, forest, initial_state, state_indices, scale, use_qk_l2norm,
                                o, u, logp, BT=BT, block_k=BK, block_v=BV, num_warps=config.num_warps,
@@ -506,8 +416,6 @@ def launch_gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state
         INVERSE=method == "inverse", LOWP_QK=lowp_qk, LOWP_S=lowp_s, SPLIT_S=split_s,
         PRECISION=input_precision, N_ROUNDS=n_rounds, N_SQUARINGS=n_squarings,
         EARLY=config.early_loads, LOWP_TT=method == "inverse" and lowp_tt,
-        O_FROM_U=method == "inverse" and config.o_from_u,
-        K2_FROM_KK=config.k2_from_kk and (lowp_qk or input_precision != "tf32"),  # tf32 fp32 diag: inexact
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return o, u, logp
