@@ -84,12 +84,12 @@ def engine_rows(reps: int, device: str = "cuda") -> list[dict]:
             backend_mod._short_to_recurrent = real
         eng = llm.engine
         sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         for case, sel in (("prompt2_180tok", prompts[2:3]), ("heldout16", prompts)):
             ids = [llm._encode(p) for p in sel]
             times, toks = [], None
             for i in range(reps + 1):
                 rids = [eng.add_request(p, sp) for p in ids]
-                sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
                 sync()
                 t0 = time.perf_counter()
                 steps = 0
@@ -118,7 +118,10 @@ def main():
     ap.add_argument("--out", default="/tmp/prefill_fp32.json")
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    heldout = [13, 128, 180, 32, 84, 27, 138, 111, 32, 33, 92, 40, 92, 68, 60, 124]  # tokenised lengths
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(MODEL))
+    heldout = [len(tok(json.loads(line)["prompt"])["input_ids"]) for line in open(PROMPTS)][:16]
     cases = [(f"one_{n}", [n]) for n in (13, 128, 180, 512, 2048)] + [("heldout16_packed", heldout)]
     res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -140,10 +140,9 @@ def _short_to_recurrent(long_prefill, min_tokens: int = FLA_MIN_TOKENS, fp32_to_
     prefills the launch count decides: fla's chunk (many kernels behind its compile guards) measured
     62 ms and the torch chunk 33 ms for a 13-token prompt of the embedded model on the H200, both
     host-bound (first engine step of ``profile_step.py --cases ar_tiny_generate``). The crossover to
-    fla was not measured. fp32: fla's
-    chunk takes TF32 products for fp32 inputs, and put our fp32 model 1.5e-2 (max-relative logits)
-    from transformers' fp32 forward on the CPU after a 70-token prefill on the H200 (2026-12-02,
-    tests/models/test_gpu.py); the recurrence is fp32 throughout."""
+    fla was not measured. fp32: fla's chunk takes TF32 products for fp32 inputs, and put our fp32
+    model 1.5e-2 (max-relative logits) from transformers' fp32 forward on the CPU after a 70-token
+    prefill on the H200 (2026-12-02, tests/models/test_gpu.py); the recurrence is fp32 throughout."""
     from kernels.gdn_recurrent import gdn_recurrent
 
     def prefill(q, k, v, g, beta, **kw):
