@@ -359,7 +359,7 @@ def section_decode_floor(rep: Report, tgt: Target, args, bw_bps: float, t_end: f
 
 # ---------------------------------------------------------------------------------------- section a
 def _stub_verify(q, k, v, g, beta, forest, initial_state, state_indices=None, scale=None, use_qk_l2norm=False,
-                 num_rounds=None, u_out=None, logp_out=None):
+                 u_out=None, logp_out=None):
     N, HV, V = v.shape[1], v.shape[2], v.shape[3]
     f32 = dict(dtype=torch.float32, device=v.device)
     return (torch.empty_like(v), torch.empty(N, HV, V, **f32) if u_out is None else u_out,

@@ -6,7 +6,7 @@ Columns per (model, batch, tree size), all measured in the same process on the s
     torch_closed_us  bole.ops.gdn.gdn_tree_verify (naive torch closed form, Python loop per request);
                      null above --torch-max-batch
     bole_us          kernels.gdn_tree_verify, best of its ``configs`` (named in bole_config)
-    bole_by_method   per ``method`` (neumann / inverse / two_pass / tuned; grouped if asked): its fastest
+    bole_by_method   per ``method`` (blocked / horner / tuned): its fastest
                      validated config, its time (re-timed like bole_us) and errors; the table prints one
                      column per method
     floor_us         bytes that must move / measured device-to-device copy bandwidth
@@ -44,7 +44,7 @@ SHAPES = {  # GDN heads (DESIGN.md §5)
     "qwen3.5-27b": dict(HK=16, HV=48, K=128, V=128),
     "tiny": dict(HK=2, HV=4, K=16, V=16),  # --smoke only
 }
-TREE_SIZES, BATCHES, MAX_DEPTH = (8, 16, 32, 64, 128), (1, 4, 8, 16, 32), 8
+TREE_SIZES, BATCHES, MAX_DEPTH = (8, 16, 32, 64, 128, 256), (1, 4, 8, 16, 32), 8
 BAR_ROWS = [("qwen3.5-9b", 16, 64), ("qwen3.5-9b", 1, 64)]  # DESIGN.md §7, measured first
 
 
@@ -59,11 +59,8 @@ def parse_args():
     ap.add_argument("--batches", type=int, nargs="*", default=None, help="only these batch sizes")
     ap.add_argument("--torch-max-batch", type=int, default=8, help="skip torch_closed_us above this batch")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new rows after this")
-    ap.add_argument("--methods", nargs="*", default=["neumann", "inverse", "two_pass", "tuned"],
-                    help="kernel methods to sweep (of _METHODS, plus 'tuned': the engine's dispatch). "
-                         "'grouped' only when named: slower than the one-pass kernel at batch 1-16 and 2%% "
-                         "faster at 32 in results/verify_probe_h200.json, before the one-pass kernel gained "
-                         "10-20%% (verify_ablation2_h200.json); its compiles are the slowest")
+    ap.add_argument("--methods", nargs="*", default=["blocked", "horner", "tuned"],
+                    help="kernel methods to sweep (of METHODS, plus 'tuned': the engine's dispatch)")
     ap.add_argument("--sweep", choices=("auto", "full"), default="auto",
                     help="kernel configurations per row (see BoleKernel)")
     ap.add_argument("--compile-workers", type=int, default=min(14, max(1, (os.cpu_count() or 2) - 2)),

@@ -6,9 +6,9 @@ q/k/v, fp32 pool) with NaN-poisoned outputs and is compared with the torch close
 one object per variant and prints the failures: a configuration that is fast but wrong must never be
 a default or a benchmark's pick.
 
-    python benchmarks/kernel_check.py --out results.json [--trees 16 32 64] [--methods two_pass]
+    python benchmarks/kernel_check.py --out results.json [--trees 16 32 64 128 256] [--methods horner]
 
-Block_k defaults to each method's own default for the tree tile (``_defaults(BT, method)``).
+Block_k defaults to the kernel's default for the chunk tile (``_DEFAULTS[BC]``).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _check(T, cfg, method, precision):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--trees", type=int, nargs="*", default=[16, 32, 64])
+    ap.add_argument("--trees", type=int, nargs="*", default=[16, 32, 64, 128, 256])
     ap.add_argument("--workers", type=int, default=14)
     ap.add_argument("--stages", type=int, nargs="*", default=[2])
     ap.add_argument("--block-k", type=int, nargs="*", default=None,
@@ -61,15 +61,13 @@ def main():
     ap.add_argument("--precisions", nargs="*", default=["ieee", "tf32"])
     a = ap.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
-    import triton
-
-    from kernels.gdn_tree_verify import _METHODS, _defaults
+    from kernels.gdn_tree_verify import _DEFAULTS, METHODS, chunk_tile
 
     tasks = []
     for T in a.trees:
-        BT = max(16, triton.next_power_of_2(T))
-        for method in a.methods or _METHODS:
-            for bk in a.block_k or [_defaults(BT, method)[0]]:
+        BC = chunk_tile(T)[0]
+        for method in a.methods or METHODS:
+            for bk in a.block_k or [_DEFAULTS[BC][0]]:
                 for st in a.stages:
                     for bv in (16, 32, 64, 128):
                         for w in (4, 8):

@@ -1,9 +1,10 @@
 """Which launch configurations of kernels.gdn_tree_verify the benchmark tries, and compiling them ahead.
 
-Candidates come from the kernel module's ``configs_for(K, V, BT[, method])``, else its ``configs`` / ``CONFIGS``
-list; an entry is a dict of keyword arguments or a config object passed as ``config=``. Every
-candidate is a fresh Triton compile per (model, T) (HV and the tree tile BT are constexprs, the batch
-is not), and big-tile compiles take tens of seconds, so ``--sweep auto`` keeps the sweep small:
+Candidates come from the kernel module's ``configs_for(K, V, tile)`` (tile: its ``chunk_tile(T)[0]``, else
+BT), else its ``configs`` / ``CONFIGS`` list; an entry is a dict of keyword arguments or a config object
+passed as ``config=``. Every candidate is a fresh Triton compile per (model, T) (HV and the tree tile
+are constexprs, the batch is not), and big-tile compiles take tens of seconds, so ``--sweep auto`` keeps
+the sweep small:
 
     first row of a (model, T), per ``method``: the kernel's ``default_config`` for that row and method
         (``default_config(..., method=m)`` when it takes one) and its neighbours (block_v halved /
@@ -65,8 +66,8 @@ class BoleKernel:
         return list(getattr(mod, "configs", None) or getattr(mod, "CONFIGS", None) or [])
 
     def methods(self) -> list:
-        """The kernel's methods (``_METHODS``) when it takes ``method=``, else [None]."""
-        ms = list(getattr(self.module, "_METHODS", None) or []) if self._accepts("method") else []
+        """The kernel's methods (``METHODS``) when it takes ``method=``, else [None]."""
+        ms = list(getattr(self.module, "METHODS", None) or []) if self._accepts("method") else []
         if ms and self.only is not None:
             ms = [m for m in ms if m in self.only]
         return ms or ([] if self.only is not None else [None])
@@ -83,6 +84,8 @@ class BoleKernel:
         """[(method, [kwargs, default first])] before the precision variants."""
         K, V = s["K"], s["V"]
         BT = max(16, triton.next_power_of_2(T))
+        if hasattr(self.module, "chunk_tile"):  # the kernel's configurations are per chunk tile
+            BT = self.module.chunk_tile(T)[0]
         out = []
         for m in self.methods():
             base = self._base(K, V, BT, m)

@@ -12,7 +12,7 @@ transposed [.., V, K]):
                                                                       projections; no host sync
     conv_update(x, weight, conv_state, state_indices) -> y [N, C]    the decode conv (state in place)
     tree_verify(q, k, v, g, beta, forest, initial_state, state_indices, scale, use_qk_l2norm,
-                num_rounds, u_out, logp_out)
+                u_out, logp_out)
         -> (o, u [N, HV, V], logp [N, HV])                            closed form, read only; u / logp
                                                                       into the given out buffers
     tree_conv(x, weight, conv_state, state_indices, forest, a, b, A_log, dt_bias, bias, activation,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bole.spec.tree import MAX_TREE_NODES
+
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -241,8 +243,8 @@ class SpecConfig:
             raise ValueError(f"SpecConfig.draft_fast_math must be a bool, got {self.draft_fast_math!r}")
         if self.depth > 15:
             raise ValueError(f"SpecConfig.depth={self.depth} exceeds the supported 15")
-        if self.topk > 127:  # a request always keeps its first-level drafts; a tree holds <= 128 nodes
-            raise ValueError(f"SpecConfig.topk={self.topk} exceeds 127 (MAX_TREE_NODES - 1)")
+        if self.topk > MAX_TREE_NODES - 1:  # a request always keeps its first-level drafts (root + topk nodes)
+            raise ValueError(f"SpecConfig.topk={self.topk} exceeds {MAX_TREE_NODES - 1} (MAX_TREE_NODES - 1)")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ verified tree. At batch 1 on an H200 those launches, not the FLOPs, set the step
 Grid (B, ceil(T / BT)): a program walks BT nodes of one tree up to D ancestors (parents are local
 indices, loaded per step of the walk), writes their per-node outputs, then their rows of the mask over
 the L keys; the first program of a row also writes its kv_index row, num_cached and state slot. The
-ancestor-or-self set is kept as two 64-bit words (T <= 128), so the mask needs no [T, T] matrix.
+ancestor-or-self set is kept as up to four 64-bit words (T <= 256), so the mask needs no [T, T] matrix.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def tree_layout_kernel(
     par, nc_in, tab, slots_in,
     par_out, depth_out, anc_out, bits_out, pos_out, kvpos_out, slot_out, kvidx_out, mask_out, nc_out, slots_out,
     T, L, bs, s_pb, s_pt, s_nc, s_tb, s_tn, s_sl, s_bits,
-    D: tl.constexpr, DP: tl.constexpr, TWO_WORDS: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    D: tl.constexpr, DP: tl.constexpr, NW: tl.constexpr, HAS_SLOTS: tl.constexpr,
     BT: tl.constexpr, BL: tl.constexpr,
 ):
     b, tb = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -48,6 +48,8 @@ def tree_layout_kernel(
     anc = tl.full([BT, DP], -1, dtype=tl.int32)
     w0 = tl.zeros([BT], dtype=tl.int64)
     w1 = tl.zeros([BT], dtype=tl.int64)
+    w2 = tl.zeros([BT], dtype=tl.int64)
+    w3 = tl.zeros([BT], dtype=tl.int64)
     one = tl.full([BT], 1, dtype=tl.int64)
     cur = tl.where(tm, t, -1).to(tl.int64)
     for i in tl.static_range(D):
@@ -56,14 +58,20 @@ def tree_layout_kernel(
         anc = tl.where(at & ok[:, None], cur.to(tl.int32)[:, None], anc)
         bit = one << (tl.where(ok, cur, 0) % 64)
         w0 = w0 | tl.where(ok & (cur < 64), bit, 0)
-        w1 = w1 | tl.where(ok & (cur >= 64), bit, 0)
+        w1 = w1 | tl.where(ok & (cur >= 64) & (cur < 128), bit, 0)
+        w2 = w2 | tl.where(ok & (cur >= 128) & (cur < 192), bit, 0)
+        w3 = w3 | tl.where(ok & (cur >= 192), bit, 0)
         cur = tl.where(ok, tl.load(p_par + cur * s_pt, mask=ok, other=-1).to(tl.int64), -1)
     tl.store(par_out + n, tl.load(p_par + t * s_pt, mask=tm, other=-1).to(tl.int32), mask=tm)
     tl.store(depth_out + n, depth, mask=tm)
     tl.store(anc_out + n[:, None] * D + cols[None, :], anc, mask=tm[:, None] & (cols[None, :] < D))
     tl.store(bits_out + n * s_bits, w0, mask=tm)
-    if TWO_WORDS:
+    if NW > 1:
         tl.store(bits_out + n * s_bits + 1, w1, mask=tm)
+    if NW > 2:
+        tl.store(bits_out + n * s_bits + 2, w2, mask=tm)
+    if NW > 3:
+        tl.store(bits_out + n * s_bits + 3, w3, mask=tm)
     p_tab = tab + b * s_tb
     tl.store(pos_out + n, nc + depth.to(tl.int64) - 1, mask=tm)
     kvp = nc + t
@@ -83,6 +91,10 @@ def tree_layout_kernel(
         in_tree = (rel >= 0) & (rel < T)
         r = tl.where(in_tree, rel, 0)
         word = tl.where((r < 64)[None, :], w0[:, None], w1[:, None])
+        if NW > 2:
+            word = tl.where((r >= 128)[None, :], w2[:, None], word)
+        if NW > 3:
+            word = tl.where((r >= 192)[None, :], w3[:, None], word)
         hit = ((word >> (r % 64)[None, :]) & 1) != 0
         m = (rel < 0)[None, :] | (in_tree[None, :] & hit)
         tl.store(mask_out + (b * T + t[:, None]) * L + p[None, :], m.to(tl.int8), mask=tm[:, None] & pm[None, :])
@@ -149,5 +161,5 @@ def tree_layout(parents, num_cached, tables, block_size: int, *, forest, positio
         kv_index, mask.view(torch.int8), num_cached_out, state_slots_out if state_slots is not None else num_cached_out,
         T, L, bs, parents.stride(0), parents.stride(1), num_cached.stride(0), tables.stride(0), tables.stride(1),
         slots.stride(0), W,
-        D=D, DP=triton.next_power_of_2(D), TWO_WORDS=W > 1, HAS_SLOTS=state_slots is not None,
+        D=D, DP=triton.next_power_of_2(D), NW=W, HAS_SLOTS=state_slots is not None,
         BT=BT, BL=128, num_warps=4)

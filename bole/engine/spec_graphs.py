@@ -70,7 +70,7 @@ from bole.spec.tree import PackedForest, path_prefixes
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TREE_SIZES = (8, 16, 32, 64, 128)
+DEFAULT_TREE_SIZES = (8, 16, 32, 64, 128, 256)
 
 
 def tree_widths(lookahead: int, sizes: Sequence[int] = DEFAULT_TREE_SIZES) -> list[int]:

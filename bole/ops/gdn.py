@@ -158,17 +158,22 @@ def _into(out, t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state_indices=None,
-                    scale=None, use_qk_l2norm=False, num_rounds=None, u_out=None, logp_out=None, o_out=None):
-    """Closed-form parallel tree verification (Theorem 1, eq. 2) with the finite Neumann series.
+                    scale=None, use_qk_l2norm=False, u_out=None, logp_out=None, o_out=None):
+    """Closed-form parallel tree verification (Theorem 1, eq. 2).
 
     G = D_β D_P [(K Kᵀ) ⊙ M⁻] D_P⁻¹,  C = D_P [(Q Kᵀ) ⊙ M⁺] D_P⁻¹,  R = D_β (V − D_P K S_pre),
-    U = Σ_{m<d} (−G)^m R,  O = D_P Q S_pre + C U.
+    U = (I + G)⁻¹ R,  O = D_P Q S_pre + C U.
     Ratios P_i / P_j are formed as exp(logP_i − logP_j) only where j is an ancestor of i.
+
+    U is a unit lower-triangular solve (forward substitution in node order), not the power series
+    Σ_{m<d} (−G)^m R it equals in exact arithmetic: with correlated keys the powers of G grow like
+    binomial coefficients while (I+G)⁻¹ stays bounded by 1 entrywise (kernels/gdn_tree_verify.py
+    derives the bound), and summing them cancels catastrophically, in float64 too on deep chains.
+    Forward substitution is the serial recurrence's own arithmetic and as stable.
 
     Args:
         initial_state: the pool [slots, HV, V, K], read only.
         state_indices: [B] slot of each request.
-        num_rounds: Neumann terms (default: each tree's depth, which is exact).
         u_out, logp_out, o_out: optional buffers [N, HV, V], [N, HV], [1, N, HV, V] the results are
             copied into (the kernel writes them in place: e.g. slices of the all-layer factor buffer).
     Returns:
@@ -198,11 +203,8 @@ def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state
         C = (Q @ Kn.transpose(1, 2)) * E
         Pd = logp.exp()[:, :, None]
         R = beta_b[:, :, None] * (Vn - Pd * (Kn @ S.transpose(1, 2)))  # [HV, T, V]
-        rounds = int(forest.depth[s:e].max()) if num_rounds is None else num_rounds
-        U, Z = R.clone(), R
-        for _ in range(rounds - 1):
-            Z = -(G @ Z)
-            U = U + Z
+        eye = torch.eye(e - s, dtype=dt, device=q.device)
+        U = torch.linalg.solve_triangular(eye + G, R, upper=False, unitriangular=True)
         O = Pd * (Q @ S.transpose(1, 2)) + C @ U
         o[s:e] = O.transpose(0, 1)
         u_all[s:e] = U.transpose(0, 1)

@@ -26,7 +26,7 @@ import torch
 
 from bole.spec.tree import PackedForest
 
-LAYOUT_MAX_NODES = 128  # the kernel keeps a node's ancestor set in two 64-bit words
+LAYOUT_MAX_NODES = 256  # the kernel keeps a node's ancestor set in up to four 64-bit words
 
 
 def tree_layout_ref(parents, num_cached, tables, block_size: int, *, forest, positions, kv_positions,

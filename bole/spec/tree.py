@@ -21,10 +21,10 @@ from typing import Sequence
 import torch
 
 DEFAULT_MAX_DEPTH = 16
-# Nodes of one request's verified tree, root included. The Triton verifier holds a whole tree in one
-# BT <= 128 tile (kernels/gdn_tree_verify.py); every backend and the engine keep to it, so a step's
-# trees (and so its tokens) are the same on every device.
-MAX_TREE_NODES = 128
+# Nodes of one request's verified tree, root included: the Triton verifier's limit (four 64-row chunks,
+# kernels/gdn_tree_verify.py); every backend and the engine keep to it, so a step's trees (and so its
+# tokens) are the same on every device.
+MAX_TREE_NODES = 256
 
 
 def feasible_capacities(capture_set, batch: int) -> list[int]:
@@ -113,7 +113,7 @@ class DraftTree:
 
     @staticmethod
     def chain(n: int) -> "DraftTree":
-        return DraftTree(list(range(-1, n - 1)))
+        return DraftTree(list(range(-1, n - 1)), max_depth=max(n, DEFAULT_MAX_DEPTH))
 
 
 @dataclass(frozen=True)

@@ -133,7 +133,7 @@ def test_static_verify_reads_nothing_on_the_host():
     model = meta_model()
 
     def stub(q, k, v, g, beta, forest, initial_state, state_indices=None, scale=None, use_qk_l2norm=False,
-             num_rounds=None, u_out=None, logp_out=None):
+             u_out=None, logp_out=None):
         N, HV, V = v.shape[1], v.shape[2], v.shape[3]
         return torch.empty_like(v), v.new_empty(N, HV, V), v.new_empty(N, HV)
 

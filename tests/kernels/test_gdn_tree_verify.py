@@ -12,7 +12,15 @@ from numerics import rel_err
 
 from bole.ops import gdn as ref
 from bole.spec.tree import DraftTree, PackedForest, random_tree
-from kernels.gdn_tree_verify import CONFIGS, VerifyConfig, configs_for, default_config, gdn_tree_verify
+from kernels.gdn_tree_verify import (
+    CONFIGS,
+    VerifyConfig,
+    chunk_tile,
+    configs_for,
+    default_config,
+    gdn_tree_verify,
+    solve_plan,
+)
 
 
 def make_forest(sizes, seed, device, depth=5):
@@ -52,7 +60,7 @@ def poisoned(q, v, HV):
 O_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}  # o is stored in v's dtype
 
 
-def check(forest, HK, HV, K, V, dtype, pool_dtype, l2, seed, device, method="neumann", **kw):
+def check(forest, HK, HV, K, V, dtype, pool_dtype, l2, seed, device, method="blocked", **kw):
     q, k, v, g, beta, pool, idx = make_inputs(forest, HK, HV, K, V, dtype, pool_dtype, seed, device)
     pool_before = pool.clone()
     outs = poisoned(q, v, HV)
@@ -71,7 +79,7 @@ def check(forest, HK, HV, K, V, dtype, pool_dtype, l2, seed, device, method="neu
 
 @pytest.mark.parametrize("HK,HV", [(2, 4), (2, 2)])
 @pytest.mark.parametrize("l2", [False, True])
-@pytest.mark.parametrize("method", ["neumann", "inverse"])
+@pytest.mark.parametrize("method", ["blocked", "horner"])
 def test_matches_twin_fp32(device, HK, HV, l2, method):
     forest = make_forest([1, 7, 13], seed=0, device=device)
     check(forest, HK, HV, 32, 16, torch.float32, torch.float32, l2, seed=1, device=device, method=method)
@@ -96,11 +104,11 @@ def test_random_forests_odd_sizes(device, seed):
 
 
 def test_deep_chain_and_wider_tile(device):
-    # depth 9 chain (Neumann rounds > 8, inverse with a non power-of-two depth) beside a 17-node
-    # tree (BT = 32): both methods, the inverse squaring four times
+    # depth 9 chain beside a 17-node tree (BT = 32): level steps past 8, the blocked method with
+    # diagonal blocks and a merge
     gen = torch.Generator().manual_seed(6)
     forest = PackedForest.from_trees([DraftTree.chain(9), random_tree(17, 4, gen)], device=device)
-    for method in ("neumann", "inverse"):
+    for method in ("blocked", "horner"):
         check(forest, 1, 1, 16, 16, torch.float32, torch.float32, False, seed=7, device=device, method=method)
 
 
@@ -137,7 +145,7 @@ def test_matches_serial_recurrence_and_per_tree(device):
         assert rel_err(lb, logp[s:e]) < 1e-6
 
 
-def test_defaults_no_indices_zero_state_and_num_rounds(device):
+def test_defaults_no_indices_and_zero_state(device):
     forest = make_forest([4, 7], seed=14, device=device)
     q, k, v, g, beta, pool, _ = make_inputs(forest, 2, 4, 16, 16, torch.float32, torch.float32, 15, device)
     # state_indices None: request b reads slot b
@@ -148,13 +156,9 @@ def test_defaults_no_indices_zero_state_and_num_rounds(device):
     o, u, _ = gdn_tree_verify(q, k, v, g, beta, forest, None)
     o_r, u_r, _ = reference(q, k, v, g, beta, forest, None, None)
     assert rel_err(o, o_r) < 1e-5 and rel_err(u, u_r) < 1e-5
-    # truncated Neumann series follows the twin's num_rounds
-    o, u, _ = gdn_tree_verify(q, k, v, g, beta, forest, pool, num_rounds=2)
-    o_r, u_r, _ = reference(q, k, v, g, beta, forest, pool, None, num_rounds=2)
-    assert rel_err(o, o_r) < 1e-5 and rel_err(u, u_r) < 1e-5
 
 
-def test_config_table():
+def test_config_table_and_solve_plan():
     cfgs = configs_for(128, 128, 64)
     assert cfgs and all(VerifyConfig(64, c.block_v, c.num_warps, c.num_stages) in CONFIGS for c in cfgs
                         if c.block_k == 64)
@@ -162,8 +166,17 @@ def test_config_table():
     assert {c.block_v for c in cfgs} >= {32, 64, 128} and {c.num_warps for c in cfgs} == {4, 8}
     small = configs_for(16, 32, 16)
     assert small and all(c.block_v <= 32 and c.block_k == 16 for c in small)
-    big = configs_for(128, 128, 128)
-    assert big and {c.num_warps for c in big} == {8} and default_config(128, 128, 128) in big
+    assert chunk_tile(64) == (64, 1) and chunk_tile(65) == (64, 2) and chunk_tile(256) == (64, 4)
+    assert chunk_tile(5) == (16, 1) and chunk_tile(17) == (32, 1)
+    # (BS, level steps, merges): level steps alone for shallow trees, diagonal blocks + doubling merges
+    # for deep ones; the level steps never exceed a chunk's depth
+    assert solve_plan("blocked", 8, 64) == (64, 7, 0)
+    assert solve_plan("blocked", 64, 64) == (4, 3, 4)
+    assert solve_plan("blocked", 200, 64) == (4, 3, 4)
+    assert solve_plan("horner", 200, 64) == (64, 63, 0)
+    for d in range(1, 65):
+        bs, steps, merges = solve_plan("blocked", d, 64)
+        assert steps == min(d, bs) - 1 and bs << merges == 64 and steps + 2 * merges <= d - 1
 
 
 def _bad_inputs(device):
@@ -174,7 +187,7 @@ def _bad_inputs(device):
 @pytest.mark.parametrize("case", [
     "q_rank", "k_shape", "v_tokens", "gqa", "g_shape", "beta_shape", "dtype_int", "dtype_f64",
     "forest_size", "too_many_nodes", "pool_shape", "pool_dtype", "indices_len", "out_shape",
-    "out_dtype", "block_v", "precision", "method", "inverse_rounds",
+    "out_dtype", "block_v", "precision", "method",
 ])
 def test_bad_inputs_raise(device, case):
     forest, (q, k, v, g, beta, pool, idx) = _bad_inputs(device)
@@ -199,9 +212,9 @@ def test_bad_inputs_raise(device, case):
     elif case == "forest_size":
         kw.update(forest=make_forest([3, 5], seed=16, device=device))
     elif case == "too_many_nodes":
-        big = PackedForest.from_trees([DraftTree([-1] * 129)], device=device)
-        kw = dict(q=torch.randn(1, 129, 2, 16), k=torch.randn(1, 129, 2, 16), v=torch.randn(1, 129, 4, 16),
-                  g=-torch.rand(1, 129, 4), beta=torch.rand(1, 129, 4), forest=big, initial_state=None)
+        big = PackedForest.from_trees([DraftTree([-1] * 257)], device=device)
+        kw = dict(q=torch.randn(1, 257, 2, 16), k=torch.randn(1, 257, 2, 16), v=torch.randn(1, 257, 4, 16),
+                  g=-torch.rand(1, 257, 4), beta=torch.rand(1, 257, 4), forest=big, initial_state=None)
     elif case == "pool_shape":
         kw.update(initial_state=pool[:, :, :, :8])
     elif case == "pool_dtype":
@@ -218,8 +231,6 @@ def test_bad_inputs_raise(device, case):
         kw.update(input_precision="fp8")
     elif case == "method":
         kw.update(method="lu")
-    elif case == "inverse_rounds":
-        kw.update(method="inverse", num_rounds=3)
     with pytest.raises(ValueError):
         gdn_tree_verify(**kw)
 
@@ -234,7 +245,7 @@ def test_gpu_low_precision_dot_paths(device, dtype, pool_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["neumann", "inverse"])
+@pytest.mark.parametrize("method", ["blocked", "horner"])
 @pytest.mark.parametrize("precision,tol", [("tf32", 2e-2), ("tf32x3", 1e-5)])
 def test_gpu_tf32(device, method, precision, tol):
     forest = make_forest([64, 20], seed=20, device=device, depth=8)
@@ -257,46 +268,30 @@ def test_gpu_all_configs_qwen_shapes(device):
     for cfg in configs_for(128, 128, 64):
         if (cfg.block_k, cfg.num_stages) != (base.block_k, base.num_stages):
             continue  # block_v x num_warps only: every config is a separate compile
-        for method in ("neumann", "inverse"):
+        for method in ("blocked", "horner"):
             o, u, _ = gdn_tree_verify(q, k, v, g, beta, forest, pool, idx, use_qk_l2norm=True, config=cfg,
                                       method=method)
             assert rel_err(u, u_r) < 1e-5, (cfg, method)
 
 
 def test_tuned_launch_table():
-    # the engine's measured dispatch: every tile has a catch-all row, tiles clamp to small heads
-    from kernels.gdn_tree_verify import _TUNED_LOWP, tuned_launch
+    # the engine's measured dispatch: every tile up to 256 nodes has a catch-all row, tiles clamp to small heads
+    from kernels.gdn_tree_verify import _TUNED_FP32, _TUNED_LOWP, tuned_launch
 
-    for BT, rows in _TUNED_LOWP.items():
-        assert rows[-1][0] is None
-        for n in (1, 32, 512, 4096):
-            cfg, method, precision = tuned_launch(BT, n, 128, 128)
-            assert method in ("neumann", "inverse") and precision in ("ieee", "tf32")
-    cfg, method, precision = tuned_launch(64, 32, 128, 128)  # Qwen3.5-9B, batch 1, 64 nodes
-    assert (cfg.block_k, cfg.block_v, cfg.num_warps, cfg.num_stages, cfg.early_loads, method, precision) == \
-        (32, 32, 4, 3, True, "inverse", "tf32")
+    for table, precisions in ((_TUNED_LOWP, ("tf32",)), (_TUNED_FP32, ("tf32x3",))):
+        assert set(table) == {16, 32, 64, 128, 256}
+        for BT, rows in table.items():
+            assert rows[-1][0] is None
+            for n in (1, 32, 512, 4096):
+                cfg, method, precision = tuned_launch(BT, n, 128, 128, table)
+                assert method in ("horner", "blocked") and precision in precisions
     cfg, _, _ = tuned_launch(64, 32, 16, 16)
     assert cfg.block_v == 16 and cfg.block_k == 16 and cfg.num_stages == 1
 
 
-def test_tuned_launch_table_fp32():
-    # fp32 q/k: 3xTF32 rows for the tiles measured, catch-alls; the embedded model's batch-1 tree
-    from kernels.gdn_tree_verify import _TUNED_FP32, tuned_launch
-
-    for BT, rows in _TUNED_FP32.items():
-        assert rows[-1][0] is None
-        for n in (1, 32, 512):
-            _, method, precision = tuned_launch(BT, n, 64, 64, _TUNED_FP32)
-            assert method in ("neumann", "inverse") and precision == "tf32x3"
-    cfg, method, precision = tuned_launch(64, 8, 64, 64, _TUNED_FP32)  # HV=8, batch 1, 59 nodes
-    assert (cfg.block_k, cfg.block_v, cfg.num_warps, method, precision) == (64, 16, 4, "neumann", "tf32x3")
-    assert 128 not in _TUNED_FP32
-
-
 @pytest.mark.parametrize("sizes", [[5, 1, 9], [20, 33], [70]])
 def test_tuned_matches_twin_fp32(device, sizes):
-    # fp32 q/k take the 3xTF32 rows (BT 16 and 64) or, at BT = 128, the exact default; fp32-grade
-    # results either way (the interpreter runs every precision exactly)
+    # fp32 q/k take the 3xTF32 rows; fp32-grade results (the interpreter runs every precision exactly)
     forest = make_forest(sizes, seed=33, device=device, depth=6)
     q, k, v, g, beta, pool, idx = make_inputs(forest, 2, 4, 32, 16, torch.float32, torch.float32, 34, device)
     o, u, logp = gdn_tree_verify(q, k, v, g, beta, forest, pool, idx, use_qk_l2norm=True, tuned=True,
@@ -307,43 +302,42 @@ def test_tuned_matches_twin_fp32(device, sizes):
 
 @pytest.mark.parametrize("sizes", [[5, 1, 9], [20, 33]])
 def test_tuned_matches_twin_fp16(device, sizes):
-    # fp16 q/k take the tuned launch (BT 16 and 64 rows); on the CPU the interpreter runs it exactly,
-    # on a GPU its tf32 products must stay within the half-precision tolerance
+    # fp16 q/k take the tuned launch: tf32 products, whose bounded T×T operands are fp16 (10-bit
+    # mantissa, like tf32), which the interpreter runs too; other products are exact there
     forest = make_forest(sizes, seed=31, device=device, depth=6)
     q, k, v, g, beta, pool, idx = make_inputs(forest, 2, 4, 32, 16, torch.float16, torch.float32, 32, device)
     o, u, logp = gdn_tree_verify(q, k, v, g, beta, forest, pool, idx, use_qk_l2norm=True, tuned=True,
                                  **poisoned(q, v, 4))
     o_r, u_r, lp_r = reference(q, k, v, g, beta, forest, pool, idx, use_qk_l2norm=True)
-    # the BT=64 rows ask for tf32: the inverse's T×T products then take fp16 operands, which the
-    # interpreter runs too (10-bit mantissa, like tf32); other rows are exact there
-    tol = (2e-3 if max(sizes) > 32 else 1e-5) if device == "cpu" else 1e-2
+    tol = 2e-3 if device == "cpu" else 1e-2
     assert rel_err(o, o_r) < max(tol, O_TOL[torch.float16]) and rel_err(u, u_r) < tol
     assert rel_err(logp, lp_r) < 1e-5
 
 
 @pytest.mark.parametrize("early", [False, True])
-@pytest.mark.parametrize("method", ["neumann", "inverse"])
-def test_early_loads_and_two_mask_words(device, early, method):
+@pytest.mark.parametrize("method", ["blocked", "horner"])
+def test_early_loads_and_chunks(device, early, method):
     # loads issued before the K-loop (early_loads) or after it, with trees of more than 64 nodes
-    # (BT = 128: M⁺ from two bitmask words) beside a single node and a small tree
+    # (two and four 64-row chunks) beside a single node and a small tree
     gen = torch.Generator().manual_seed(40)
     forest = PackedForest.from_trees([random_tree(100, 7, gen), DraftTree([-1]), random_tree(70, 5, gen)],
                                      device=device)
-    # 8 warps: BT = 128 in 4 warps is a spill-bound compile on a GPU (see configs_for)
     check(forest, 1, 2, 16, 16, torch.float32, torch.float32, True, seed=41, device=device, method=method,
+          config=VerifyConfig(16, 16, 8, 1, early_loads=early))
+    forest = PackedForest.from_trees([random_tree(256, 12, gen), random_tree(190, 30, gen)], device=device)
+    check(forest, 1, 2, 16, 16, torch.float32, torch.float32, True, seed=42, device=device, method=method,
           config=VerifyConfig(16, 16, 8, 1, early_loads=early))
 
 
-@pytest.mark.parametrize("l2,depth,exact", [(True, 8, False), (True, 20, True), (False, 8, True)])
-def test_tf32_inverse_takes_fp16_tt_products_only_where_bounded(device, l2, depth, exact):
-    # input_precision="tf32" with normalised q/k and depth <= 16: fp16 operands for the squarings and
-    # C W (bounded, 10-bit mantissa); a deeper forest or raw q/k keeps fp32 products, which the CPU
-    # interpreter runs exactly (it ignores tf32), so there the result must be exact
+@pytest.mark.parametrize("l2,exact", [(True, False), (False, True)])
+def test_tf32_takes_fp16_tt_products_only_where_bounded(device, l2, exact):
+    # input_precision="tf32" with normalised q/k: fp16 operands for the T×T products (bounded, 10-bit
+    # mantissa) at any depth; raw q/k keep fp32 products, which the CPU interpreter runs exactly (it
+    # ignores tf32), so there the result must be exact
     gen = torch.Generator().manual_seed(42)
-    trees = [DraftTree(list(range(-1, depth - 1)), max_depth=depth), random_tree(30, 8, gen)]
-    forest = PackedForest.from_trees(trees, device=device)
+    forest = PackedForest.from_trees([DraftTree.chain(40), random_tree(30, 8, gen)], device=device)
     q, k, v, g, beta, pool, idx = make_inputs(forest, 2, 4, 32, 16, torch.float32, torch.float32, 43, device)
-    o, u, _ = gdn_tree_verify(q, k, v, g, beta, forest, pool, idx, use_qk_l2norm=l2, method="inverse",
+    o, u, _ = gdn_tree_verify(q, k, v, g, beta, forest, pool, idx, use_qk_l2norm=l2, method="blocked",
                               input_precision="tf32", **poisoned(q, v, 4))
     o_r, u_r, _ = reference(q, k, v, g, beta, forest, pool, idx, use_qk_l2norm=l2)
     err = max(rel_err(o, o_r), rel_err(u, u_r))

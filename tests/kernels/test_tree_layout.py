@@ -66,6 +66,7 @@ def assert_same(a, b):
 
 
 @pytest.mark.parametrize("B,T,L,bs,D", [(1, 8, 256, 16, 5), (3, 53, 300, 16, 9), (2, 128, 512, 32, 16),
+                                        (1, 256, 400, 16, 16), (1, 200, 300, 16, 12),
                                         (4, 1, 64, 8, 1), (2, 65, 200, 16, 3)])
 def test_kernel_matches_twin(B, T, L, bs, D):
     for seed in range(2):
@@ -117,8 +118,8 @@ def test_bad_inputs():
     out = outputs(2, 8, 64, 4, "cpu")
     with pytest.raises(ValueError, match="parents"):
         tree_layout(par.float(), nc, tab, 16, **out)
-    with pytest.raises(ValueError, match="200 nodes"):
-        tree_layout(torch.zeros(2, 200, dtype=torch.long), nc, tab, 16, **outputs(2, 200, 64, 4, "cpu"))
+    with pytest.raises(ValueError, match="300 nodes"):
+        tree_layout(torch.zeros(2, 300, dtype=torch.long), nc, tab, 16, **outputs(2, 300, 64, 4, "cpu"))
     with pytest.raises(ValueError, match="cannot cover"):
         tree_layout(par, nc, tab[:, :2], 16, **out)
     with pytest.raises(ValueError, match="positions"):
@@ -129,7 +130,7 @@ def test_bad_inputs():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("B,T,L,D", [(1, 64, 1024, 9), (16, 128, 2048, 16), (8, 31, 512, 5)])
+@pytest.mark.parametrize("B,T,L,D", [(1, 64, 1024, 9), (16, 128, 2048, 16), (8, 31, 512, 5), (4, 256, 1024, 16)])
 def test_kernel_matches_twin_cuda(B, T, L, D):
     par, nc, tab, slots = inputs(B, T, L, 16, D, 1, "cuda")
     ref, got = outputs(B, T, L, D, "cuda"), outputs(B, T, L, D, "cuda")

@@ -214,6 +214,6 @@ def test_select_nodes_per_request_cap(seed):
 def test_feasible_capacities_keep_trees_within_the_kernel_tile():
     from bole.spec.tree import MAX_TREE_NODES, feasible_capacities
 
-    assert feasible_capacities([8, 64, 127, 128, 256], 1) == [8, 64, 127]
-    assert feasible_capacities([8, 64, 127, 128, 254, 256], 2) == [8, 64, 127, 128, 254]
+    assert feasible_capacities([8, 64, 255, 256, 512], 1) == [8, 64, 255]
+    assert feasible_capacities([8, 64, 255, 256, 510, 512], 2) == [8, 64, 255, 256, 510]
     assert all(1 + -(-n // 3) <= MAX_TREE_NODES for n in feasible_capacities(range(1, 1000), 3))
