@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import threading
@@ -55,3 +56,38 @@ class UvicornThread:
 def serve_app():
     """``with serve_app(app) as srv: httpx.get(srv.url + ...)``."""
     return UvicornThread
+
+
+# The serving stack is an install dependency, but machines that run only the kernel and engine tests
+# (the GPU machine: `pytest -m gpu tests`) may lack it: there each test module here is reported as one
+# skipped item with the reason, instead of an import error that stops the whole collection.
+SERVING_DEPS = ("fastapi", "pydantic", "uvicorn", "httpx", "openai", "prometheus_client", "ray")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+MISSING_SERVING_DEPS = [m for m in SERVING_DEPS if not _installed(m)]
+
+
+class _MissingDeps(pytest.Item):
+    def runtest(self):
+        pytest.skip(f"serving dependencies not installed: {', '.join(MISSING_SERVING_DEPS)}")
+
+    def reportinfo(self):
+        return self.path, 0, self.name
+
+
+class _SkippedModule(pytest.File):
+    def collect(self):
+        yield _MissingDeps.from_parent(self, name="serving_deps")
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    if MISSING_SERVING_DEPS:
+        return _SkippedModule.from_parent(parent, path=module_path)
+    return None
