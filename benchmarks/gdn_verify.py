@@ -1,30 +1,38 @@
-"""GDN tree verification, one layer: SGLang's serial tree verifier vs our closed form, side by side.
+"""GDN tree verification, one layer: SGLang's three tree verifiers vs our closed form, side by side.
 
 Columns per (model, batch, tree size), all measured in the same process on the same GPU:
     sglang_tree_us   SGLang 0.5.23 ``fused_recurrent_gated_delta_rule_update`` in tree mode (per-node
-                     fp32 snapshots in ``intermediate_states_buffer``), loaded from .peers/
+                     fp32 snapshots in ``intermediate_states_buffer``), loaded from .peers/sglang/
+    sglang_chunk_us  SGLang's development-tree ``chunk_gated_delta_rule_tree_verify`` (chunk_tree_verify.py
+                     at bab5e472), loaded from .peers/sglang-main/ (benchmarks/peers_dev.py); T <= 64
+    sglang_fused_us  SGLang's development-tree ``tree_gdn_triton_verify`` (gdn_tree_triton.py at 205c2b55,
+                     tf32), loaded from .peers/sglang-main/; its gating runs inside the timed call
     torch_closed_us  bole.ops.gdn.gdn_tree_verify (naive torch closed form, Python loop per request);
                      null above --torch-max-batch
     bole_us          kernels.gdn_tree_verify, best of its ``configs`` (named in bole_config)
-    bole_by_method   per ``method`` (blocked / horner / tuned): its fastest
-                     validated config, its time (re-timed like bole_us) and errors; the table prints one
-                     column per method
+    bole_by_method   per ``method`` (blocked / horner / tuned): its fastest validated config, its time
+                     (re-timed like bole_us) and errors; the table prints one column per method
     floor_us         bytes that must move / measured device-to-device copy bandwidth
     snapshot_bytes   per request and layer, SGLang-style per-node states: T·HV·V·K·4
     factor_bytes     per request and layer, what our commit needs: T·(HV·V·4 + HK·K·2 + HV·4)
-    rel_err          max|O_bole − O_ref| / max|O_ref|, ref = SGLang's O (else the torch closed form)
+    rel_err          max|O_bole − O_ref| / max|O_ref|; every contender's own error is <name>_rel_err
+Every error is against the float64 serial recurrence (bole.ops.gdn.gdn_tree_serial on .double() inputs,
+request by request; U and logP from its snapshots). A contender is validated before it is timed: finite
+O within REL_TOL of that reference (our kernel: U too). One that refuses the shape (a stated limit, e.g.
+the chunk peer at T > 64), fails, or misses the tolerance has a null time and says why in <name>_note.
 
-Trees: EAGLE-like, depth ≤ 8, a different random tree per request, node 0 the only first-level node
-(SGLang's tree shape, see benchmarks/peers.py). Times are triton.testing.do_bench medians.
+Trees: EAGLE-like, depth ≤ --max-depth (8), a different random tree per request, node 0 the only
+first-level node (SGLang's tree shape, see benchmarks/peers.py). Times are triton.testing.do_bench
+medians of CUDA-graph replays. --adversarial draws the hard inputs instead: queries and keys a·c + noise
+with one shared direction c per key head (mean pairwise cosine of the normalised keys ≈ --key-cos, 0.9),
+beta = sigmoid(N(0,1) + 2.5), g = −0.02·softplus(N(0,1)); every contender's error on them is reported.
 
-    python benchmarks/gdn_verify.py                # full sweep on a GPU (~4 min on an H200)
-    python benchmarks/gdn_verify.py --quick        # bar rows and a few more
+    python benchmarks/gdn_verify.py                # full sweep on a GPU
+    python benchmarks/gdn_verify.py --quick        # 9B heads, T in {16,32,64,128,256}, batch in {1,16,32}
+    python benchmarks/gdn_verify.py --quick --adversarial
     python benchmarks/gdn_verify.py --smoke        # CPU, TRITON_INTERPRET=1, tiny shapes
+    python benchmarks/gdn_verify.py --smoke --peers-only --dtype fp16   # the peers alone (interpreter: no bf16 dots)
     python benchmarks/gdn_verify.py --models qwen3.5-9b --trees 64 --batches 1 16   # the bar rows only
-
-A candidate is validated before it is timed: finite O within REL_TOL of the reference O (SGLang's, else
-the torch closed form) and finite U within REL_TOL of the torch closed form's U (computed untimed above
---torch-max-batch).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import shlex
 import sys
@@ -45,14 +54,18 @@ SHAPES = {  # GDN heads (DESIGN.md §5)
     "tiny": dict(HK=2, HV=4, K=16, V=16),  # --smoke only
 }
 TREE_SIZES, BATCHES, MAX_DEPTH = (8, 16, 32, 64, 128, 256), (1, 4, 8, 16, 32), 8
+QUICK_TREES, QUICK_BATCHES = (16, 32, 64, 128, 256), (1, 16, 32)
 BAR_ROWS = [("qwen3.5-9b", 16, 64), ("qwen3.5-9b", 1, 64)]  # DESIGN.md §7, measured first
 
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="JSON path (PNG beside it); default "
-                    "benchmarks/results/gdn_verify_h200.json, /tmp/gdn_verify_smoke.json with --smoke")
-    ap.add_argument("--quick", action="store_true", help="qwen3.5-9b, T in {16,64,128}, batch in {1,16}")
+                    "benchmarks/results/gdn_verify[_adversarial]_h200.json, /tmp/gdn_verify[_adversarial]_smoke.json "
+                    "with --smoke")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"qwen3.5-9b, T in {'/'.join(map(str, QUICK_TREES))}, "
+                         f"batch in {'/'.join(map(str, QUICK_BATCHES))}")
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes")
     ap.add_argument("--models", nargs="*", default=None, choices=[m for m in SHAPES if m != "tiny"])
     ap.add_argument("--trees", type=int, nargs="*", default=None, help="only these tree sizes")
@@ -66,6 +79,14 @@ def parse_args():
     ap.add_argument("--compile-workers", type=int, default=min(14, max(1, (os.cpu_count() or 2) - 2)),
                     help="processes that compile every kernel variant ahead of the timing loop (0: off)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--adversarial", action="store_true",
+                    help="correlated queries/keys (--key-cos), beta ≈ 0.9, slow decay (module docstring)")
+    ap.add_argument("--key-cos", type=float, default=0.9, help="mean key cosine of --adversarial")
+    ap.add_argument("--max-depth", type=int, default=MAX_DEPTH, help="tree depth cap")
+    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16",
+                    help="q, k, v dtype (fp16 for the chunk peer under the CPU interpreter)")
+    ap.add_argument("--peers-only", action="store_true",
+                    help="only the SGLang peers and the float64 reference (no bole kernel, no torch closed form)")
     return ap.parse_args()
 
 
@@ -79,6 +100,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 sys.path.insert(0, str(REPO_ROOT))
+from benchmarks import peers_dev  # noqa: E402
 from benchmarks.kernel_sweep import BoleKernel, precompile  # noqa: E402
 from benchmarks.peers import SGLangTreeVerifier, sglang_available, single_root_tree  # noqa: E402
 from bole.ops import gdn as gdn_ops  # noqa: E402
@@ -131,24 +153,78 @@ def load_bole_kernel():
     return BoleKernel(mod.gdn_tree_verify, mod), None
 
 
-def make_inputs(model, batch, T, device, seed):
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def correlated(n: int, heads: int, dim: int, key_cos: float, gen: torch.Generator) -> torch.Tensor:
+    """[n, heads, dim] rows a·c_h + noise (c_h a unit vector per head, noise N(0, I/dim)): the mean
+    pairwise cosine of the normalised rows is ≈ a² / (a² + 1) = key_cos."""
+    c = torch.randn(heads, dim, generator=gen)
+    c = c / c.norm(dim=-1, keepdim=True)
+    a = math.sqrt(key_cos / (1.0 - key_cos))
+    return a * c[None] + torch.randn(n, heads, dim, generator=gen) / math.sqrt(dim)
+
+
+def make_inputs(model, batch, T, device, seed, dtype=torch.bfloat16, adversarial=False, key_cos=0.9,
+                max_depth=MAX_DEPTH):
     s = SHAPES[model]
     HK, HV, K, V = s["HK"], s["HV"], s["K"], s["V"]
     gen = torch.Generator().manual_seed(seed)
-    trees = [single_root_tree(T, MAX_DEPTH, generator=gen) for _ in range(batch)]
-    forest = PackedForest.from_trees(trees, device=device, max_depth=MAX_DEPTH)  # fixed anc width
+    trees = [single_root_tree(T, max_depth, generator=gen) for _ in range(batch)]
+    forest = PackedForest.from_trees(trees, device=device, max_depth=max_depth)  # fixed anc width
     N = forest.num_nodes
     rnd = lambda *shape: torch.randn(*shape, generator=gen)
-    bf16 = dict(dtype=torch.bfloat16, device=device)
-    q, k = rnd(1, N, HK, K).to(**bf16), rnd(1, N, HK, K).to(**bf16)
-    v = rnd(1, N, HV, V).to(**bf16)
-    # Qwen3.5 gates: g = -exp(A_log)·softplus(a + dt_bias) (small negatives), beta = sigmoid(b)
-    g = (-torch.exp(rnd(HV) * 0.5 - 2.0) * torch.nn.functional.softplus(rnd(1, N, HV))).to(device)
-    beta = torch.sigmoid(rnd(1, N, HV)).to(device)
+    cast = dict(dtype=dtype, device=device)
+    if adversarial:  # the issue-23 stress inputs (module docstring)
+        q, k = correlated(N, HK, K, key_cos, gen)[None], correlated(N, HK, K, key_cos, gen)[None]
+        q, k = q.to(**cast), k.to(**cast)
+    else:
+        q, k = rnd(1, N, HK, K).to(**cast), rnd(1, N, HK, K).to(**cast)
+    v = rnd(1, N, HV, V).to(**cast)
+    if adversarial:
+        g = (-0.02 * torch.nn.functional.softplus(rnd(1, N, HV))).to(device)
+        beta = torch.sigmoid(rnd(1, N, HV) + 2.5).to(device)
+    else:
+        # Qwen3.5 gates: g = -exp(A_log)·softplus(a + dt_bias) (small negatives), beta = sigmoid(b)
+        g = (-torch.exp(rnd(HV) * 0.5 - 2.0) * torch.nn.functional.softplus(rnd(1, N, HV))).to(device)
+        beta = torch.sigmoid(rnd(1, N, HV)).to(device)
     slots = 2 * batch
     pool = (0.05 * rnd(slots, HV, V, K)).to(device)  # fp32 state pool [slots, HV, V, K]
     state_indices = torch.randperm(slots, generator=gen)[:batch].to(device=device, dtype=torch.int32)
     return dict(q=q, k=k, v=v, g=g, beta=beta, forest=forest, pool=pool, state_indices=state_indices)
+
+
+def reference_f64(x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The float64 serial recurrence on x's inputs: (O [1, N, HV, V], U [N, HV, V], logP [N, HV]).
+
+    bole.ops.gdn.gdn_tree_serial on .double() inputs, one request at a time (its per-node snapshots
+    are then one request's, T·HV·V·K·8 bytes). U and logP come from the same snapshots: node i's
+    update is S_i = exp(g_i)·S_parent + u_i k̂_iᵀ (k̂ the normalised key), so u_i = ΔS k̂_i / |k̂_i|²,
+    and logP_i is the sum of g over i's path.
+    """
+    forest, cu = x["forest"], x["forest"].cu_seqlens.tolist()
+    q, k, v, g, beta = (x[n].double() for n in ("q", "k", "v", "g", "beta"))
+    pool, device = x["pool"].double(), q.device
+    HK, HV = k.shape[2], v.shape[2]
+    khat = gdn_ops.l2norm(k[0]).repeat_interleave(HV // HK, dim=1)  # [N, HV, K]
+    o = torch.empty_like(v)
+    u = torch.empty(v.shape[1:], dtype=torch.float64, device=device)
+    logp = torch.empty(g.shape[1:], dtype=torch.float64, device=device)
+    for b in range(forest.num_requests):
+        s, e = cu[b], cu[b + 1]
+        tree = forest.tree(b)
+        sub = PackedForest.from_trees([tree], device=device)
+        slot = x["state_indices"][b:b + 1]
+        o[:, s:e], snaps = gdn_ops.gdn_tree_serial(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e],
+                                                   sub, pool, slot, use_qk_l2norm=True)
+        parents = torch.tensor(tree.parents, device=device) + 1  # 0: the committed state
+        before = torch.cat([pool[slot.long()], snaps])[parents]  # [T, HV, V, K]
+        dS = snaps - g[0, s:e].exp()[:, :, None, None] * before
+        kh = khat[s:e]
+        u[s:e] = torch.einsum("thvk,thk->thv", dS, kh) / (kh * kh).sum(-1, keepdim=True)
+        logp[s:e] = tree.ancestor_mask().to(device=device, dtype=torch.float64) @ g[0, s:e]
+        del snaps, before, dS
+    return o, u, logp
 
 
 def floor_bytes(x) -> int:
@@ -165,40 +241,99 @@ REL_TOL = 1e-2  # bf16-input rounding (issue 2's bar for rel_err)
 
 
 def rel_err(o, ref) -> float | None:
-    """max|o − ref| / max|ref|; None (JSON null) when either holds a NaN/inf (see *_nonfinite)."""
-    o, ref = o.float(), ref.float()
+    """max|o − ref| / max|ref| (in float64); None (JSON null) when either holds a NaN/inf."""
+    o, ref = o.double(), ref.double()
     err = float((o - ref).abs().max() / ref.abs().max())
     return err if err == err and err != float("inf") else None
 
 
+PEERS = ("sglang_tree", "sglang_chunk", "sglang_fused")  # column prefixes, in table order
+
+
+def peer_absent(name: str) -> str | None:
+    """Why the peer's files are not here (None when they are)."""
+    if name == "sglang_tree":
+        return None if sglang_available() else ("absent: SGLang 0.5.23's serial verifier (.peers/sglang/); "
+                                                "run scripts/fetch_peers.sh")
+    files = peers_dev.CHUNK_FILES if name == "sglang_chunk" else peers_dev.FUSED_FILES
+    gone = peers_dev.missing(files)
+    return f"absent: .peers/sglang-main/ lacks {', '.join(gone)}; {peers_dev.FETCH_HINT}" if gone else None
+
+
+def make_peer(name: str, common):
+    if name == "sglang_tree":
+        return SGLangTreeVerifier(*common, use_qk_l2norm=True)
+    if name == "sglang_chunk":
+        return peers_dev.SGLangChunkTreeVerifier(*common, use_qk_l2norm=True)
+    return peers_dev.SGLangFusedTreeVerifier(*common, use_qk_l2norm=True)
+
+
+def run_contender(name: str, make, ref, row: dict, smoke: bool, graph: bool = True, out_of=None):
+    """Build one contender, check its O against the float64 reference, and time it only if it passes.
+
+    Fills row[name + "_us" / "_rel_err" / "_note"]: a refusal (ValueError: a limit the adapter
+    states), a failure, or an O off by more than REL_TOL (or non-finite) leaves the time null and
+    says why. Returns the first call's result (None when it refused or failed); ``out_of`` picks O
+    out of it.
+    """
+    try:
+        run = make()
+    except ValueError as e:
+        row[f"{name}_note"] = f"refused: {e}"
+        return None
+    try:
+        out = run()
+    except Exception as e:  # a peer's own assertion or compile error: reported, not fatal
+        row[f"{name}_note"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+        return None
+    o = out if out_of is None else out_of(out)
+    err = row[f"{name}_rel_err"] = rel_err(o, ref)
+    if err is None or err > REL_TOL:
+        row[f"{name}_note"] = (f"not timed: rel_err {fmt(err, '.3g')} against float64 exceeds {REL_TOL} "
+                               f"({int((~o.isfinite()).sum())} non-finite)")
+        return out
+    try:
+        row[f"{name}_us"] = bench_us(run, smoke, graph=graph)
+    except Exception as e:
+        row[f"{name}_note"] = f"timing failed: {type(e).__name__}: {str(e)[:300]}"
+    return out
+
+
 def run_row(model, batch, T, device, args, bole, notes) -> dict:
     s = SHAPES[model]
-    x = make_inputs(model, batch, T, device, seed=args.seed + 1000 * batch + T)
+    x = make_inputs(model, batch, T, device, seed=args.seed + 1000 * batch + T, dtype=DTYPES[args.dtype],
+                    adversarial=args.adversarial, key_cos=args.key_cos, max_depth=args.max_depth)
     common = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["forest"], x["pool"], x["state_indices"])
     row = dict(model=model, batch=batch, tree_nodes=T, depth=int(x["forest"].depth.max()),
-               sglang_tree_us=None, torch_closed_us=None, bole_us=None, bole_config=None,
+               **{f"{p}_{c}": None for p in PEERS for c in ("us", "rel_err", "note")},
+               torch_closed_us=None, torch_closed_rel_err=None, torch_closed_note=None,
+               bole_us=None, bole_config=None, best_peer=None, best_peer_us=None,
                floor_us=None, snapshot_bytes=T * s["HV"] * s["V"] * s["K"] * 4,
                factor_bytes=T * (s["HV"] * s["V"] * 4 + s["HK"] * s["K"] * 2 + s["HV"] * 4),
-               rel_err=None, rel_err_ref=None, rel_err_u=None, rel_err_logp=None, bole_candidates=0,
-               bole_nonfinite=None, closed_nonfinite=None, bole_rejected=[], bole_by_method=None)
+               rel_err=None, rel_err_ref="float64_serial", rel_err_u=None, rel_err_logp=None,
+               bole_candidates=0, bole_nonfinite=None, closed_nonfinite=None, bole_rejected=[],
+               bole_by_method=None)
     row["floor_us"] = floor_bytes(x) / args.bandwidth_bps * 1e6
-    ref = closed_out = None
-    if sglang_available():
-        peer = SGLangTreeVerifier(*common, use_qk_l2norm=True)
-        ref = peer()
-        row["sglang_tree_us"] = bench_us(peer, args.smoke)
-        del peer
-    if batch <= args.torch_max_batch or bole is not None:
-        # the torch closed form: timed up to --torch-max-batch, always the reference for U and logP
-        closed = lambda: gdn_ops.gdn_tree_verify(*common, use_qk_l2norm=True)
-        closed_out = closed()
-        o_closed = closed_out[0]
-        if batch <= args.torch_max_batch:
-            row["torch_closed_us"] = bench_us(closed, args.smoke, graph=False)  # host syncs inside
-        if ref is None:
-            ref, row["rel_err_ref"] = o_closed, "torch_closed"
-    if ref is not None and row["rel_err_ref"] is None:
-        row["rel_err_ref"] = "sglang"
+    ref_out = reference_f64(x)  # O, U, logP of the float64 serial recurrence: every contender's reference
+    ref = ref_out[0]
+    for name in PEERS:
+        row[f"{name}_note"] = peer_absent(name)
+        if row[f"{name}_note"] is None:
+            run_contender(name, lambda name=name: make_peer(name, common), ref, row, args.smoke)
+    peers_dev.release_workspaces()
+    timed_peers = {p: row[f"{p}_us"] for p in PEERS if row[f"{p}_us"] is not None}
+    if timed_peers:
+        row["best_peer"] = min(timed_peers, key=timed_peers.get)
+        row["best_peer_us"] = timed_peers[row["best_peer"]]
+    closed_out = None
+    if args.peers_only:
+        row["torch_closed_note"] = "--peers-only"
+    elif batch > args.torch_max_batch:
+        row["torch_closed_note"] = f"batch above --torch-max-batch {args.torch_max_batch}"
+    else:  # the torch closed form; its calls sync with the host, so it is timed without a graph
+        closed_out = run_contender(
+            "torch_closed", lambda: (lambda: gdn_ops.gdn_tree_verify(*common, use_qk_l2norm=True)), ref, row,
+            args.smoke, graph=False, out_of=lambda out: out[0])
     if bole is not None:
         N, HV, V = x["forest"].num_nodes, s["HV"], s["V"]
         outs = dict(o_out=torch.empty_like(x["v"]),
@@ -220,11 +355,9 @@ def run_row(model, batch, T, device, args, bole, notes) -> dict:
                     t.fill_(float("nan"))
                 o_c, u_c, _ = call()
                 # A candidate must be right before it may be fast: finite outputs within the bf16-input
-                # tolerance of the reference (SGLang's O, else the torch closed form), U likewise against
-                # the torch closed form (the commit consumes U).
-                err = rel_err(o_c, ref) if ref is not None else (0.0 if bool(o_c.isfinite().all()) else None)
-                err_u = (rel_err(u_c, closed_out[1]) if closed_out is not None
-                         else (0.0 if bool(u_c.isfinite().all()) else None))
+                # tolerance of the float64 reference's O, and U likewise (the commit consumes U).
+                err = rel_err(o_c, ref)
+                err_u = rel_err(u_c, ref_out[1])
                 if err is None or err > REL_TOL or err_u is None or err_u > REL_TOL:
                     row["bole_rejected"].append(f"{bole.label(kw)}: rel_err={err} rel_err_u={err_u}")
                     continue
@@ -245,12 +378,9 @@ def run_row(model, batch, T, device, args, bole, notes) -> dict:
             for t in outs.values():
                 t.fill_(float("nan"))  # an element the kernel fails to write shows up in rel_err
             o, u, logp = call()
-            e = dict(us=None, config=label, rel_err=rel_err(o, ref) if ref is not None else None,
-                     rel_err_u=None, rel_err_logp=None,
+            e = dict(us=None, config=label, rel_err=rel_err(o, ref), rel_err_u=rel_err(u, ref_out[1]),
+                     rel_err_logp=rel_err(logp, ref_out[2]),
                      nonfinite=[int((~t.isfinite()).sum()) for t in (o, u, logp)])
-            if closed_out is not None:
-                e["rel_err_u"] = rel_err(u, closed_out[1])
-                e["rel_err_logp"] = rel_err(logp, closed_out[2])
             e["us"] = bench_us(call, args.smoke)
             by_method[method] = e
         row["bole_by_method"] = by_method
@@ -264,7 +394,7 @@ def run_row(model, batch, T, device, args, bole, notes) -> dict:
                        rel_err_logp=e["rel_err_logp"], bole_nonfinite=e["nonfinite"])
             if closed_out is not None:
                 row["closed_nonfinite"] = [int((~t.isfinite()).sum()) for t in closed_out]
-    del x, ref
+    del x, ref, ref_out, closed_out
     if device == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -275,7 +405,7 @@ def grid(args):
         return [("tiny", b, T) for b in (1, 2) for T in (8,)]
     models = args.models or ["qwen3.5-9b", "qwen3.5-27b"]
     if args.quick:
-        rows = [(m, b, T) for m in models[:1] for T in (16, 64, 128) for b in (1, 16)]
+        rows = [(m, b, T) for m in models[:1] for T in QUICK_TREES for b in QUICK_BATCHES]
     else:
         rows = [(m, b, T) for m in models for T in TREE_SIZES for b in BATCHES]
     trees, batches = getattr(args, "trees", None), getattr(args, "batches", None)
@@ -288,22 +418,43 @@ def fmt(x, spec=".1f"):
     return "-" if x is None else format(x, spec)
 
 
+PEER_LABELS = {"sglang_tree": "serial", "sglang_chunk": "chunk", "sglang_fused": "fused"}
+
+
 def print_table(rows):
     methods = list(dict.fromkeys(m for r in rows for m in r.get("bole_by_method") or {}))
-    head = (f"{'model':<12} {'B':>3} {'T':>4} {'d':>2} {'sglang':>10} {'torch':>10} {'bole':>9} "
+    head = (f"{'model':<12} {'B':>3} {'T':>4} {'d':>2} "
+            + "".join(f"{PEER_LABELS[p]:>9}" for p in PEERS) + f" {'torch':>9} {'bole':>8} "
             + "".join(f"{m[:9]:>10}" for m in methods)
-            + f" {'floor':>8} {'xSGL':>6} {'/floor':>6} {'snap/fac':>8} {'rel_err':>8}  config")
+            + f" {'floor':>7} {'xSGL':>6} {'xBest':>6} {'/floor':>6} {'snap/fac':>8} {'rel_err':>8}  config")
     print(head)
     for r in rows:
         sp = r["sglang_tree_us"] / r["bole_us"] if r["sglang_tree_us"] and r["bole_us"] else None
+        best = r["best_peer_us"] / r["bole_us"] if r.get("best_peer_us") and r["bole_us"] else None
         fl = r["bole_us"] / r["floor_us"] if r["bole_us"] and r["floor_us"] else None
         per = r.get("bole_by_method") or {}
         print(f"{r['model']:<12} {r['batch']:>3} {r['tree_nodes']:>4} {r['depth']:>2} "
-              f"{fmt(r['sglang_tree_us']):>10} {fmt(r['torch_closed_us']):>10} {fmt(r['bole_us']):>9} "
+              + "".join(f"{fmt(r.get(f'{p}_us')):>9}" for p in PEERS)
+              + f" {fmt(r['torch_closed_us']):>9} {fmt(r['bole_us']):>8} "
               + "".join(f"{fmt(per[m]['us'] if m in per else None):>10}" for m in methods)
-              + f" {fmt(r['floor_us']):>8} {fmt(sp):>6} {fmt(fl, '.2f'):>6} "
+              + f" {fmt(r['floor_us']):>7} {fmt(sp):>6} {fmt(best, '.2f'):>6} {fmt(fl, '.2f'):>6} "
               f"{r['snapshot_bytes'] / r['factor_bytes']:>8.1f} {fmt(r['rel_err'], '.1e'):>8}  "
               f"{r['bole_config'] or '-'}")
+    names = [*PEERS, "torch_closed"]
+    print("errors against the float64 serial recurrence, max|O - O_ref| / max|O_ref| (- : not run):")
+    print(f"{'model':<12} {'B':>3} {'T':>4} " + "".join(f"{PEER_LABELS.get(p, 'torch'):>9}" for p in names)
+          + f" {'bole':>9}")
+    for r in rows:
+        print(f"{r['model']:<12} {r['batch']:>3} {r['tree_nodes']:>4} "
+              + "".join(f"{fmt(r.get(f'{p}_rel_err'), '.1e'):>9}" for p in names)
+              + f" {fmt(r['rel_err'], '.1e'):>9}")
+    whys = {}  # one line per distinct reason a contender has no time
+    for r in rows:
+        for p in names:
+            if r.get(f"{p}_us") is None and r.get(f"{p}_note"):
+                whys.setdefault((p, r[f"{p}_note"]), []).append(f"{r['model']} B={r['batch']} T={r['tree_nodes']}")
+    for (p, why), where in whys.items():
+        print(f"  {p}: {why}  [{', '.join(where[:6])}" + (f" and {len(where) - 6} more]" if len(where) > 6 else "]"))
     if methods:
         print("fastest validated config per method:")
         for r in rows:
@@ -323,21 +474,27 @@ def plot(rows, path):
         print("matplotlib not installed: no plot")
         return None
     models = sorted({r["model"] for r in rows})
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
-    for ax, m in zip(axes[0], models, strict=True):
-        for b in sorted({r["batch"] for r in rows if r["model"] == m}):
-            pts = sorted((r["tree_nodes"], r["sglang_tree_us"] / r["bole_us"]) for r in rows
-                         if r["model"] == m and r["batch"] == b and r["sglang_tree_us"] and r["bole_us"])
-            if pts:
-                ax.plot([t for t, _ in pts], [y for _, y in pts], marker="o", label=f"batch {b}")
-        ax.set(xscale="log", yscale="log", title=m, xlabel="tree nodes T",
-               ylabel="speedup over SGLang serial tree (×)")
-        ax.set_xticks(TREE_SIZES, [str(t) for t in TREE_SIZES])
-        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}×"))
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+    against = [("sglang_tree_us", "speedup over SGLang serial tree (×)"),
+               ("best_peer_us", "speedup over the fastest SGLang verifier (×)")]
+    fig, axes = plt.subplots(len(against), len(models), figsize=(6 * len(models), 4.5 * len(against)),
+                             squeeze=False)
+    for (col, ylabel), ax_row in zip(against, axes, strict=True):
+        for ax, m in zip(ax_row, models, strict=True):
+            plotted = False
+            for b in sorted({r["batch"] for r in rows if r["model"] == m}):
+                pts = sorted((r["tree_nodes"], r[col] / r["bole_us"]) for r in rows
+                             if r["model"] == m and r["batch"] == b and r.get(col) and r["bole_us"])
+                if pts:
+                    ax.plot([t for t, _ in pts], [y for _, y in pts], marker="o", label=f"batch {b}")
+                    plotted = True
+            ax.set(xscale="log", yscale="log", title=m, xlabel="tree nodes T", ylabel=ylabel)
+            ax.set_xticks(TREE_SIZES, [str(t) for t in TREE_SIZES])
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}×"))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+            ax.axhline(1.0, color="grey", lw=0.8)
+            ax.grid(True, which="both", alpha=0.3)
+            if plotted:
+                ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -348,14 +505,12 @@ def main(args):
     device = "cpu" if args.smoke else "cuda"
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU (use --smoke on CPU)")
-    out = Path(args.out or ("/tmp/gdn_verify_smoke.json" if args.smoke
-                            else REPO_ROOT / "benchmarks/results/gdn_verify_h200.json"))
+    kind = "_adversarial" if args.adversarial else ""
+    out = Path(args.out or (f"/tmp/gdn_verify{kind}_smoke.json" if args.smoke
+                            else REPO_ROOT / f"benchmarks/results/gdn_verify{kind}_h200.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
-    notes = []
-    if not sglang_available():
-        notes.append("SGLang peer absent (.peers/sglang/): run scripts/fetch_peers.sh; "
-                     "sglang_tree_us skipped")
-    bole, note = load_bole_kernel()
+    notes = [f"{p}_us skipped: {why}" for p in PEERS if (why := peer_absent(p))]
+    bole, note = (None, "--peers-only: bole_us skipped") if args.peers_only else load_bole_kernel()
     if bole is not None:
         bole.only = args.methods
     if note:
@@ -371,6 +526,12 @@ def main(args):
                   command=shlex.join(["python", *sys.argv]), copy_bandwidth=bw,
                   sglang=(REPO_ROOT / ".peers/sglang/SOURCE").read_text().split()[0]
                   if sglang_available() else None,
+                  sglang_main=peers_dev.source_summary(),
+                  inputs=(f"adversarial: q, k a·c + noise (key cosine ≈ {args.key_cos}), "
+                          "beta = sigmoid(N(0,1) + 2.5), g = -0.02·softplus(N(0,1))" if args.adversarial
+                          else "ordinary: q, k, v ~ N(0, 1), beta = sigmoid(N(0,1)), Qwen3.5-like g"),
+                  dtype=args.dtype, max_depth=args.max_depth, reference="float64 serial recurrence",
+                  rel_tol=REL_TOL,
                   torch_closed_max_batch=args.torch_max_batch, sweep=args.sweep,
                   timing="triton.testing.do_bench median (L2 flushed before each run) of CUDA-graph replays; "
                          "torch_closed_us of plain calls (host syncs inside)",
@@ -383,6 +544,11 @@ def main(args):
         for model, batch, T in rows:
             if sglang_available():
                 tasks.append(("sglang", model, batch, T, None))
+            for p in ("sglang_chunk", "sglang_fused"):  # one compile per (model, T)
+                if (p, model, T) not in seen and not peer_absent(p) and (p != "sglang_chunk"
+                                                                         or T <= peers_dev.CHUNK_MAX_T):
+                    seen.add((p, model, T))
+                    tasks.append((p, model, 1, T, None))
             # what run_row will time: the first row of a (model, T) sweeps, later rows add their defaults
             if args.sweep == "full" or (model, T) not in firsts:
                 firsts.add((model, T))
@@ -406,7 +572,8 @@ def main(args):
         report["rows"].sort(key=lambda r: (r["model"], r["tree_nodes"], r["batch"]))
         out.write_text(json.dumps(report, indent=1))  # after every row: a timeout keeps what ran
         per = " ".join(f"{m}={fmt(e['us'])}" for m, e in (row.get("bole_by_method") or {}).items())
-        print(f"[{time.time() - t0:6.1f}s] {model} batch={batch} T={T}: sglang={fmt(row['sglang_tree_us'])} "
+        peers = " ".join(f"{PEER_LABELS[p]}={fmt(row[f'{p}_us'])}" for p in PEERS)
+        print(f"[{time.time() - t0:6.1f}s] {model} batch={batch} T={T}: {peers} "
               f"torch={fmt(row['torch_closed_us'])} bole={fmt(row['bole_us'])} us [{per}] "
               f"({row['bole_candidates']} tried; {row['bole_config']})", flush=True)
     if report["skipped_rows"]:

@@ -157,6 +157,10 @@ def _compile_task(kind, model, batch, T, kw):
         common = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["forest"], x["pool"], x["state_indices"])
         if kind == "sglang":
             SGLangTreeVerifier(*common, use_qk_l2norm=True)()
+        elif kind in ("sglang_chunk", "sglang_fused"):
+            from benchmarks.gdn_verify import make_peer
+
+            make_peer(kind, common)()
         else:
             from kernels.gdn_tree_verify import gdn_tree_verify
 
@@ -175,7 +179,7 @@ def precompile(tasks, workers: int, bole: BoleKernel | None, notes: list, timeou
     slow ones). At ``timeout_s`` the pool is terminated: a bole variant still compiling or not yet
     started then counts as failed (the main process never launches it), because a compile that has
     not finished by then may take minutes more (4-warp BT=128 variants did not finish on the H200);
-    an unfinished SGLang task compiles on demand. ``fn`` replaces the worker task (tests).
+    an unfinished SGLang task (any of its verifiers) compiles on demand. ``fn`` replaces the worker task (tests).
     """
     t0 = time.time()
     ctx = multiprocessing.get_context("spawn")
@@ -189,7 +193,8 @@ def precompile(tasks, workers: int, bole: BoleKernel | None, notes: list, timeou
                 err = res.get(timeout=max(0.0, t0 + timeout_s - time.time()))
             except multiprocessing.TimeoutError:
                 unfinished += 1
-                err = None if kind == "sglang" else f"not compiled within the precompile budget ({timeout_s:.0f}s)"
+                err = (None if kind.startswith("sglang")
+                       else f"not compiled within the precompile budget ({timeout_s:.0f}s)")
             except Exception as e:  # not the kernel's fault (e.g. pickling): compile on demand
                 notes.append(f"precompile task failed: {type(e).__name__}: {e}")
                 continue

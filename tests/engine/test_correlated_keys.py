@@ -4,8 +4,12 @@ Real GDN keys are L2-normalised projections of one residual stream, so they are 
 product-form inverse the verifier used before lost all accuracy on such keys along deep paths
 (kernels/gdn_tree_verify.py's error analysis). Here every GDN layer's key projection is a rank-one
 map (plus a little noise) onto a positive direction per key head, the key channels' conv taps are
-shared, the write gate is pushed towards 1 and the decay towards 1 (A_log = −8), and the draft tree is
-15 levels deep: the premise (mean |cosine| of the verified keys) is measured, then the tokens.
+shared, every embedding carries a shared component, the write gate is pushed towards 1 and the decay
+towards 1 (A_log = −8), and the draft tree is 15 levels deep. Measured per verify call: the mean
+|cosine| of the keys (the premise, ~0.9998) and the verifier's error against float64; then the tokens.
+On the CPU in fp32 the old code (product-form kernel, power-series twin) kept these tokens too, but
+its twin's error on these calls reached 2.0e-4 (the stable solve: 7e-7): the per-call bound is what
+fails it there.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from bole.config import EngineConfig
 from bole.engine.engine import LLMEngine
 from bole.models.loader import load_model
+from bole.ops import gdn as gdn_ops
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [3] * 11, [2, 9, 4, 4, 6, 1, 0, 3]]
 MAX_TOKENS = [20, 14, 16, 12]
@@ -46,6 +51,8 @@ def correlate_keys(path) -> None:
         t[pre + "conv1d.weight"] = conv
         t[pre + "in_proj_b.weight"] = 4.0 * u.expand_as(t[pre + "in_proj_b.weight"]).clone()
         t[pre + "A_log"] = torch.full_like(t[pre + "A_log"], -8.0)
+    # a shared component in every embedding keeps u·x (and so the keys' sign and β) mostly one-sided
+    t["model.embed_tokens.weight"] = t["model.embed_tokens.weight"] + 2.0 * u
     save_file(t, f"{path}/model.safetensors", metadata={"format": "pt"})
 
 
@@ -58,31 +65,37 @@ def ckpt(tmp_path_factory):
 
 
 def recorded(model):
-    """The model with its tree verifier wrapped to record the mean |cosine| of each call's keys."""
-    seen = []
+    """The model with its tree verifier wrapped to record, per call, the mean |cosine| of the keys and
+    the verifier's error against the float64 closed form on the same inputs (max|O − O64| / max|O64|)."""
+    seen, errors = [], []
     inner = model.backend.tree_verify
 
-    def verify(q, k, v, g, beta, forest, *args, **kw):
+    def verify(q, k, v, g, beta, forest, initial_state, state_indices, *args, **kw):
         kn = torch.nn.functional.normalize(k[0].double(), dim=-1)           # [N, HK, K]
         for h in range(kn.shape[1]):
             if kn.shape[0] > 1:
                 cos = (kn[:, h] @ kn[:, h].T).abs()
                 n = cos.shape[0]
                 seen.append(float((cos.sum() - cos.diagonal().sum()) / (n * (n - 1))))
-        return inner(q, k, v, g, beta, forest, *args, **kw)
+        d = lambda t: t.double()
+        o64 = gdn_ops.gdn_tree_verify(d(q), d(k), d(v), d(g), d(beta), forest, d(initial_state), state_indices,
+                                      use_qk_l2norm=kw.get("use_qk_l2norm", False))[0]
+        out = inner(q, k, v, g, beta, forest, initial_state, state_indices, *args, **kw)
+        errors.append(float((out[0].double() - o64).abs().max() / o64.abs().max()))
+        return out
 
     backend = dataclasses.replace(model.backend, tree_verify=verify)
     for m in model.modules():
         if hasattr(m, "backend"):
             m.backend = backend
-    return model, seen
+    return model, (seen, errors)
 
 
-def run(path, mode, device, backend="auto"):
+def run(path, mode, device, backend="auto", dtype="float32"):
     cfg = EngineConfig.from_options(mode=mode, calibration_table=default_table(), num_blocks=192, block_size=4,
                                     depth=15, topk=2, beam=2, max_num_seqs=4, max_num_batched_tokens=64,
                                     device=device)
-    model, seen = recorded(load_model(path, dtype="float32", device=device, backend=backend))
+    model, seen = recorded(load_model(path, dtype=dtype, device=device, backend=backend))
     return run_arrivals(LLMEngine(model, cfg), PROMPTS, MAX_TOKENS), seen
 
 
@@ -90,14 +103,22 @@ def test_greedy_bole_equals_ar_with_correlated_keys(ckpt):
     # the torch twins on the CPU (the interpreted kernels meet these inputs in
     # tests/kernels/test_gdn_verify_adversarial.py; a depth-15 engine run under the interpreter is too slow)
     ref, _ = run(ckpt, "ar", "cpu")
-    out, seen = run(ckpt, "bole", "cpu", "torch")
-    assert seen and sum(seen) / len(seen) > 0.8, "the keys are not as correlated as the test needs"
+    out, (seen, errors) = run(ckpt, "bole", "cpu", "torch")
+    assert seen and sum(seen) / len(seen) > 0.95, "the keys are not as correlated as the test needs"
+    assert max(errors) < 1e-5
     assert out == ref
 
 
 @pytest.mark.gpu
 def test_gpu_greedy_bole_equals_ar_with_correlated_keys(ckpt):
+    # fp32 (3xTF32 products) emits the CPU's greedy tokens; in bf16, as the engine serves, every verify
+    # call of the engine's own trees stays within the bf16 bar of float64 (greedy bf16 tokens may
+    # legitimately differ between modes: their kernels round differently)
     ref, _ = run(ckpt, "ar", "cpu")
     for mode in ("serial_tree", "bole"):
-        out, seen = run(ckpt, mode, "cuda")
+        out, (_, errors) = run(ckpt, mode, "cuda")
         assert out == ref, mode
+        if mode == "bole":
+            assert max(errors) < 1e-4
+    _, (seen, errors) = run(ckpt, "bole", "cuda", dtype="bfloat16")
+    assert sum(seen) / len(seen) > 0.95 and max(errors) < 1e-2, max(errors)
