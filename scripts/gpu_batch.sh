@@ -3,14 +3,14 @@
 # 8-file limit. From the repository root on the GPU machine:
 #     bash scripts/gpu_batch.sh STEP [STEP ...]
 # Steps (each under its own `timeout`; a failing step does not stop the next):
-#   tests      pytest -m gpu over tests/kernels, tests/engine, tests/models            (~1-2 min)
+#   tests      pytest -m gpu over the whole suite, 8 processes (pytest-xdist; compiles in parallel)
 #   calibrate  scripts/run_gpu_calibrate.sh; the measured tiny-model table is then copied to
 #              calibration_tables/ so that later steps of the same call use it            (~3 min)
 #   budget     benchmarks/run_gpu_budget.sh (Fig. 11 sweep)                              (~2.5 min)
 #   gdn        benchmarks/run_gpu_gdn.sh --models qwen3.5-9b --budget-s 120 $GDN_FLAGS  (~2.5 min)
 #   e2e        benchmarks/run_gpu_e2e.sh (set E2E_FLAGS for extra e2e.py flags)          (~5-6 min)
 #   profile    benchmarks/profile_step.py: torch.profiler over the engine's steps           (~1 min)
-#   ablation   benchmarks/verify_ablation.py --sweep $ABL_FLAGS (one-pass kernel variants)  (~2 min)
+#   exactness  benchmarks/verify_exactness.py $EXACT_FLAGS: every verifier's error against float64
 #   fp32verify benchmarks/verify_fp32.py: verify launches on fp32 activations vs serial_tree (~3 min)
 # $OUT receives results.tar.gz (every step's files, one folder per step) and summary.log.
 set -uo pipefail
@@ -23,8 +23,9 @@ unset TRITON_INTERPRET
 T0=$(date +%s)
 # What the GPU machine lacks, from carried wheels (carry .gpuwhl; made by `pip download --no-deps
 # --only-binary=:all: --python-version 3.12 ... pytest pluggy iniconfig packaging hypothesis
-# sortedcontainers attrs fla-core einops -d .gpuwhl`): installed beside the machine's own packages,
-# which come first on the path. fla-core + einops: the `gpu` extra of pyproject.toml (GDN prefill).
+# sortedcontainers attrs fla-core einops -d .gpuwhl`, only what the machine lacks: today fla-core):
+# installed beside the machine's own packages, which come first on the path. fla-core + einops: the
+# `gpu` extra of pyproject.toml (GDN prefill).
 if ls .gpuwhl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/gpusite .gpuwhl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/gpusite"
@@ -33,7 +34,8 @@ log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/summary.log"; }
 
 step_tests() {
   # shellcheck disable=SC2086
-  timeout -k 10 "${TESTS_S:-180}" python3 -m pytest -q -p no:cacheprovider -m "${TEST_MARK:-gpu}" ${TEST_PATHS:-tests/kernels tests/engine tests/models} -rs
+  timeout -k 10 "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-8}" \
+    -m "${TEST_MARK:-gpu}" ${TEST_PATHS:-tests} -rs
 }
 step_calibrate() {
   OUT="$1" bash scripts/run_gpu_calibrate.sh
@@ -51,9 +53,9 @@ step_e2e() {
   OUT="$1" SKIP_GPU_TESTS=1 E2E_BUDGET_S="${E2E_BUDGET_S:-260}" E2E_KILL_S="${E2E_KILL_S:-320}" \
     bash benchmarks/run_gpu_e2e.sh ${E2E_FLAGS:-}
 }
-step_ablation() {
+step_exactness() {
   # shellcheck disable=SC2086
-  timeout -k 10 "${ABL_S:-200}" python3 benchmarks/verify_ablation.py --sweep --out "$1/verify_ablation_h200.json" ${ABL_FLAGS:-}
+  timeout -k 10 "${EXACT_S:-240}" python3 benchmarks/verify_exactness.py --out "$1/verify_exactness_h200.json" ${EXACT_FLAGS:-}
 }
 step_fp32verify() {
   # shellcheck disable=SC2086

@@ -116,9 +116,10 @@ def test_gpu_bf16_tuned(device, tree, key_cos):
                                dtype=torch.bfloat16, seed=7, device=device)
         err, _ = errors(forest, inputs, tuned=True)
         assert err < 1e-2, (beta, decay, err)
-        for method in ("blocked", "horner"):
-            err, _ = errors(forest, inputs, method=method, input_precision="tf32")
-            assert err < 1e-2, (method, beta, decay, err)
+        if tree in ("random64d16", "chain64"):  # both methods outside the tuned table (each is a compile)
+            for method in ("blocked", "horner"):
+                err, _ = errors(forest, inputs, method=method, input_precision="tf32")
+                assert err < 1e-2, (method, beta, decay, err)
 
 
 @pytest.mark.gpu
@@ -134,12 +135,16 @@ def test_gpu_fp32_tuned(device, tree, key_cos):
 
 @pytest.mark.gpu
 @settings(max_examples=40, deadline=None, derandomize=True)
-@given(sizes=st.lists(st.integers(1, 256), min_size=1, max_size=4), depth=st.integers(1, 256),
-       key_cos=st.floats(0.0, 0.99), beta=st.sampled_from(["random", "high", "one"]),
-       decay=st.sampled_from(["random", "slow", "one"]), qk=st.booleans(), seed=st.integers(0, 2**16))
+@given(sizes=st.lists(st.sampled_from([1, 16, 37, 64, 100, 256]), min_size=1, max_size=4),
+       depth=st.sampled_from([8, 16, 64]), key_cos=st.floats(0.0, 0.99),
+       beta=st.sampled_from(["random", "high", "one"]), decay=st.sampled_from(["random", "slow", "one"]),
+       qk=st.booleans(), seed=st.integers(0, 2**16))
 def test_gpu_property_bf16(sizes, depth, key_cos, beta, decay, qk, seed):
+    # tree shapes vary freely below a few (size, depth cap) classes: the forest's depth is pinned to the
+    # cap, so the kernel compiles once per class, not once per example
     gen = torch.Generator().manual_seed(seed)
-    forest = PackedForest.from_trees([random_tree(n, min(depth, n), gen) for n in sizes], device="cuda")
+    forest = PackedForest.from_trees([random_tree(n, min(depth, n), gen) for n in sizes], device="cuda",
+                                     max_depth=depth)
     inputs = verify_inputs(forest, 2, 4, 128, 128, key_cos=key_cos, beta=beta, decay=decay, q_equals_k=qk,
                            dtype=torch.bfloat16, seed=seed, device="cuda")
     err, _ = errors(forest, inputs, tuned=True)
