@@ -74,6 +74,8 @@ def parse_args():
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new rows after this")
     ap.add_argument("--methods", nargs="*", default=["blocked", "horner", "tuned"],
                     help="kernel methods to sweep (of METHODS, plus 'tuned': the engine's dispatch)")
+    ap.add_argument("--precisions", nargs="*", default=None,
+                    help="only candidates with these input precisions (ieee, tf32, tf32x3; default all)")
     ap.add_argument("--sweep", choices=("auto", "full"), default="auto",
                     help="kernel configurations per row (see BoleKernel)")
     ap.add_argument("--compile-workers", type=int, default=min(14, max(1, (os.cpu_count() or 2) - 2)),
@@ -512,7 +514,7 @@ def main(args):
     notes = [f"{p}_us skipped: {why}" for p in PEERS if (why := peer_absent(p))]
     bole, note = (None, "--peers-only: bole_us skipped") if args.peers_only else load_bole_kernel()
     if bole is not None:
-        bole.only = args.methods
+        bole.only, bole.precisions = args.methods, args.precisions
     if note:
         notes.append(note)
     for n in notes:

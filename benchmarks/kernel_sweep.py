@@ -43,6 +43,7 @@ class BoleKernel:
         self.failed: set[tuple] = set()  # (model, T, label) that failed in a worker
         self._known: dict[tuple, list[dict]] = {}  # (model, T) -> first-row candidates
         self.only: list[str] | None = None  # restrict to these methods ("tuned": the engine's launch)
+        self.precisions: list[str] | None = None  # restrict to these input precisions
 
     @staticmethod
     def label(kw: dict) -> str:
@@ -117,6 +118,8 @@ class BoleKernel:
             # tf32 for every candidate; tf32x3 (about fp32-exact on tensor cores) for each default
             kws += ([dict(kw, input_precision="tf32") for kw in kws]
                     + [dict(mk[0], input_precision="tf32x3") for _, mk in per])
+            if self.precisions is not None:
+                kws = [kw for kw in kws if kw.get("input_precision", "ieee") in self.precisions]
         return kws + self._tuned()
 
     def row_defaults(self, s: dict, T: int, batch: int) -> list[dict]:

@@ -273,7 +273,7 @@ def gdn_tree_verify_kernel(
             for s in range(1, N_LEVEL + 1):
                 b_w = tl.where((depth == s + 1)[:, None], b_id - _tt_dot(b_gb, b_w, TT), b_w)
             for i_m in tl.static_range(N_MERGES):
-                half: tl.constexpr = BS * (1 << i_m)
+                half = BS * (1 << i_m)   # a constexpr per unrolled merge
                 off = ((o_c[:, None] // (2 * half)) == (o_c[None, :] // (2 * half))) & \
                     ((o_c[:, None] // half) != (o_c[None, :] // half))
                 b_w = b_w - _tt_dot(b_w, _tt_dot(tl.where(off, b_G, 0.0), b_w, TT), TT)
