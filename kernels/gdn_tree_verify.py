@@ -311,7 +311,7 @@ class VerifyConfig:
 CONFIGS = [VerifyConfig(bk, bv, w, s) for bk in (32, 64, 128) for bv in (16, 32, 64, 128)
            for w in (4, 8) for s in (1, 2, 3)]
 # Defaults keyed by the chunk tile BC: (block_k, widest block_v, num_warps); K and V clamp them.
-_DEFAULTS = {16: (64, 64, 4), 32: (64, 64, 8), 64: (32, 64, 8)}
+_DEFAULTS = {16: (64, 64, 4), 32: (64, 128, 8), 64: (32, 128, 8)}
 _SMEM_BUDGET = 160 * 1024  # bytes of pipelined K-chunk operands per program (H200: 228 KB/SM)
 
 
@@ -367,8 +367,8 @@ _TUNED_LOWP = {
     64: [(32, VerifyConfig(32, 32, 4, 3, early_loads=True), "blocked", "tf32"),
          (256, VerifyConfig(32, 128, 8, 3, early_loads=True), "blocked", "tf32"),
          (None, VerifyConfig(32, 128, 8, 3), "blocked", "tf32")],
-    128: [(None, VerifyConfig(32, 64, 8, 2), "blocked", "tf32")],
-    256: [(None, VerifyConfig(32, 64, 8, 2), "blocked", "tf32")],
+    128: [(32, VerifyConfig(32, 32, 8, 2), "horner", "tf32"), (None, VerifyConfig(32, 128, 8, 3), "blocked", "tf32")],
+    256: [(32, VerifyConfig(32, 32, 8, 2), "blocked", "tf32"), (None, VerifyConfig(32, 128, 8, 3), "blocked", "tf32")],
 }
 
 # The dispatch for fp32 q/k (the embedded model's engine): "tf32x3" products (3xTF32, on tensor cores),
