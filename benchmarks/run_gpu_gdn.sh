@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# GDN tree-verification benchmark on a GPU machine (issue 2, item 7). Run from anywhere in the repo,
+# GDN tree-verification benchmark on a GPU machine. Run from anywhere in the repo,
 # with .peers/ fetched beforehand by scripts/fetch_peers.sh (where PyPI is reachable) and carried along:
 #     bash benchmarks/run_gpu_gdn.sh [extra gdn_verify.py flags, e.g. --quick]
-# The table has one column per kernel method (neumann, inverse, two_pass), each its fastest validated
-# config. With CHECK_TREES="64" (and optionally CHECK_METHODS="two_pass") benchmarks/kernel_check.py
+# The table has one column per kernel method (blocked, horner, tuned), each its fastest validated
+# config. With CHECK_TREES="64" (and optionally CHECK_METHODS="horner") benchmarks/kernel_check.py
 # first validates every (block_v, num_warps, precision) of those methods and tree sizes.
 # Writes JSON, PNG and log under $OUT (the device tool's folder; default benchmarks/results) and copies
 # them into benchmarks/results/ for later.

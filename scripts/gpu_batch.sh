@@ -34,7 +34,7 @@ log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/summary.log"; }
 
 step_tests() {
   # shellcheck disable=SC2086
-  timeout -k 10 "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-8}" \
+  timeout -k 10 "${TESTS_S:-300}" python3 -m pytest -p no:cacheprovider -n "${TEST_WORKERS:-8}" \
     -m "${TEST_MARK:-gpu}" ${TEST_PATHS:-tests} -rs
 }
 step_calibrate() {
