@@ -1,4 +1,5 @@
-"""Greedy bole equals ar at depth 15 on a checkpoint whose GDN keys are strongly correlated.
+"""Greedy bole equals ar at depth 15 on a checkpoint whose GDN keys are strongly correlated, and on
+trees of more than 128 nodes.
 
 Real GDN keys are L2-normalised projections of one residual stream, so they are correlated; the
 product-form inverse the verifier used before lost all accuracy on such keys along deep paths
@@ -122,3 +123,34 @@ def test_gpu_greedy_bole_equals_ar_with_correlated_keys(ckpt):
             assert max(errors) < 1e-4
     _, (seen, errors) = run(ckpt, "bole", "cuda", dtype="bfloat16")
     assert sum(seen) / len(seen) > 0.95 and max(errors) < 1e-2, max(errors)
+
+
+@pytest.fixture(scope="module")
+def wide_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("wide_vocab")
+    make_checkpoint(path, "dense", 256)
+    return str(path)
+
+
+def test_trees_past_128_nodes(wide_ckpt):
+    # 150 first-level drafts (the fairness floor keeps them all) and a second level: verified trees of
+    # more than 128 nodes (two and more 64-row chunks in the kernel, four bitmask words), greedy == ar
+    cfg = dict(num_blocks=256, block_size=4, depth=2, topk=150, beam=1, max_num_seqs=2, max_num_batched_tokens=64)
+    prompts, n = [[1, 2, 3, 4, 5], [7, 8, 9]], [6, 5]
+    outs, sizes = {}, []
+    for mode in ("ar", "bole"):
+        model = load_model(wide_ckpt, dtype="float32")
+        inner = model.backend.tree_verify
+
+        def verify(q, k, v, g, beta, forest, *a, inner=inner, **kw):
+            sizes.append(forest.max_nodes)
+            return inner(q, k, v, g, beta, forest, *a, **kw)
+
+        backend = dataclasses.replace(model.backend, tree_verify=verify)
+        for m in model.modules():
+            if hasattr(m, "backend"):
+                m.backend = backend
+        eng = LLMEngine(model, EngineConfig.from_options(mode=mode, calibration_table=default_table(), **cfg))
+        outs[mode] = run_arrivals(eng, prompts, n)
+    assert max(sizes) > 128
+    assert outs["bole"] == outs["ar"]
