@@ -1,7 +1,15 @@
 """Per-request sampling parameters (the OpenAI / vLLM knobs), validated once on construction.
 
-The engine turns a batch of these into per-row tensors (temperature, top_k, top_p, seed) that
-``bole.spec.sampling.process_logits`` and ``accept_tree`` consume; nothing downstream re-validates.
+The engine turns a batch of these into per-row tensors (temperature, top_k, top_p, seed, and the
+penalties as ``bole.spec.sampling.Penalties``) that ``process_logits`` and ``accept_tree`` consume;
+nothing downstream re-validates.
+
+Log-probabilities (``logprobs``) are those of the target's *processed* distribution at each emitted
+position, the one the token was drawn from (vLLM's ``logprobs_mode="processed_logprobs"``): after
+min_tokens masking, the penalties, temperature, top-k and top-p; tokens those cut off have -inf.
+A greedy request's are the log-softmax of its penalised logits (temperature 1, no truncation: the
+distribution whose argmax it emits). ``prompt_logprobs`` are the model's raw log-softmax over the
+prompt (a prompt token is not sampled; what lm-evaluation-harness's loglikelihood needs).
 """
 
 from __future__ import annotations
@@ -9,9 +17,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+MAX_LOGPROBS = 20  # the most alternatives per position (``logprobs``, ``prompt_logprobs``), as vLLM's default
+
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass(frozen=True)
@@ -22,12 +36,19 @@ class SamplingParams:
         temperature: >= 0; 0 means greedy (argmax), token-identical to autoregressive decoding.
         top_p: nucleus mass in (0, 1]; 1 disables it.
         top_k: -1 or 0 disables it; otherwise keep the k most likely tokens (k >= 1).
-        max_tokens: the most tokens to generate (>= 1).
+        max_tokens: the most tokens to generate (>= 1; 0 with ``prompt_logprobs``: score the prompt only).
         min_tokens: EOS and stop tokens are suppressed until this many tokens exist (<= max_tokens).
         stop: strings that end generation (not included in the output); a single string is allowed.
         stop_token_ids: token ids that end generation (in addition to EOS unless ``ignore_eos``).
         seed: per-request seed for reproducible sampling, or None for a fresh random one.
         ignore_eos: keep generating past EOS (benchmarks).
+        presence_penalty: in [-2, 2]; subtracted from the logit of every token already in the output.
+        frequency_penalty: in [-2, 2]; subtracted once per occurrence of the token in the output.
+        repetition_penalty: > 0 (1 = off); the logit of a token in the prompt or the output is divided
+            by it when positive, multiplied when negative (CTRL / vLLM). Applied before the two above.
+        logprobs: None, or 0..20: return each emitted token's log-probability and this many most
+            likely alternatives (see the module docstring for which distribution).
+        prompt_logprobs: None, or 0..20: the same for every prompt token after the first.
     """
 
     temperature: float = 1.0
@@ -39,6 +60,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         # Normalise container fields to tuples so the dataclass stays hashable and immutable.
@@ -71,8 +97,13 @@ class SamplingParams:
 
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 or 0 (disabled) or an int >= 1, got {self.top_k!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {v!r}")
+        least = 0 if self.prompt_logprobs is not None else 1
+        if not _is_int(self.max_tokens) or self.max_tokens < least:
+            raise ValueError(f"max_tokens must be an int >= 1 (0 only with prompt_logprobs), got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:
@@ -82,10 +113,24 @@ class SamplingParams:
             raise ValueError(f"seed must be an int in [-2**63, 2**63) or None, got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+            object.__setattr__(self, name, float(v))
+        r = self.repetition_penalty
+        if not _is_real(r) or r <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {r!r}")
+        object.__setattr__(self, "repetition_penalty", float(r))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty is on (the step then builds token counts: ``bole.spec.sampling.Penalties``)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def effective_top_k(self) -> int:

@@ -41,3 +41,18 @@ def meta_model():
                       gdn_layout="split", intermediate_size=64)
     with torch.device("meta"):
         return HybridForCausalLM(cfg, backend="torch", num_mtp_layers=0)
+
+
+def reference_penalty(row: list[float], output: list[int], prompt: list[int], rep: float, freq: float,
+                      pres: float):
+    """vLLM's penalty rule token by token in Python (the naive reference): repetition over prompt + output
+    (divide a positive logit, multiply a negative one), then frequency * count and presence over the output."""
+    import torch
+
+    out = []
+    for v, x in enumerate(row):
+        n = output.count(v)
+        if n > 0 or v in prompt:
+            x = x / rep if x > 0 else x * rep
+        out.append(x - freq * n - pres * (n > 0))
+    return torch.tensor(out)

@@ -26,6 +26,13 @@ evaluated (x matched a child) or ends the step (the next step's root is then exa
 prefix + x). By induction every emitted token is drawn from the target conditional on all
 earlier emitted tokens, which is autoregressive sampling. Greedy rows have a one-hot target, so
 x is the argmax and the walk is autoregressive greedy decoding.
+
+Penalties (presence / frequency / repetition, ``Penalties``) make a row's distribution depend on the
+tokens before it. In a tree, the row of a node conditions on the committed output AND the node's
+own path (its ancestors and itself), not on the batch row's other branches. The walk above visits,
+at depth j, the node whose path tokens are exactly the j draws emitted before it, so ``accept_tree``
+penalises each visited row with the committed counts plus those draws: the same counts an
+autoregressive step would see at that position, hence the same (greedy: identical) tokens.
 """
 
 from __future__ import annotations
@@ -47,23 +54,51 @@ def _per_row(x, rows: int, dtype, device) -> torch.Tensor:
     return t.expand(rows) if t.dim() == 0 else t.to(dtype)
 
 
-def process_logits(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Tensor:
-    """Target probabilities after temperature, top-k and top-p, one set of parameters per row.
+@dataclass(frozen=True)
+class Penalties:
+    """The token penalties of B requests (row b = request b), built from their committed tokens
+    (``bole.engine.sampler.penalties``); ``apply_penalties`` is the rule, in every mode alike.
+
+    output_counts: float32 [B, V] occurrences of each token in the request's output so far.
+    prompt_mask:   bool [B, V] tokens of its prompt (the repetition penalty also covers these).
+    repetition, frequency, presence: float32 [B]; 1, 0, 0 leave a row's logits bit-identical.
+    """
+
+    output_counts: torch.Tensor
+    prompt_mask: torch.Tensor
+    repetition: torch.Tensor
+    frequency: torch.Tensor
+    presence: torch.Tensor
+
+
+def apply_penalties(logits: torch.Tensor, penalties: Penalties, path_tokens: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """float32 [B, V] logits after vLLM's penalty rule, for rows whose context is the committed tokens
+    plus ``path_tokens``.
 
     Args:
-        logits: [R, V] (any float dtype; computed in float32).
-        temperature: [R] float or a scalar; rows with temperature <= 0 are greedy and get the
-            one-hot of the argmax of the raw logits (first index on ties).
-        top_k: [R] int or a scalar; <= 0 disables it.
-        top_p: [R] float in (0, 1] or a scalar; 1 disables it.
-    Returns:
-        float32 [R, V] probabilities, each row summing to 1.
-
-    Tie semantics (deterministic whatever order the sort leaves equal logits in): top-k keeps every
-    token whose logit is >= the k-th largest; top-p keeps the smallest prefix of the (top-k
-    truncated, sorted) distribution whose mass reaches top_p, then every token whose logit is >=
-    the last kept one. Top-p is applied to the top-k renormalised distribution, as vLLM does.
+        logits: [B, V] (any float dtype).
+        penalties: the B rows' ``Penalties``.
+        path_tokens: int64 [B, K] tokens after the committed output that this row's context also holds
+            (a tree node's path; negative entries are padding), or None.
+    A token seen in the prompt or the output has its logit divided by ``repetition`` when positive and
+    multiplied by it otherwise; then ``frequency`` * its output count and ``presence`` (if counted at
+    all) are subtracted. Fixed shapes, no host sync.
     """
+    counts = penalties.output_counts
+    if path_tokens is not None and path_tokens.shape[-1]:
+        valid = (path_tokens >= 0).to(counts.dtype)
+        counts = counts.scatter_add(1, path_tokens.clamp(min=0).long(), valid)
+    present = counts > 0
+    x = logits.float()
+    rep = penalties.repetition[:, None]
+    x = torch.where(present | penalties.prompt_mask, torch.where(x > 0, x / rep, x * rep), x)
+    return x - penalties.frequency[:, None] * counts - penalties.presence[:, None] * present.to(x.dtype)
+
+
+def _truncated_scores(logits: torch.Tensor, temperature, top_k, top_p) -> tuple[torch.Tensor, torch.Tensor]:
+    """(greedy [R] bool, float32 [R, V] logits / temperature with the tokens top-k / top-p drop at
+    -inf): what ``process_logits`` softmaxes and ``processed_logprobs`` log-softmaxes."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [R, V], got shape {tuple(logits.shape)}")
     R, V = logits.shape
@@ -84,9 +119,46 @@ def process_logits(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Ten
     n_p = torch.where(top_p >= 1, torch.full_like(n_p, V), n_p)
     n_keep = torch.minimum(in_top_k.sum(-1), n_p)                           # [R], >= 1
     threshold = sorted_x.gather(-1, (n_keep - 1)[:, None])                  # [R, 1]
-    probs = torch.softmax(x.masked_fill(x < threshold, float("-inf")), dim=-1)
-    one_hot = F.one_hot(logits.argmax(-1), V).to(probs.dtype)
+    return greedy, x.masked_fill(x < threshold, float("-inf"))
+
+
+def process_logits(logits: torch.Tensor, temperature, top_k, top_p, penalties: Penalties | None = None,
+                   path_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """Target probabilities after the penalties, temperature, top-k and top-p, one set of parameters per row.
+
+    Args:
+        logits: [R, V] (any float dtype; computed in float32).
+        temperature: [R] float or a scalar; rows with temperature <= 0 are greedy and get the
+            one-hot of the argmax of the raw logits (first index on ties).
+        top_k: [R] int or a scalar; <= 0 disables it.
+        top_p: [R] float in (0, 1] or a scalar; 1 disables it.
+        penalties, path_tokens: ``apply_penalties`` first (rows = requests), when given.
+    Returns:
+        float32 [R, V] probabilities, each row summing to 1.
+
+    Tie semantics (deterministic whatever order the sort leaves equal logits in): top-k keeps every
+    token whose logit is >= the k-th largest; top-p keeps the smallest prefix of the (top-k
+    truncated, sorted) distribution whose mass reaches top_p, then every token whose logit is >=
+    the last kept one. Top-p is applied to the top-k renormalised distribution, as vLLM does.
+    """
+    if penalties is not None:
+        logits = apply_penalties(logits, penalties, path_tokens)
+    greedy, scores = _truncated_scores(logits, temperature, top_k, top_p)
+    probs = torch.softmax(scores, dim=-1)
+    one_hot = F.one_hot(logits.argmax(-1), logits.shape[-1]).to(probs.dtype)
     return torch.where(greedy[:, None], one_hot, probs)
+
+
+def processed_logprobs(logits: torch.Tensor, temperature, top_k, top_p, penalties: Penalties | None = None,
+                       path_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [R, V] log-probabilities of the distribution ``process_logits`` samples from (vLLM's
+    ``processed_logprobs``; -inf where top-k / top-p cut), same arguments. Greedy rows, whose
+    processed distribution is a one-hot, get the log-softmax of their penalised logits instead:
+    the distribution whose argmax they emit."""
+    if penalties is not None:
+        logits = apply_penalties(logits, penalties, path_tokens)
+    greedy, scores = _truncated_scores(logits, temperature, top_k, top_p)
+    return torch.where(greedy[:, None], torch.log_softmax(logits.float(), -1), torch.log_softmax(scores, -1))
 
 
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -153,7 +225,7 @@ class TreeAcceptance:
 def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, uniforms: torch.Tensor,
                 probs: torch.Tensor | None = None, *, logits: torch.Tensor | None = None,
                 temperature=None, top_k=None, top_p=None, max_depth: int | None = None,
-                pad_token: int = -1) -> TreeAcceptance:
+                pad_token: int = -1, penalties: Penalties | None = None) -> TreeAcceptance:
     """Walk every request's draft tree with the lossless acceptance rule, without host syncs.
 
     Args:
@@ -172,6 +244,8 @@ def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, uniforms: torch.Ten
         max_depth: depth bound of every tree (default T). The walk runs exactly max_depth + 1
                   gather-based iterations, whatever the trees look like.
         pad_token: fill value of ``TreeAcceptance.tokens`` beyond the emitted ones.
+        penalties: with ``logits``, the requests' ``Penalties`` for their committed tokens; the row
+                  visited at depth j is penalised with those plus the j draws before it (its path).
     """
     if (probs is None) == (logits is None):
         raise ValueError("pass exactly one of probs or logits")
@@ -185,6 +259,8 @@ def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, uniforms: torch.Ten
         raise ValueError(f"uniforms must be [B, T+1] = [{B}, {T + 1}], got {tuple(uniforms.shape)}")
     if logits is not None and (temperature is None or top_k is None or top_p is None):
         raise ValueError("logits need temperature, top_k and top_p")
+    if penalties is not None and logits is None:
+        raise ValueError("penalties apply to logits, not to processed probs")
     D = T if max_depth is None else max_depth
     if D < 0:
         raise ValueError(f"max_depth must be >= 0, got {D}")
@@ -201,11 +277,15 @@ def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, uniforms: torch.Ten
     for step in range(D + 1):
         r = cur + 1                                                # target row of the current node
         p = target[rows, r]                                        # [B, V]
+        # an alive row's path so far is the draws emitted before (dead rows' draws are discarded)
+        path_tokens = torch.stack(emitted, 1) if penalties is not None and emitted else None
         if all_greedy:
+            if penalties is not None:
+                p = apply_penalties(p, penalties, path_tokens)
             x = p.argmax(-1)                                       # = sampling the one-hot target
         else:
             if logits is not None:
-                p = process_logits(p, temperature, top_k, top_p)
+                p = process_logits(p, temperature, top_k, top_p, penalties, path_tokens)
             x = sample_from_probs(p, uniforms[rows, r])            # [B]
         hit = (parents == cur[:, None]) & (tokens == x[:, None]) & (tokens >= 0)   # [B, T]
         matched = hit.any(-1) & alive

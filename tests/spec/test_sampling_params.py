@@ -38,7 +38,26 @@ def test_defaults_and_normalisation():
     ({"seed": 1 << 63}, "seed .* got 9223372036854775808"),
     ({"seed": -(1 << 63) - 1}, "seed .* got -9223372036854775809"),
     ({"ignore_eos": 1}, "ignore_eos"),
+    ({"presence_penalty": 2.5}, "presence_penalty must be a number in \\[-2, 2\\], got 2.5"),
+    ({"frequency_penalty": -2.01}, "frequency_penalty .* got -2.01"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"presence_penalty": True}, "presence_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be a finite number > 0 .* got 0"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"logprobs": 21}, "logprobs must be None or an int in \\[0, 20\\], got 21"),
+    ({"logprobs": -1}, "logprobs .* got -1"),
+    ({"prompt_logprobs": 2.0}, "prompt_logprobs .* got 2.0"),
+    ({"max_tokens": 0, "logprobs": 2}, "max_tokens .*0 only with prompt_logprobs"),
 ])
 def test_invalid_values_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_penalties_and_logprobs_fields():
+    p = SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=1.3, logprobs=0,
+                       prompt_logprobs=20)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (-2.0, 2.0, 1.3)
+    assert p.penalized and not SamplingParams().penalized and SamplingParams(repetition_penalty=0.9).penalized
+    assert (p.logprobs, p.prompt_logprobs) == (0, 20)
+    assert SamplingParams(max_tokens=0, prompt_logprobs=0).max_tokens == 0   # score the prompt only
