@@ -9,6 +9,7 @@ from typing import Sequence
 from bole.config import EngineConfig
 from bole.engine.engine import LLMEngine
 from bole.sampling_params import SamplingParams
+from bole.spec.logprobs import TokenLogprob
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,6 +21,8 @@ class CompletionOutput:
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None          # per generated token (``SamplingParams.logprobs``)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # None, then prompt tokens 1.. (``prompt_logprobs``)
 
 
 def resolve_repo_path(path: str) -> str:
@@ -88,8 +91,13 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(ids), desc="generate", unit="req")
+        logprobs, prompt_logprobs = {}, {}
         while self.engine.has_unfinished():
             for out in self.engine.step():
+                if out.logprobs is not None:
+                    logprobs.setdefault(out.request_id, []).extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
                 if out.finished and bar is not None:
                     bar.update(1)
         if bar is not None:
@@ -97,6 +105,8 @@ class LLM:
         results = []
         for rid in ids:
             req = self.engine.pop_finished(rid)
+            asked = req.params.logprobs is not None
             results.append(CompletionOutput(rid, req.prompt_token_ids, list(req.output_token_ids),
-                                            req.output_text, req.finish_reason))
+                                            req.output_text, req.finish_reason,
+                                            logprobs.get(rid, []) if asked else None, prompt_logprobs.get(rid)))
         return results

@@ -19,7 +19,11 @@ path first, ``_checkpoint_paths``).
 
 Sampling randomness is keyed by (request seed, token index): the token at index i of a request
 is always drawn with the uniform U(seed, i), whichever mode produced it, so greedy AND seeded
-stochastic outputs are identical across modes.
+stochastic outputs are identical across modes. The logits processing (``bole.engine.sampler``:
+min_tokens, penalties with a tree row's own path, temperature, top-k / top-p) is the same in every
+mode too. A step with min_tokens or penalised requests accepts eagerly (the verify forward may still
+replay its graph; the graphs' tails carry neither); logprobs come from the logits the step holds, on
+every path but the opt-in whole-step graph, which such steps skip.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 
 from bole.cache.prefix_cache import PrefixCache
 from bole.config import EngineConfig
+from bole.engine import sampler
 from bole.engine.metrics import EngineMetrics, StepStats
 from bole.engine.runner import ModelRunner
 from bole.engine.scheduler import Scheduler
@@ -43,7 +48,8 @@ from bole.hardware import resolve_calibration
 from bole.sampling_params import SamplingParams
 from bole.spec.budget import CalibrationTable
 from bole.spec.drafter import tree_size
-from bole.spec.sampling import accept_tree, counter_uniforms, process_logits, sample_from_probs
+from bole.spec.logprobs import TokenLogprob, path_rows
+from bole.spec.sampling import accept_tree, counter_uniforms
 from bole.spec.tree import MAX_TREE_NODES
 
 logger = logging.getLogger(__name__)
@@ -62,6 +68,8 @@ class RequestOutput:
     text: str = ""
     num_steps: int = 0             # decode / verify steps so far (MAT = emitted tokens / steps)
     num_accepted_drafts: int = 0
+    logprobs: list[TokenLogprob] | None = None   # one per new token, when the request asked (``logprobs``)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first output only: None, then prompt tokens 1..
 
 
 class LLMEngine:
@@ -153,47 +161,6 @@ class LLMEngine:
         engine has cached, least recently used first; [] without a prefix cache. For routing stats."""
         return self.prefix_cache.summary(limit) if self.prefix_cache is not None else []
 
-    # -- sampling helpers ------------------------------------------------------------------------
-    @staticmethod
-    def _sampling_rows(reqs: list[Request]) -> list[tuple[float, int, float, int]]:
-        """Per request (temperature, top_k, top_p, seed): the eager step's tensors and the sampled tail's rows."""
-        return [(r.params.temperature, r.params.top_k, r.params.top_p, r.seed) for r in reqs]
-
-    def _param_tensors(self, reqs: list[Request]):
-        dev = self.runner.device
-        temp, top_k, top_p, seed = zip(*self._sampling_rows(reqs))
-        return (torch.tensor(temp, device=dev), torch.tensor(top_k, device=dev), torch.tensor(top_p, device=dev),
-                torch.tensor(seed, dtype=torch.int64, device=dev))
-
-    def _mask_early_stops(self, reqs: list[Request], logits: torch.Tensor, out_index: torch.Tensor) -> torch.Tensor:
-        """min_tokens: forbid EOS / stop tokens for rows that would emit output token < min_tokens.
-
-        logits [B, R, V]; out_index [B, R]: the output index (0-based) row r would sample. Applied to
-        the target logits before sampling, in every mode alike, so exactness across modes holds.
-        """
-        if not any(r.params.min_tokens for r in reqs):
-            return logits
-        V = logits.shape[-1]
-        stop = torch.zeros(len(reqs), V, dtype=torch.bool, device=logits.device)
-        for b, r in enumerate(reqs):
-            ids = [t for t in (() if r.params.ignore_eos else r.eos_token_ids) + tuple(r.params.stop_token_ids)
-                   if 0 <= t < V]
-            stop[b, ids] = True
-        min_tok = torch.tensor([r.params.min_tokens for r in reqs], device=logits.device)
-        early = out_index < min_tok[:, None]  # [B, R]
-        return logits.masked_fill(early[..., None] & stop[:, None, :], float("-inf"))
-
-    def _sample_next(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
-        """One token per request from logits [B, V] (the token at index num_tokens)."""
-        out_index = torch.tensor([[len(r.output_token_ids)] for r in reqs], device=logits.device)
-        logits = self._mask_early_stops(reqs, logits[:, None], out_index)[:, 0]
-        if all(r.params.temperature <= 0 for r in reqs):  # greedy: the one-hot's index, no vocabulary sort
-            return logits.argmax(-1).tolist()
-        temp, top_k, top_p, seed = self._param_tensors(reqs)
-        offset = torch.tensor([r.num_tokens for r in reqs], device=seed.device)
-        u = counter_uniforms(seed, offset, 1)[:, 0]
-        return sample_from_probs(process_logits(logits.float(), temp, top_k, top_p), u).tolist()
-
     # -- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self._finish()  # requests a failed step left finishing
@@ -202,15 +169,23 @@ class LLMEngine:
         stats = StepStats(time.perf_counter())
         spec = self.mode != "ar"
         if sched.prefill:
-            last = self.runner.prefill(sched.prefill, keep_hidden=spec)
+            starts = {r.request_id: r.num_computed for r, _ in sched.prefill}
+            scored = {} if any(r.needs_prompt_logits for r, _ in sched.prefill) else None
+            last = self.runner.prefill(sched.prefill, keep_hidden=spec, position_logits=scored)
+            for rid, lg in (scored or {}).items():
+                sampler.score_prompt(self.requests[rid], starts[rid], lg)
             self._cache_committed([r for r, _ in sched.prefill])
             done = [r for r, _ in sched.prefill if r.request_id in last]
             for r in done:
                 r.prefilled = True
+                if r.params.max_tokens == 0:  # prompt scoring only (echo with max_tokens 0)
+                    outputs.append(self._emit(r, []))
+            done = [r for r in done if r.params.max_tokens > 0]
             if done:
-                toks = self._sample_next(done, torch.stack([last[r.request_id] for r in done]))
-                for r, t in zip(done, toks):
-                    outputs.append(self._emit(r, [t]))
+                toks, lps = sampler.sample_next(done, torch.stack([last[r.request_id] for r in done]),
+                                                self._penalties(done))
+                for i, (r, t) in enumerate(zip(done, toks)):
+                    outputs.append(self._emit(r, [t], lps and lps[i]))
             stats.prefill_tokens = sum(n for _, n in sched.prefill)
         ending = {id(r) for r, _ in self._finishing}  # finished by this step's prefill sampling
         decode = [r for r in sched.decode if not r.is_finished and id(r) not in ending]
@@ -219,16 +194,16 @@ class LLMEngine:
             if self.mode == "ar":
                 logits = self.runner.decode(decode, keep_hidden=False)
                 self._cache_committed(decode)
-                toks = self._sample_next(decode, logits)
+                toks, lps = sampler.sample_next(decode, logits, self._penalties(decode))
                 emitted = [[t] for t in toks]
                 stats.tree_nodes = len(decode)
             else:
-                emitted = self._speculative_step(decode, stats)
+                emitted, lps = self._speculative_step(decode, stats)
             stats.verify_time = time.perf_counter() - t0
-            for r, toks in zip(decode, emitted):
+            for i, (r, toks) in enumerate(zip(decode, emitted)):
                 r.metrics.num_steps += 1
                 r.metrics.num_accepted_drafts += len(toks) - 1
-                outputs.append(self._emit(r, toks))
+                outputs.append(self._emit(r, toks, lps and lps[i]))
             stats.decode_requests = len(decode)
             stats.emitted_tokens = sum(len(t) for t in emitted)
         self._finish()
@@ -237,7 +212,13 @@ class LLMEngine:
         self.metrics.record_step(stats)
         return outputs
 
-    def _speculative_step(self, reqs: list[Request], stats: StepStats) -> list[list[int]]:
+    def _penalties(self, reqs: list[Request]):
+        return sampler.penalties(reqs, self.model.config.vocab_size, self.runner.device)
+
+    def _speculative_step(self, reqs: list[Request], stats: StepStats
+                          ) -> tuple[list[list[int]], list[list[TokenLogprob] | None] | None]:
+        """Draft, verify, accept, commit; per request the emitted tokens, and their logprobs (None
+        overall when no request asked)."""
         spec = self.config.spec
         kv_len = max(r.num_computed for r in reqs)
         B = len(reqs)
@@ -251,12 +232,15 @@ class LLMEngine:
         no_sync = B * (bound + 1) <= 2 * (int(b_ver) + B)
         greedy = all(r.params.temperature <= 0 for r in reqs)
         no_min = not any(r.params.min_tokens for r in reqs)  # min_tokens masks logits: eager acceptance
-        if greedy and no_min and no_sync and self.runner.step_graph_supports(reqs, bound + 1):
+        pen = self._penalties(reqs)   # penalties too (the tails would need [B, V] counts): eager acceptance
+        plain = no_min and pen is None
+        want_lp = any(r.params.logprobs is not None for r in reqs)
+        if greedy and plain and not want_lp and no_sync and self.runner.step_graph_supports(reqs, bound + 1):
             # the whole step in one graph replay (bole.engine.step_graphs), one device-to-host read
-            emitted = self._step_in_graph(reqs, stats, lambda slots: self.runner.step_in_graph(
+            done = self._step_in_graph(reqs, stats, lambda slots: self.runner.step_in_graph(
                 reqs, int(b_ver), bound + 1, slots))
-            if emitted is not None:
-                return emitted
+            if done is not None:
+                return done[0], None
         # the root (the pending token) is verified too: drafts <= MAX_TREE_NODES - 1 per request
         batch = self.runner.draft_batch(reqs, spec.depth, spec.topk, spec.beam, b_ver,
                                         max_per_request=MAX_TREE_NODES - 1)
@@ -264,20 +248,20 @@ class LLMEngine:
         res = self.runner.verify(reqs, batch)
         D = spec.depth
         B, T1 = res.logits.shape[:2]
-        if no_min and self.runner.can_accept_in_graph(res, sampled=not greedy):
+        if plain and self.runner.can_accept_in_graph(res, sampled=not greedy):
             # acceptance (greedy, or sampled with each request's parameters and seed), commit and
             # checkpoints inside the verify graph's captured tail
-            sampling = None if greedy else self._sampling_rows(reqs)
-            emitted = self._step_in_graph(reqs, stats, lambda slots: self.runner.accept_commit_in_graph(
+            sampling = None if greedy else sampler.sampling_rows(reqs)
+            done = self._step_in_graph(reqs, stats, lambda slots: self.runner.accept_commit_in_graph(
                 reqs, res, slots, sampling))
-            if emitted is not None:
-                return emitted
+            if done is not None:  # the tail leaves the verify logits in place: logprobs read them
+                return done[0], self._path_logprobs(reqs, res, res.logits, done[1], done[0], None)
         row_depth = torch.cat([torch.zeros_like(batch.depth[:, :1]), batch.depth], 1).clamp(max=D)
         if greedy:  # argmax walk: no uniforms, no per-request parameters (no host-to-device copies)
             temp = top_k = top_p = 0.0
             uniforms = torch.zeros(B, T1, device=res.logits.device)
         else:
-            temp, top_k, top_p, seed = self._param_tensors(reqs)
+            temp, top_k, top_p, seed = sampler.param_tensors(reqs, self.runner.device)
             # Row 0 draws token index n+1 (n = num_computed), row i+1 draws index n+1+depth(i).
             n = torch.tensor([r.num_computed for r in reqs], device=seed.device)
             u_by_depth = counter_uniforms(seed, n + 1, D + 1)  # [B, D+1]
@@ -286,9 +270,9 @@ class LLMEngine:
         if not no_min:
             # row r samples output index len(output) + depth(r) (the root x_n is the last output so far)
             n_out = torch.tensor([len(r.output_token_ids) for r in reqs], device=logits.device)
-            logits = self._mask_early_stops(reqs, logits, n_out[:, None] + row_depth.to(logits.device))
+            logits = sampler.mask_early_stops(reqs, logits, n_out[:, None] + row_depth.to(logits.device))
         acc = accept_tree(batch.tokens, batch.parents, uniforms, logits=logits if greedy else logits.float(),
-                          temperature=temp, top_k=top_k, top_p=top_p, max_depth=D)
+                          temperature=temp, top_k=top_k, top_p=top_p, max_depth=D, penalties=pen)
         # the step's one device-to-host read: accepted node, emitted count and tokens of every request
         host = torch.cat([acc.accepted_node[:, None], acc.num_emitted[:, None], acc.tokens], 1).tolist()
         accepted, num = [h[0] for h in host], [h[1] for h in host]
@@ -298,12 +282,24 @@ class LLMEngine:
         self.runner.commit(reqs, res, acc.accepted_node, keep_hidden=True, lengths=num)
         self._cache_committed(reqs, pending, emitted)
         stats.tree_nodes = int(batch.num_nodes.sum()) + len(reqs)
-        return emitted
+        return emitted, self._path_logprobs(reqs, res, logits, accepted, emitted, pen)
 
-    def _step_in_graph(self, reqs: list[Request], stats: StepStats, run) -> list[list[int]] | None:
+    def _path_logprobs(self, reqs: list[Request], res, logits: torch.Tensor, accepted: list[int],
+                       emitted: list[list[int]], pen) -> list[list[TokenLogprob] | None] | None:
+        """Logprobs of a speculative step's emitted tokens from the verify logits [B, 1 + T, V] along
+        each accepted path (the root's row, then each accepted node's): no extra forward."""
+        if not any(r.params.logprobs is not None for r in reqs):
+            return None
+        rows = path_rows(res.forest, accepted, len(reqs)).to(logits.device)       # [B, D]
+        along = logits[torch.arange(len(reqs), device=logits.device)[:, None], rows.clamp(min=0)]
+        return sampler.step_logprobs(reqs, along, emitted, pen)
+
+    def _step_in_graph(self, reqs: list[Request], stats: StepStats, run
+                       ) -> tuple[list[list[int]], list[int]] | None:
         """Acceptance, commit and prefix-cache checkpoints in a graph's tail: ``run(checkpoint slots)``
-        (the step graph, or the verify graph's tail) returns the tail's rows (one device-to-host read).
-        None when the tail cannot take this step's checkpoints (the caller goes on eagerly)."""
+        (the step graph, or the verify graph's tail) returns the tail's rows (one device-to-host read);
+        returns the emitted tokens and accepted nodes. None when the tail cannot take this step's
+        checkpoints (the caller goes on eagerly)."""
         slots = self._reserve_checkpoints(reqs)
         if slots is False:
             return None
@@ -319,7 +315,7 @@ class LLMEngine:
         pending = self._tail_checkpoints(starts, [h[1] for h in host], slots)
         self._cache_committed(reqs, pending, emitted)
         stats.tree_nodes = sum(h[-1] for h in host) + len(reqs)
-        return emitted
+        return emitted, [h[0] for h in host]
 
     # -- prefix cache ----------------------------------------------------------------------------
     def _reserve_checkpoints(self, reqs: list[Request]):
@@ -421,10 +417,13 @@ class LLMEngine:
             self.metrics.record_finish(r)
 
     # -- emission --------------------------------------------------------------------------------
-    def _emit(self, req: Request, tokens: list[int]) -> RequestOutput:
-        """Append tokens one by one with stop checks; finish the request if one fires."""
+    def _emit(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
+        """Append tokens one by one with stop checks; finish the request if one fires (or, with no
+        tokens, if it asked for none: max_tokens 0). ``logprobs``: one per token, when asked."""
         p = req.params
         new, reason = [], None
+        if not tokens and len(req.output_token_ids) >= p.max_tokens:
+            reason = "length"
         for t in tokens:
             req.output_token_ids.append(t)
             new.append(t)
@@ -448,9 +447,13 @@ class LLMEngine:
             new_text, req.output_text = full[len(req.output_text):], full
         if reason is not None:
             self._finishing.append((req, reason))  # released at the end of the step (``_finish``)
+        prompt_lp = None
+        if p.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            prompt_lp, req.prompt_logprobs_sent = [None, *req.prompt_logprobs], True
         return RequestOutput(req.request_id, new, new_text, reason is not None, reason,
                              list(req.output_token_ids), req.output_text,
-                             req.metrics.num_steps, req.metrics.num_accepted_drafts)
+                             req.metrics.num_steps, req.metrics.num_accepted_drafts,
+                             None if logprobs is None else logprobs[:len(new)], prompt_lp)
 
     def pop_finished(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)

@@ -157,9 +157,12 @@ class ModelRunner:
 
     # -- target forwards -------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, chunks: list[tuple[Request, int]], keep_hidden: bool) -> dict[str, torch.Tensor]:
+    def prefill(self, chunks: list[tuple[Request, int]], keep_hidden: bool,
+                position_logits: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Run each request's next chunk; return {request_id: last logits [V]} for completed prefills.
-        From a captured graph when the runner has prefill graphs and one fits (short prefills)."""
+        From a captured graph when the runner has prefill graphs and one fits (short prefills).
+        ``position_logits``: when given, the logits of every position of the chunk [n, V] of each
+        request that ``needs_prompt_logits`` go there (the lm_head runs on those rows only)."""
         cu = [0]
         for _, n in chunks:
             cu.append(cu[-1] + n)
@@ -176,6 +179,8 @@ class ModelRunner:
             logits_of = lambda b: self.model.compute_logits(hidden[cu[b + 1] - 1:cu[b + 1]])[0]
         out = {}
         for b, (req, n) in enumerate(chunks):
+            if position_logits is not None and req.needs_prompt_logits:
+                position_logits[req.request_id] = self.model.compute_logits(hidden[cu[b]:cu[b + 1]])
             if keep_hidden:
                 req.queue_hidden(hidden[cu[b]:cu[b + 1]])
             req.num_computed += n

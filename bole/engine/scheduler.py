@@ -143,7 +143,7 @@ class Scheduler:
             if not self.state_pool.can_allocate(1):
                 break
             cache = self.prefix_cache
-            if cache is not None:
+            if cache is not None and not req.needs_prompt_logits:  # prompt logprobs need every position run
                 cache.share(req, cache.match(req.all_token_ids))
             if not take_chunk(req):
                 if cache is not None:

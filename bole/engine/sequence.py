@@ -14,6 +14,11 @@ filled positions and ``pending_hidden`` holds the target hiddens it has not cons
 With the prefix cache (``bole.cache.prefix_cache``) a request may start with num_computed > 0: its
 block table then begins with shared, immutable cached blocks (``prefix_nodes``) and its GDN state
 slot holds a copy of the checkpoint at their end.
+
+A request with ``prompt_logprobs`` keeps the scores of its prompt tokens as its prefill runs
+(``prompt_logprobs``, one per prompt token after the first); while they are incomplete it needs
+every prompt position's logits (``needs_prompt_logits``), so the scheduler gives it no prefix-cache
+hit (cached positions would not be run).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bole.sampling_params import SamplingParams
+from bole.spec.logprobs import TokenLogprob
 
 
 class RequestStatus(enum.Enum):
@@ -66,6 +72,8 @@ class Request:
     mtp_computed: int = 0
     pending_hidden: torch.Tensor | None = None   # [num_computed - mtp_computed, H]
     output_text: str = ""
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (``score_prompt``)
+    prompt_logprobs_sent: bool = False   # delivered with the first output
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     def queue_hidden(self, h: torch.Tensor) -> None:
@@ -79,6 +87,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether its next prefill must keep per-position logits (prompt logprobs still to score)."""
+        return self.params.prompt_logprobs is not None and \
+            len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
 
     @property
     def is_prefilling(self) -> bool:
