@@ -7,7 +7,8 @@ serves one in-process engine (tests, ``python -m deployments.ingress``) and a Ra
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (the tokenizer's chat
 template), server-sent-event streaming ending in ``data: [DONE]`` with ``stream_options.
 include_usage``; GET /health (engine loop alive), GET /ready (accepting requests), GET /metrics
-(Prometheus).
+(Prometheus). Sampling parameters map onto ``SamplingParams`` (penalties, ``logprobs`` /
+``top_logprobs``, ``echo`` with prompt logprobs); ``deployments.logprobs`` renders the logprobs.
 
 Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``:
   400 invalid_request_error   bad JSON / fields / unsupported options, and a prompt + max_tokens
@@ -31,7 +32,7 @@ import logging
 import os
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
@@ -49,6 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bole.sampling_params import SamplingParams
 from deployments.engine_client import EngineClient, EngineOverloaded, EngineUnavailable
+from deployments.logprobs import TokenText, openai_logprobs
 from deployments.openai_protocol import ChatCompletionRequest, CompletionRequest, UsageInfo, new_id, now
 
 logger = logging.getLogger(__name__)
@@ -102,6 +104,10 @@ class Choice:
     hardware_class: str = "unknown"
     num_steps: int = 0
     counts_prompt: bool = True     # False for the 2nd..nth sample of a prompt (usage counts it once)
+    logprobs: list = field(default_factory=list)   # ``TokenLogprob`` of every token so far (when asked)
+    prompt_logprobs: list | None = None            # echo: the prompt's, from the first output
+    echo: str | None = None                        # echo: the prompt's text, sent before the completion
+    text_offset: int = 0                           # completions logprobs: where the next token starts
 
 
 class ServerMetrics:
@@ -323,10 +329,8 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
             raise APIError(400, f"token ids out of range [0, {client.vocab_size}): {bad[:5]}", param=param)
         return ids
 
-    def make_choices(req, prompts: list[list[int]], max_tokens: int | None, kind: str) -> list[Choice]:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name):
-                raise APIError(400, f"{name} is not supported", param=name, code="unsupported")
+    def make_choices(req, prompts: list[list[int]], max_tokens: int | None, kind: str,
+                     logprobs: int | None = None, prompt_logprobs: int | None = None) -> list[Choice]:
         if req.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -348,7 +352,10 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
                         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=want,
                         min_tokens=req.min_tokens, stop=tuple(stop),
                         stop_token_ids=tuple(req.stop_token_ids or ()),
-                        seed=None if req.seed is None else req.seed + j, ignore_eos=req.ignore_eos)
+                        seed=None if req.seed is None else req.seed + j, ignore_eos=req.ignore_eos,
+                        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                        repetition_penalty=req.repetition_penalty, logprobs=logprobs,
+                        prompt_logprobs=prompt_logprobs)
                 except ValueError as e:
                     raise APIError(400, str(e)) from None
                 choices.append(Choice(p_index * req.n + j, ids, params, new_id(kind), counts_prompt=j == 0))
@@ -368,6 +375,9 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
                     first = False
             c.num_tokens += len(out.new_token_ids)
             c.text += out.new_text
+            c.logprobs += getattr(out, "logprobs", None) or []
+            if getattr(out, "prompt_logprobs", None) is not None:
+                c.prompt_logprobs = out.prompt_logprobs
             c.num_steps = getattr(out, "num_steps", 0)
             if out.finished:
                 c.finish_reason = out.finish_reason
@@ -392,6 +402,17 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
                 await asyncio.gather(task, return_exceptions=True)
                 raise APIError(499, "client disconnected", code="client_closed_request")
 
+    text_of = TokenText(client.tokenizer)
+
+    def render_logprobs(c: Choice, entries: list, with_prompt: bool, kind: str) -> dict | None:
+        """The OpenAI logprobs object of these tokens of ``c`` (``deployments.logprobs``); with_prompt:
+        the echoed prompt's tokens first. None when the request did not ask."""
+        if c.params.logprobs is None:
+            return None
+        obj, c.text_offset = openai_logprobs(text_of, kind, entries, c.text_offset,
+                                             c.prompt_token_ids if with_prompt else None, c.prompt_logprobs)
+        return obj
+
     async def respond(request: Request, req, choices: list[Choice], kind: str, arrival: float):
         rid, created = new_id("chatcmpl" if kind == "chat" else "cmpl"), now()
         obj = "chat.completion" if kind == "chat" else "text_completion"
@@ -408,10 +429,12 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
                 raise _engine_error(e) from None
             if kind == "chat":
                 body = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                         "logprobs": None, "finish_reason": c.finish_reason} for c in choices]
-            else:
-                body = [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+                         "logprobs": render_logprobs(c, c.logprobs, False, kind), "finish_reason": c.finish_reason}
                         for c in choices]
+            else:
+                body = [{"index": c.index, "text": (c.echo or "") + c.text,
+                         "logprobs": render_logprobs(c, c.logprobs, c.echo is not None, kind),
+                         "finish_reason": c.finish_reason} for c in choices]
             return {"id": rid, "object": obj, "created": created, "model": model_name, "choices": body,
                     "usage": usage(choices)}
 
@@ -425,14 +448,14 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
         except Exception as e:
             raise _engine_error(e) from None
 
-        def chunk(c: Choice, text: str, finish: str | None, role: bool = False) -> str:
+        def chunk(c: Choice, text: str, finish: str | None, role: bool = False, logprobs: dict | None = None) -> str:
             if kind == "chat":
                 delta = {"content": text} if text else {}
                 if role:
                     delta = {"role": "assistant", "content": text}
-                ch = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}
+                ch = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
-                ch = {"index": c.index, "text": text, "logprobs": None, "finish_reason": finish}
+                ch = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
             out = {"id": rid, "object": chunk_obj, "created": created, "model": model_name, "choices": [ch]}
             if include_usage:
                 out["usage"] = None
@@ -446,8 +469,10 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
                 item = first
                 while item is not None:
                     c, out = item
-                    if out.new_text or out.finished:
-                        yield chunk(c, out.new_text, c.finish_reason if out.finished else None)
+                    entries, echo, c.echo = getattr(out, "logprobs", None) or [], c.echo, None  # echo: once
+                    if out.new_text or out.finished or entries or echo is not None:
+                        yield chunk(c, (echo or "") + out.new_text, c.finish_reason if out.finished else None,
+                                    logprobs=render_logprobs(c, entries, echo is not None, kind))
                     try:
                         item = await stream.__anext__()
                     except StopAsyncIteration:
@@ -482,8 +507,10 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
     async def completions(req: CompletionRequest, request: Request):
         arrival = time.monotonic()
         check_model(req.model)
-        if req.echo or req.logprobs is not None or req.suffix is not None:
-            raise APIError(400, "echo, logprobs and suffix are not supported", code="unsupported")
+        if req.suffix is not None:
+            raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(400, "max_tokens must be >= 1 (0 only with echo)", param="max_tokens")
         if req.best_of not in (None, req.n):
             raise APIError(400, "best_of is not supported", param="best_of", code="unsupported")
         p = req.prompt
@@ -496,15 +523,21 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
         else:
             raise APIError(400, "prompt must be a string, a list of strings or token ids", param="prompt")
         prompts = [check_ids(ids, "prompt") for ids in prompts]
-        choices = make_choices(req, prompts, req.max_tokens, "cmpl")
+        # echo with logprobs scores the prompt; echo with max_tokens 0 and no logprobs still runs it
+        prompt_lp = (req.logprobs if req.logprobs is not None else 0 if req.max_tokens == 0 else None) \
+            if req.echo else None
+        choices = make_choices(req, prompts, req.max_tokens, "cmpl", req.logprobs, prompt_lp)
+        if req.echo:
+            for c in choices:
+                c.echo = client.tokenizer.decode(c.prompt_token_ids) if client.tokenizer is not None else ""
         return await respond(request, req, choices, "completion", arrival)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         arrival = time.monotonic()
         check_model(req.model)
-        if req.logprobs or req.tools:
-            raise APIError(400, "logprobs and tools are not supported", code="unsupported")
+        if req.tools:
+            raise APIError(400, "tools are not supported", param="tools", code="unsupported")
         if req.response_format and req.response_format.get("type") != "text":
             raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
         tok = client.tokenizer
@@ -525,7 +558,8 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
             raise APIError(400, f"the chat template failed on these messages: {e}",
                            param="messages") from None
         ids = check_ids(encode(text), "messages")
-        choices = make_choices(req, [ids], req.max_completion_tokens or req.max_tokens, "chat")
+        choices = make_choices(req, [ids], req.max_completion_tokens or req.max_tokens, "chat",
+                               (req.top_logprobs or 0) if req.logprobs else None)
         return await respond(request, req, choices, "chat", arrival)
 
     @app.get("/health")

@@ -11,7 +11,9 @@ import time
 import uuid
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from bole.sampling_params import MAX_LOGPROBS
 
 
 class StreamOptions(BaseModel):
@@ -35,17 +37,25 @@ class _SamplingFields(BaseModel):
     stream: bool = Field(False, description="Stream deltas as server-sent events ending in `data: [DONE]`.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options (include_usage).")
     user: str | None = Field(None, description="End-user id (accepted, unused).")
-    presence_penalty: float = Field(0.0, description="Not supported: must be 0.")
-    frequency_penalty: float = Field(0.0, description="Not supported: must be 0.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False, description=(
+        "Subtracted from the logit of every token already generated (OpenAI range [-2, 2])."))
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False, description=(
+        "Subtracted from a token's logit once per time it was generated (OpenAI range [-2, 2])."))
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False, description=(
+        "Divides positive / multiplies negative logits of tokens in the prompt or the output (> 0; "
+        "1 = off). vLLM extension."))
     logit_bias: dict[str, float] | None = Field(None, description="Not supported: must be empty.")
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[Union[int, str, list[int]]]] = Field(
         ..., description="A string, token ids, or a list of prompts (strings or token-id lists).")
-    max_tokens: int | None = Field(16, ge=1, description="The most tokens to generate (OpenAI default 16).")
-    echo: bool = Field(False, description="Not supported: must be false.")
-    logprobs: int | None = Field(None, description="Not supported: must be null.")
+    max_tokens: int | None = Field(16, ge=0, description=(
+        "The most tokens to generate (OpenAI default 16); 0 only with echo (score the prompt)."))
+    echo: bool = Field(False, description="Return the prompt before the completion (with logprobs: its "
+                                          "tokens' logprobs too, the first null).")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
+        "Return each token's logprob and this many most likely alternatives (0..20)."))
     best_of: int | None = Field(None, description="Not supported: must be null or equal to n.")
     suffix: str | None = Field(None, description="Not supported: must be null.")
 
@@ -62,9 +72,19 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1, description="The conversation so far.")
     max_completion_tokens: int | None = Field(None, ge=1, description="Newer OpenAI name of max_tokens.")
-    logprobs: bool = Field(False, description="Not supported: must be false.")
+    logprobs: bool = Field(False, description="Return each generated token's logprob.")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
+        "With logprobs: this many most likely alternatives per token (0..20)."))
     tools: list[dict[str, Any]] | None = Field(None, description="Not supported: must be absent.")
     response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'} is supported.")
+
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
 
 
 class UsageInfo(BaseModel):

@@ -148,7 +148,7 @@ def test_errors_are_openai_shaped(server, oai):
     _error(httpx.post(url + "/v1/completions", json={**ok, "prompt": ""}), 400)
     err = _error(httpx.post(url + "/v1/completions", json={**ok, "max_tokens": 10 ** 6}), 400)
     assert err["code"] == "context_length_exceeded"
-    _error(httpx.post(url + "/v1/completions", json={**ok, "logprobs": 2}), 400)
+    _error(httpx.post(url + "/v1/completions", json={**ok, "logprobs": 21}), 400)
     _error(httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": []}), 400)
     _error(httpx.post(url + "/v1/completions", content=b"x" * (5 * 1024 * 1024),
                       headers={"content-type": "application/json"}), 413)

@@ -141,3 +141,34 @@ def test_ray_serve_openai_prefix_affinity_and_reconfigure(cluster, tiny_model):
                                                         for v in f.values()) and len(f) == 2 and f)
     assert set(after) == before, "reconfigure restarted the replicas"
     assert oai.completions.create(model=MODEL, prompt="def", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_ray_serve_logprobs_echo_and_penalties(cluster, tiny_model):
+    """logprobs (completions and chat, streamed and not), echo with prompt logprobs and the penalties
+    through the Ray Serve app: the library's values on the same checkpoint."""
+    from bole.llm import LLM
+    from bole.sampling_params import SamplingParams
+
+    url, _ = cluster
+    oai = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    llm = LLM(tiny_model, **ENGINE_OPTIONS)
+    prompt = "def add(a, b):"
+    ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
+    ref = llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2,
+                                             prompt_logprobs=2, presence_penalty=1.5, repetition_penalty=1.3))[0]
+    r = oai.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, temperature=0, max_tokens=4,
+                               presence_penalty=1.5, extra_body={"ignore_eos": True, "repetition_penalty": 1.3})
+    c = r.choices[0]
+    assert c.text == prompt + ref.text and c.logprobs.token_logprobs[0] is None
+    want = [e.logprob for e in ref.prompt_logprobs[1:]] + [e.logprob for e in ref.logprobs]
+    assert max(abs(a - b) for a, b in zip(c.logprobs.token_logprobs[1:], want, strict=True)) <= 1e-5
+    msgs = [{"role": "user", "content": "hi"}]
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=msgs, stream=True, logprobs=True,
+                                              top_logprobs=1, temperature=0, max_tokens=3,
+                                              extra_body={"ignore_eos": True}))
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    full = oai.chat.completions.create(model=MODEL, messages=msgs, logprobs=True, top_logprobs=1, temperature=0,
+                                       max_tokens=3, extra_body={"ignore_eos": True}).choices[0].logprobs.content
+    assert len(streamed) == 3 and [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in full]
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        oai.chat.completions.create(model=MODEL, messages=msgs, top_logprobs=2, max_tokens=1)
