@@ -266,8 +266,12 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     result = asyncio.run(run(args))
+    # on a shared machine the other processes' load moves every figure: record it beside them
+    load_end = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     doc = {"label": args.label, "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
+           "loadavg_1m_start": load_start, "loadavg_1m_end": load_end,
            "hardware": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPUs".strip(),
            "python": platform.python_version(),
            "args": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()

@@ -54,6 +54,19 @@ def banner(url: str, model: str, key_env: str) -> str:
             f"{curl}\n\n{snippet}\n")
 
 
+def port_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be served, or None. Checked first: Ray's HTTP proxy binds with
+    SO_REUSEPORT, so a second ``make serve`` would silently share the port with the first one."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
 class StopSignals:
     """SIGINT and SIGTERM set ``requested`` (the caller drains and exits); a second one exits at once.
     Installed explicitly: a process started in the background inherits SIGINT ignored, and Python
@@ -96,6 +109,11 @@ def main(argv=None) -> int:
     host, port = http.get("host", "127.0.0.1"), int(http.get("port", 8000))
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     name = served_name(app_cfg)
+    busy = port_in_use(host, port)
+    if busy:
+        print(f"make serve: {host}:{port} is in use ({busy}); stop that server or change http_options.port",
+              file=sys.stderr)
+        return 2
     stop = StopSignals()
     if a.no_ray:
         return _serve_without_ray(app_cfg, host, port, url, name)

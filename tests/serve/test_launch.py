@@ -71,8 +71,17 @@ class Launch:
             if self.proc.poll() is not None:
                 break
             time.sleep(0.2)
-        self.proc.kill()
         raise AssertionError("no banner:\n" + "\n".join(self.lines[-40:]))
+
+    def kill(self) -> None:
+        """Whatever happened, leave no server behind (SIGINT, then SIGKILL)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
 
     def stop(self, sig: int, bound_s: float) -> float:
         t0 = time.perf_counter()
@@ -110,6 +119,13 @@ def test_no_ray_serve_banner_works_and_a_signal_drains_and_exits(tiny_model, tmp
     config, port = write_config(tmp_path, tiny_model)
     env = env_with_key()
     launch = Launch(config, "--no-ray", env=env)
+    try:
+        run_no_ray_case(launch, port, sig, env)
+    finally:
+        launch.kill()
+
+
+def run_no_ray_case(launch, port, sig, env) -> None:
     text = launch.wait_for_banner(120)
     if sig == signal.SIGINT:
         check_banner_works(text, env)
@@ -137,9 +153,25 @@ def test_ray_serve_a_signal_drains_and_exits(tiny_model, tmp_path):
     config, port = write_config(tmp_path, tiny_model)
     env = env_with_key()
     launch = Launch(config, "--num-cpus", "2", env=env)
-    text = launch.wait_for_banner(300)
-    assert re.search(rf"http://127\.0\.0\.1:{port}/v1", text)
-    check_banner_works(text, env)
-    took = launch.stop(signal.SIGINT, EXIT_BOUND_S["ray"])
-    assert "SIGINT: shutting down" in "\n".join(launch.lines)
-    print(f"ray exit after SIGINT: {took:.1f} s")
+    try:
+        text = launch.wait_for_banner(300)
+        assert re.search(rf"http://127\.0\.0\.1:{port}/v1", text)
+        check_banner_works(text, env)
+        took = launch.stop(signal.SIGINT, EXIT_BOUND_S["ray"])
+        assert "SIGINT: shutting down" in "\n".join(launch.lines)
+        print(f"ray exit after SIGINT: {took:.1f} s")
+    finally:
+        launch.kill()
+
+
+def test_a_port_in_use_is_refused(tiny_model, tmp_path):
+    """Ray's proxy binds with SO_REUSEPORT: a second server on the same port would share it silently."""
+    import socket
+
+    config, port = write_config(tmp_path, tiny_model)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+        r = subprocess.run([sys.executable, "-m", "deployments.launch", config], cwd=REPO_ROOT, env=env_with_key(),
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"127.0.0.1:{port} is in use" in r.stderr
