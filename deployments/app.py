@@ -9,6 +9,12 @@ count or autoscaling, calibration table (pushed through ``user_config`` so it ca
 ``reconfigure`` / ``serve deploy`` without restarts), and the ``BoleRequestRouter`` with the group's
 routing thresholds. The ingress is shared; with several groups it picks the group with the same
 policy over the whole fleet view (``deployments.replica.ServeEngineClient``).
+
+Capacity comes from the engines: a replica admits ``max_pending`` engine requests (its running batch
+and queue; default 4 x max_num_seqs) and Serve's ``max_ongoing_requests`` defaults to that, and the
+ingress's to the sum over groups of (max) replicas x max_pending plus ``PROBE_HEADROOM``, so the
+engines' batches fill and /metrics is answered under load. Serve's own default (5) had capped the
+whole endpoint at 5 requests.
 """
 
 from __future__ import annotations
@@ -18,11 +24,15 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from bole.config import CacheConfig
+from bole.config import CacheConfig, EngineConfig
+from deployments.engine_client import default_max_pending
+from deployments.ingress import DEFAULT_REQUEST_TIMEOUT_S
+from deployments.retry import RetryPolicy
 from deployments.routing_policy import RouterPolicyConfig
 
 ROUTER_CLASS = "deployments.router:BoleRequestRouter"
 INGRESS_NAME = "openai-ingress"
+PROBE_HEADROOM = 8   # ingress slots beyond what the engines admit: /metrics, /health, /ready
 
 
 class RouterOptions(BaseModel):
@@ -74,9 +84,11 @@ class GroupConfig(BaseModel):
         default_factory=dict, description="Ray resources of each TP worker actor (num_cpus, num_gpus); "
                                           "default 1 CPU, plus 1 GPU when the device is cuda.")
     placement_group_strategy: str = Field("STRICT_PACK", description="Placement of the TP bundles.")
-    max_ongoing_requests: int = Field(32, ge=1, description="Requests a replica holds at once (Serve).")
-    max_pending: int | None = Field(None, ge=1,
-                                    description="Engine admission limit (default 4 x max_num_seqs).")
+    max_ongoing_requests: int | None = Field(
+        None, ge=1, description="Calls a replica holds at once (Serve); default its admission limit "
+                                "(max_pending), so Serve never holds back what the engine would take.")
+    max_pending: int | None = Field(None, ge=1, description="Engine requests a replica admits: its running "
+                                                            "batch and its queue (default 4 x max_num_seqs).")
     graceful_shutdown_timeout_s: float = Field(60.0, gt=0, description="Drain time on shutdown / downscale.")
     router: RouterOptions = Field(default_factory=RouterOptions, description="Routing thresholds.")
 
@@ -93,6 +105,23 @@ class GroupConfig(BaseModel):
     def block_size(self) -> int:
         return int(self.engine_options.get("block_size", CacheConfig.block_size))
 
+    @property
+    def admission_limit(self) -> int:
+        """Engine requests one replica admits (running + queued)."""
+        seqs = int(self.engine_options.get("max_num_seqs", EngineConfig.max_num_seqs))
+        return self.max_pending or default_max_pending(seqs)
+
+    @property
+    def replica_max_ongoing(self) -> int:
+        return self.max_ongoing_requests or self.admission_limit
+
+    @property
+    def max_replica_count(self) -> int:
+        """Replicas the group can have at most (autoscaling's max_replicas, else num_replicas)."""
+        if self.autoscaling_config is not None:
+            return int(self.autoscaling_config.get("max_replicas", 1))
+        return self.num_replicas if isinstance(self.num_replicas, int) else 1
+
 
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -105,6 +134,16 @@ class AppConfig(BaseModel):
     api_key_env: str = Field("BOLE_API_KEY", description="Env var holding the bearer key (unset: no auth).")
     default_max_tokens: int | None = Field(None, ge=1, description="Chat max_tokens if a request has none.")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Larger HTTP bodies get 413.")
+    ingress_max_ongoing_requests: int | None = Field(
+        None, ge=1, description="HTTP requests one ingress replica handles at once (Serve); default what "
+                                "the groups can admit (sum of max replicas x max_pending) plus "
+                                f"{PROBE_HEADROOM} for /metrics and probes, so neither starves under load.")
+    request_timeout_s: float = Field(DEFAULT_REQUEST_TIMEOUT_S, gt=0, description="Server-side deadline of "
+                                     "every request (then 504 and its engine requests are aborted).")
+    retry_budget_s: float = Field(RetryPolicy.budget_s, ge=0, description="How long the ingress keeps "
+                                  "retrying a request that replicas refuse (draining) before a 503.")
+    protect_metrics: bool = Field(False, description="With an API key, require it on /metrics, /docs and "
+                                                     "/openapi.json too (or set BOLE_PROTECT_METRICS=1).")
 
     @field_validator("groups")
     @classmethod
@@ -122,6 +161,12 @@ class AppConfig(BaseModel):
                              f"got {sorted(sizes)}")
         return self
 
+    @property
+    def ingress_max_ongoing(self) -> int:
+        if self.ingress_max_ongoing_requests is not None:
+            return self.ingress_max_ongoing_requests
+        return sum(g.max_replica_count * g.admission_limit for g in self.groups) + PROBE_HEADROOM
+
 
 def replica_deployment(group: GroupConfig, model: str):
     """The bound Serve deployment of one group."""
@@ -132,7 +177,7 @@ def replica_deployment(group: GroupConfig, model: str):
 
     router_kwargs = group.router.model_dump(exclude={"stats_period_s"})
     options: dict[str, Any] = dict(
-        name=group.name, max_ongoing_requests=group.max_ongoing_requests,
+        name=group.name, max_ongoing_requests=group.replica_max_ongoing,
         ray_actor_options=group.ray_actor_options,
         user_config={"calibration_table": group.calibration_table},
         graceful_shutdown_timeout_s=group.graceful_shutdown_timeout_s,
@@ -167,15 +212,17 @@ def _ingress_class():
             g = cfg.groups[0]
             thresholds = g.router.model_dump(exclude={"stats_period_s", "routed_memory_blocks"})
             policy = RouterPolicyConfig(block_size=g.block_size, **thresholds)
-            self.client = ServeEngineClient(replicas, model_tokenizer(cfg.model), policy)
+            retry = RetryPolicy(budget_s=cfg.retry_budget_s)
+            self.client = ServeEngineClient(replicas, model_tokenizer(cfg.model), policy, retry)
 
         def __serve_build_asgi_app__(self):
             from deployments.ingress import build_app as build_http_app
 
             cfg = self.config
             return build_http_app(self.client, served_name(cfg), api_key=os.environ.get(cfg.api_key_env, ""),
-                                  max_body_bytes=cfg.max_body_bytes,
-                                  default_max_tokens=cfg.default_max_tokens)
+                                  max_body_bytes=cfg.max_body_bytes, default_max_tokens=cfg.default_max_tokens,
+                                  request_timeout_s=cfg.request_timeout_s,
+                                  protect_metrics=cfg.protect_metrics or None)
 
     return OpenAIIngress
 
@@ -191,5 +238,6 @@ def build_app(args: dict):
     cfg = AppConfig(**args)
     replicas = {g.name: replica_deployment(g, cfg.model) for g in cfg.groups}
     ingress = serve.deployment(_ingress_class()).options(
-        name=INGRESS_NAME, num_replicas=cfg.ingress_replicas, ray_actor_options={"num_cpus": 0})
+        name=INGRESS_NAME, num_replicas=cfg.ingress_replicas, ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=cfg.ingress_max_ongoing)
     return ingress.bind(replicas, cfg.model_dump())

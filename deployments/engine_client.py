@@ -5,36 +5,61 @@ The ingress never touches ``LLMEngine``; it holds an ``EngineClient``:
     tokenizer          the model's tokenizer (chat template, prompt encoding, usage counts)
     max_model_len      prompt + max_tokens must fit in this many tokens
     vocab_size         token ids of prompts must lie in [0, vocab_size)
-    generate(...)      async iterator of ``ServedOutput`` deltas; leaving it early aborts the request
+    max_choices        the most sub-requests one HTTP request may carry (n x prompts)
+    generate_many(subs)  async iterator of (sub-request index, ``ServedOutput`` delta); leaving it
+                       early aborts every sub-request still running
     is_alive()         whether the engine loop runs (GET /health)
     is_ready()         whether new requests are accepted (GET /ready; False while draining)
     fleet_stats()      one dict per replica for /metrics (hardware class, MAT, budget, queue, ...)
 
-``LocalEngineClient`` wraps an ``AsyncEngine`` in this process (tests, single-process serving);
-``deployments.replica.ServeEngineClient`` forwards to Ray Serve replicas through a handle.
-Admission control lives here: beyond ``max_pending`` requests in flight new ones fail fast with
-``EngineOverloaded`` (HTTP 429) instead of queueing without bound.
+One HTTP request (``n`` choices, or a batch of prompts) is a list of ``SubRequest``: each is its own
+engine request with its own id (and seed), and they travel together as one call, so they are
+admitted together (all or none) and reach one replica. They must not be N concurrent Serve calls:
+Serve gives every call made while handling one HTTP request that request's internal id, and its
+request router keeps one pending entry per internal id, so the second of two calls that wait for a
+replica at the same moment was never assigned (the ``n > 1`` hang of issue 22).
+
+``LocalEngineClient`` wraps an ``AsyncEngine`` in this process (tests, single-process serving, and
+inside each replica); ``deployments.replica.ServeEngineClient`` forwards to Ray Serve replicas.
+Admission control lives here: beyond ``max_pending`` engine requests in flight new ones fail fast
+with ``EngineOverloaded`` (HTTP 429) instead of queueing without bound.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Protocol, Sequence
 
 from bole.engine.engine import RequestOutput
 from bole.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class SubRequest:
+    """One engine request of an HTTP request: one choice of one prompt."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str
+
+
 @dataclass
 class ServedOutput(RequestOutput):
-    """A ``RequestOutput`` delta tagged with the hardware class of the replica that produced it."""
+    """A ``RequestOutput`` delta tagged with the hardware class of the replica that produced it.
+
+    On a request's first delta, ``prefill_s`` is the engine's time from scheduling the request to
+    its first token (compute, not waiting) and ``engine_queue_s`` its wait in the engine's queue;
+    None on later deltas and where the engine does not expose them (TP drivers)."""
 
     hardware_class: str = "unknown"
+    prefill_s: float | None = None
+    engine_queue_s: float | None = None
 
     @staticmethod
-    def wrap(out: RequestOutput, hardware: str) -> "ServedOutput":
-        return ServedOutput(**vars(out), hardware_class=hardware)
+    def wrap(out: RequestOutput, hardware: str, **timings) -> "ServedOutput":
+        return ServedOutput(**vars(out), hardware_class=hardware, **timings)
 
 
 class EngineOverloaded(RuntimeError):
@@ -42,16 +67,34 @@ class EngineOverloaded(RuntimeError):
 
 
 class EngineUnavailable(RuntimeError):
-    """The engine is draining, starting or stopped (HTTP 503)."""
+    """The engine is draining, starting or stopped (HTTP 503 with ``Retry-After``)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0, replica_id: str | None = None):
+        super().__init__(message)
+        self.retry_after_s, self.replica_id = retry_after_s, replica_id
+
+    def __reduce__(self):  # keep the fields across Ray's pickling
+        return type(self), (str(self), self.retry_after_s, self.replica_id)
+
+
+class RequestTimeout(TimeoutError):
+    """The request passed its server-side deadline (HTTP 504); its engine requests are aborted."""
+
+
+def unwrap_remote_error(e: BaseException) -> BaseException:
+    """The exception a replica raised, out of Ray's ``RayTaskError`` wrapper (whose ``str`` is the
+    remote traceback with ANSI colours, never fit for a client)."""
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, BaseException) else e
 
 
 class EngineClient(Protocol):
     tokenizer: Any
     max_model_len: int
     vocab_size: int
+    max_choices: int
 
-    def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 request_id: str) -> AsyncIterator[RequestOutput]: ...
+    def generate_many(self, subs: Sequence[SubRequest]) -> AsyncIterator[tuple[int, ServedOutput]]: ...
 
     async def is_ready(self) -> bool: ...
 
@@ -68,39 +111,110 @@ def hardware_class(device: str = "cpu") -> str:
 
 
 def engine_limits(engine) -> tuple[int, int]:
-    """(max_model_len, vocab_size) of an ``LLMEngine``: the KV capacity less one step's lookahead."""
-    return engine.capacity_tokens - engine.lookahead, engine.model.config.vocab_size
+    """(max_model_len, vocab_size) of an ``LLMEngine``: the model's positions or the KV capacity less
+    one step's lookahead, whichever is smaller (RoPE past the trained positions is not served)."""
+    cfg = engine.model.config
+    kv = engine.capacity_tokens - engine.lookahead
+    return min(kv, int(getattr(cfg, "max_position_embeddings", kv))), cfg.vocab_size
+
+
+async def merge_streams(streams: Sequence[AsyncIterator], deadline: float | None = None
+                        ) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave async iterators as (stream index, item), each iterated (and closed) inside its own
+    task, so closing this never touches a generator another task is running. ``deadline`` (the
+    event loop's clock) raises ``RequestTimeout`` when no stream has finished by then. An error of
+    one stream is raised here; leaving early, an error or the deadline cancel every stream."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, it: AsyncIterator) -> None:
+        try:
+            async with contextlib.aclosing(it):
+                async for item in it:
+                    queue.put_nowait((i, item))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer; CancelledError propagates
+            queue.put_nowait((i, e))
+            return
+        queue.put_nowait((i, end))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            timeout = None if deadline is None else deadline - loop.time()
+            try:
+                if timeout is not None and timeout <= 0:
+                    raise asyncio.TimeoutError
+                i, item = await asyncio.wait_for(queue.get(), timeout)
+            except asyncio.TimeoutError:
+                raise RequestTimeout("the request passed its server-side deadline") from None
+            if item is end:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class LocalEngineClient:
     """An ``AsyncEngine`` in this process, with admission control and a drain switch."""
 
-    def __init__(self, async_engine, max_pending: int | None = None, hardware: str | None = None):
+    def __init__(self, async_engine, max_pending: int | None = None, hardware: str | None = None,
+                 replica_id: str = "local"):
         self.async_engine = async_engine
         engine = async_engine.engine
         self.tokenizer = engine.tokenizer
         self.max_model_len, self.vocab_size = engine_limits(engine)
-        self.max_pending = max_pending if max_pending is not None else 4 * engine.config.max_num_seqs
+        self.max_pending = max_pending if max_pending is not None else default_max_pending(
+            engine.config.max_num_seqs)
+        self.max_choices = self.max_pending
         self.hardware_class = hardware or hardware_class(engine.config.device)
+        self.replica_id = replica_id
         self.num_pending = 0
+        self.num_refused = 0        # requests refused while draining (the ingress retries them elsewhere)
         self.accepting = True
         self._idle = asyncio.Event()
         self._idle.set()
 
-    async def generate(self, prompt_token_ids, params, request_id) -> AsyncIterator[RequestOutput]:
+    async def generate_many(self, subs: Sequence[SubRequest]) -> AsyncIterator[tuple[int, ServedOutput]]:
         if not self.accepting:
-            raise EngineUnavailable("the server is draining; retry on another replica")
-        if self.num_pending >= self.max_pending:
-            raise EngineOverloaded(f"{self.num_pending} requests in flight (max_pending={self.max_pending})")
-        self.num_pending += 1
+            self.num_refused += 1
+            raise EngineUnavailable("the server is draining; retry on another replica",
+                                    replica_id=self.replica_id)
+        if self.num_pending + len(subs) > self.max_pending:
+            raise EngineOverloaded(f"{self.num_pending} requests in flight, {len(subs)} more asked for "
+                                   f"(max_pending={self.max_pending})")
+        self.num_pending += len(subs)   # all or none: admitted together, released together
         self._idle.clear()
         try:
-            async for out in self.async_engine.generate(prompt_token_ids, params, request_id):
-                yield ServedOutput.wrap(out, self.hardware_class)
+            async for i, out in merge_streams([self._one(s) for s in subs]):
+                yield i, out
         finally:
-            self.num_pending -= 1
+            self.num_pending -= len(subs)
             if self.num_pending == 0:
                 self._idle.set()
+
+    async def _one(self, sub: SubRequest) -> AsyncIterator[ServedOutput]:
+        first = True
+        async for out in self.async_engine.generate(sub.prompt_token_ids, sub.params, sub.request_id):
+            timings = self._timings(sub.request_id) if first and out.new_token_ids else {}
+            first = first and not out.new_token_ids
+            yield ServedOutput.wrap(out, self.hardware_class, **timings)
+
+    def _timings(self, request_id: str) -> dict:
+        """The engine's clock of a request at its first token (``RequestMetrics``); the request stays
+        in ``engine.requests`` until its stream ends, and these floats are written once."""
+        req = getattr(self.async_engine.engine, "requests", {}).get(request_id)
+        m = getattr(req, "metrics", None)
+        if m is None or m.scheduled_time is None or m.first_token_time is None:
+            return {}
+        return {"prefill_s": m.first_token_time - m.scheduled_time,
+                "engine_queue_s": m.scheduled_time - m.arrival_time}
 
     async def is_alive(self) -> bool:
         return self.async_engine._thread.is_alive()
@@ -123,8 +237,14 @@ class LocalEngineClient:
     def stats(self) -> dict:
         snap = self.async_engine.metrics()
         snap.update(self.async_engine.budget_state())
-        snap.update(hardware_class=self.hardware_class, pending=self.num_pending, accepting=self.accepting)
+        snap.update(hardware_class=self.hardware_class, pending=self.num_pending, accepting=self.accepting,
+                    refused=self.num_refused, max_pending=self.max_pending)
         return snap
 
     async def fleet_stats(self) -> list[dict]:
         return [{"replica": "local", **self.stats()}]
+
+
+def default_max_pending(max_num_seqs: int) -> int:
+    """Engine requests a replica admits by default: its running batch and three batches queued."""
+    return 4 * max_num_seqs

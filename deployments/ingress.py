@@ -11,81 +11,86 @@ include_usage``; GET /health (engine loop alive), GET /ready (accepting requests
 ``top_logprobs``, ``echo`` with prompt logprobs); ``deployments.logprobs`` renders the logprobs.
 
 Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``:
-  400 invalid_request_error   bad JSON / fields / unsupported options, and a prompt + max_tokens
-                              over the engine's capacity (code ``context_length_exceeded``, as
-                              OpenAI and vLLM do: the client can fix it by asking for fewer tokens)
-  401 authentication_error    missing / wrong ``Authorization: Bearer`` key (when a key is set)
+  400 invalid_request_error   bad JSON / fields / unsupported options (``param`` names the field),
+                              and a prompt + max_tokens over ``max_model_len`` (code
+                              ``context_length_exceeded``, as OpenAI and vLLM do)
+  401 authentication_error    missing / wrong ``Authorization: Bearer`` key (when a key is set),
+                              checked before the body is read
   404 not_found_error         unknown model or route
   413 invalid_request_error   HTTP body over ``max_body_bytes`` (code ``request_too_large``)
   429 overloaded_error        too many requests in flight (``Retry-After`` set; clients retry)
-  503 unavailable_error       draining / not ready
+  503 unavailable_error       draining / not ready (``Retry-After`` set)
+  504 timeout_error           the request passed its deadline (``request_timeout_s``)
 A failing request never disturbs the others: validation happens before anything reaches the
-engine, and a request's stream ending (finished, error or client disconnect) aborts only it.
+engine, and a request's stream ending (finished, error, deadline or client disconnect) aborts only
+its own engine requests. ``n`` choices (and a batch of prompts) are independent engine requests,
+sent together (``EngineClient.generate_many``); seeded choice i samples with ``seed + i``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
+import math
 import os
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bole.sampling_params import SamplingParams
-from deployments.engine_client import EngineClient, EngineOverloaded, EngineUnavailable
+from deployments.engine_client import (
+    EngineClient,
+    EngineOverloaded,
+    EngineUnavailable,
+    RequestTimeout,
+    SubRequest,
+    merge_streams,
+    unwrap_remote_error,
+)
+from deployments.http_guards import APIError, ApiKeyGuard, BodySizeLimit, RequestClock, arrival_time
 from deployments.logprobs import TokenText, openai_logprobs
 from deployments.openai_protocol import ChatCompletionRequest, CompletionRequest, UsageInfo, new_id, now
+from deployments.retry import REPLICA_GONE_ERRORS
+from deployments.server_metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "BOLE_API_KEY"
+PROTECT_METRICS_ENV = "BOLE_PROTECT_METRICS"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
 
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+__all__ = ["APIError", "build_app", "main"]
 
 
 def _engine_error(e: BaseException) -> APIError:
-    """Map what the engine (or a replica) raised to an HTTP error."""
+    """Map what the engine (or a replica) raised to an HTTP error. A replica's exception arrives
+    wrapped by Ray, whose text is a remote traceback: only the original message reaches a client."""
+    e = unwrap_remote_error(e)
     if isinstance(e, APIError):
         return e
-    if isinstance(e, EngineOverloaded) or type(e).__name__ == "BackPressureError":
+    if isinstance(e, EngineOverloaded) or type(e).__name__ in ("BackPressureError", "DeploymentUnavailableError"):
         return APIError(429, f"server overloaded: {e}", "overloaded_error", code="queue_full",
                         headers={"Retry-After": "1"})
     if isinstance(e, EngineUnavailable):
-        return APIError(503, str(e), "unavailable_error", code="unavailable", headers={"Retry-After": "1"})
+        retry = str(max(1, math.ceil(e.retry_after_s)))
+        return APIError(503, str(e), "unavailable_error", code="unavailable", headers={"Retry-After": retry})
+    if type(e).__name__ in REPLICA_GONE_ERRORS:  # after its first output: not retried (tokens were sent)
+        return APIError(503, "the replica serving this request stopped before it finished; send it again",
+                        "unavailable_error", code="replica_unavailable", headers={"Retry-After": "1"})
+    if isinstance(e, RequestTimeout):
+        return APIError(504, str(e), "timeout_error", code="request_timeout")
     if isinstance(e, ValueError):
         return APIError(400, str(e))
-    logger.exception("request failed", exc_info=e)
+    logger.error("request failed: %s: %s", type(e).__name__, e)
     return APIError(500, f"internal error: {type(e).__name__}", "internal_error", code="internal_error")
 
 
@@ -109,153 +114,19 @@ class Choice:
     echo: str | None = None                        # echo: the prompt's text, sent before the completion
     text_offset: int = 0                           # completions logprobs: where the next token starts
 
-
-class ServerMetrics:
-    """Prometheus metrics of one app (its own registry, so several apps can live in one process)."""
-
-    def __init__(self, model_name: str):
-        self.model_name = model_name
-        self.registry = r = CollectorRegistry()
-        hw = ["model", "hardware_class"]
-        self.requests = Counter("bole_requests", "Finished HTTP requests", ["model", "endpoint", "status"],
-                                registry=r)
-        self.prompt_tokens = Counter("bole_prompt_tokens", "Prompt tokens", hw, registry=r)
-        self.generation_tokens = Counter("bole_generation_tokens", "Generated tokens", hw, registry=r)
-        self.ttft = Histogram("bole_time_to_first_token_seconds", "TTFT seen by the ingress", hw,
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("bole_time_per_output_token_seconds", "TPOT after the first token", hw,
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.mat = Histogram("bole_request_mean_accepted_tokens", "Tokens per decode step of a request (MAT)",
-                             hw, buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12, 16), registry=r)
-        rep = ["model", "replica", "hardware_class"]
-        self.gauges = {
-            "mat": Gauge("bole_engine_mat", "Mean accepted tokens per request-step", rep, registry=r),
-            "budget_used": Gauge("bole_verify_budget_used_ratio", "Draft nodes verified / B_ver", rep,
-                                 registry=r),
-            "b_ver": Gauge("bole_verify_budget_b_ver", "B_ver of the current calibration bucket", rep,
-                           registry=r),
-            "bucket": Gauge("bole_calibration_bucket", "Current calibration bucket index", rep, registry=r),
-            "prefix_hit_rate": Gauge("bole_prefix_cache_hit_rate", "Share of prompt tokens served from "
-                                     "the prefix cache", rep, registry=r),
-            "running": Gauge("bole_running_requests", "Requests in the running batch", rep, registry=r),
-            "waiting": Gauge("bole_waiting_requests", "Requests queued in the engine", rep, registry=r),
-            "num_prefix_blocks": Gauge("bole_prefix_summary_blocks", "Block hashes in the replica's prefix "
-                                       "summary", rep, registry=r),
-        }
-        self.table = Gauge("bole_calibration_table_info", "Calibration table in use (value 1)",
-                           rep + ["table_id"], registry=r)
-
-    def observe_choice(self, c: Choice, end: float) -> None:
-        labels = (self.model_name, c.hardware_class)
-        self.generation_tokens.labels(*labels).inc(c.num_tokens)
-        if c.counts_prompt:
-            self.prompt_tokens.labels(*labels).inc(len(c.prompt_token_ids))
-        if c.first_token_time is not None and c.num_tokens > 1:
-            self.tpot.labels(*labels).observe((end - c.first_token_time) / (c.num_tokens - 1))
-        if c.num_steps:
-            self.mat.labels(*labels).observe((c.num_tokens - 1) / c.num_steps)
-
-    def export(self, fleet: list[dict]) -> bytes:
-        for g in (*self.gauges.values(), self.table):
-            g.clear()
-        for s in fleet:
-            labels = (self.model_name, str(s.get("replica", "?")), str(s.get("hardware_class", "unknown")))
-            for key, g in self.gauges.items():
-                if key in s:
-                    g.labels(*labels).set(float(s[key]))
-            if "table_id" in s:
-                self.table.labels(*labels, str(s["table_id"])).set(1)
-        return generate_latest(self.registry)
-
-
-class BodySizeLimit:
-    """ASGI middleware: 413 once a request body exceeds ``max_bytes`` (declared or streamed)."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        too_large = APIError(413, f"request body exceeds {self.max_bytes} bytes", code="request_too_large")
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await too_large.response()(scope, receive, send)
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise APIError(413, too_large.message, code="request_too_large")
-            return message
-
-        return await self.app(scope, limited_receive, send)
-
-
-class RequestCounter:
-    """ASGI middleware counting /v1 responses by status (pure ASGI: streaming and disconnects pass
-    through untouched, unlike ``BaseHTTPMiddleware``)."""
-
-    def __init__(self, app, metrics: "ServerMetrics"):
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send):
-        path = scope.get("path", "")
-        if scope["type"] != "http" or not path.startswith("/v1/"):
-            return await self.app(scope, receive, send)
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start":
-                self.metrics.requests.labels(self.metrics.model_name, path, str(message["status"])).inc()
-            await send(message)
-
-        return await self.app(scope, receive, counting_send)
+    @property
+    def sub(self) -> SubRequest:
+        return SubRequest(self.prompt_token_ids, self.params, self.request_id)
 
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-async def _merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
-    """Interleave several async iterators as (stream index, item); closing this closes them all."""
-    if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    end = object()
-
-    async def pump(i, it):
-        try:
-            async for item in it:
-                await queue.put((i, item))
-            await queue.put((i, end))
-        except Exception as e:
-            await queue.put((i, e))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is end:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, default_max_tokens: int | None = None,
-              drain_timeout_s: float = 30.0) -> FastAPI:
+              drain_timeout_s: float = 30.0, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+              protect_metrics: bool | None = None) -> FastAPI:
     """The OpenAI-compatible app over ``engine_client``.
 
     api_key: required ``Authorization: Bearer`` key for /v1 routes; None reads ``$BOLE_API_KEY``;
@@ -264,9 +135,18 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
     default_max_tokens: chat requests without max_tokens generate up to this many tokens (None:
         the rest of the context, as vLLM does); completions default to 16 as in the OpenAI API.
     drain_timeout_s: on shutdown, how long to wait for in-flight requests.
+    request_timeout_s: every request's server-side deadline from its arrival; past it the request's
+        engine requests are aborted and the client gets a 504 (``request_timeout``; streaming: an
+        error event, then ``[DONE]``).
+    protect_metrics: with a key set, also require it on /metrics, /docs and /openapi.json; None
+        reads ``$BOLE_PROTECT_METRICS`` (1 / true / yes).
     """
+    if not request_timeout_s > 0:
+        raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s!r}")
     client = engine_client
     api_key = (api_key if api_key is not None else os.environ.get(API_KEY_ENV)) or None
+    if protect_metrics is None:
+        protect_metrics = os.environ.get(PROTECT_METRICS_ENV, "").strip().lower() in ("1", "true", "yes")
     metrics = ServerMetrics(model_name)
 
     @asynccontextmanager
@@ -281,8 +161,10 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
 
     app = FastAPI(title="Bole OpenAI-compatible server", lifespan=lifespan)
     app.state.engine_client, app.state.metrics = client, metrics
+    # the last added runs first: the clock, then auth (before the body is read), then the size limit
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    app.add_middleware(RequestCounter, metrics=metrics)
+    app.add_middleware(ApiKeyGuard, api_key=api_key, protect_docs=protect_metrics)
+    app.add_middleware(RequestClock, metrics=metrics)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -291,8 +173,12 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, e: RequestValidationError):
         err = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         msg = err.get("msg", "invalid request")
+        if err.get("type") == "json_invalid":  # loc is ("body", byte offset): no field to name
+            pos = next((x for x in err.get("loc", ()) if isinstance(x, int)), None)
+            where = f" at character {pos}" if pos is not None else ""
+            return APIError(400, f"the body is not valid JSON{where}: {msg}", code="json_invalid").response()
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         return APIError(400, f"{'.'.join(loc) + ': ' if loc else ''}{msg}", param=".".join(loc) or None,
                         code=err.get("type")).response()
 
@@ -300,15 +186,6 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
     async def _http_error(request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return APIError(e.status_code, str(e.detail), kind).response()
-
-    def check_auth(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           "authentication_error", code="invalid_api_key")
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -336,6 +213,9 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > 4:
             raise APIError(400, "at most 4 stop sequences", param="stop")
+        if len(prompts) * req.n > client.max_choices:
+            raise APIError(400, f"{len(prompts)} prompt(s) x n={req.n} is more than the {client.max_choices} "
+                           "sequences one request may ask for", param="n")
         choices = []
         for p_index, ids in enumerate(prompts):
             room = client.max_model_len - len(ids)
@@ -347,6 +227,7 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
                                f"the request has {len(ids)} prompt tokens and asks for {want} more",
                                param="max_tokens" if room >= 1 else "prompt", code="context_length_exceeded")
             for j in range(req.n):
+                # choice j of a seeded request samples with seed + j: distinct, reproducible samples
                 try:
                     params = SamplingParams(
                         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=want,
@@ -363,26 +244,36 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
 
     # -- running ----------------------------------------------------------------------------------
     async def run(choices: list[Choice], arrival: float) -> AsyncIterator[tuple[Choice, object]]:
-        streams = [client.generate(c.prompt_token_ids, c.params, c.request_id) for c in choices]
+        """The choices' deltas as they come, all from one ``generate_many`` call (one admission, one
+        replica), until the request's deadline; leaving early aborts the engine requests."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + request_timeout_s - (time.monotonic() - arrival)
         first = True
-        async for i, out in _merge(streams):
-            c = choices[i]
-            if out.new_token_ids and c.first_token_time is None:
-                c.first_token_time = time.monotonic()
-                c.hardware_class = getattr(out, "hardware_class", "unknown")
-                if first:
-                    metrics.ttft.labels(model_name, c.hardware_class).observe(c.first_token_time - arrival)
-                    first = False
-            c.num_tokens += len(out.new_token_ids)
-            c.text += out.new_text
-            c.logprobs += getattr(out, "logprobs", None) or []
-            if getattr(out, "prompt_logprobs", None) is not None:
-                c.prompt_logprobs = out.prompt_logprobs
-            c.num_steps = getattr(out, "num_steps", 0)
-            if out.finished:
-                c.finish_reason = out.finish_reason
-                metrics.observe_choice(c, time.monotonic())
-            yield c, out
+        try:
+            async for _, (i, out) in merge_streams([client.generate_many([c.sub for c in choices])], deadline):
+                c = choices[i]
+                if out.new_token_ids and c.first_token_time is None:
+                    c.first_token_time = time.monotonic()
+                    c.hardware_class = getattr(out, "hardware_class", "unknown")
+                    if first:
+                        metrics.observe_first_token(c.hardware_class, c.first_token_time - arrival,
+                                                    getattr(out, "prefill_s", None))
+                        first = False
+                c.num_tokens += len(out.new_token_ids)
+                c.text += out.new_text
+                c.logprobs += getattr(out, "logprobs", None) or []
+                if getattr(out, "prompt_logprobs", None) is not None:
+                    c.prompt_logprobs = out.prompt_logprobs
+                c.num_steps = getattr(out, "num_steps", 0)
+                if out.finished:
+                    c.finish_reason = out.finish_reason
+                    metrics.observe_choice(c.hardware_class, len(c.prompt_token_ids) if c.counts_prompt else 0,
+                                           c.num_tokens, c.first_token_time, c.num_steps, time.monotonic())
+                yield c, out
+        except RequestTimeout:
+            metrics.aborted.labels(model_name, "deadline").inc()
+            raise RequestTimeout(f"the request did not finish within its deadline (request_timeout_s="
+                                 f"{request_timeout_s:g}); its engine requests were aborted") from None
 
     def usage(choices: list[Choice]) -> dict:
         prompt = sum(len(c.prompt_token_ids) for c in choices if c.counts_prompt)
@@ -391,16 +282,24 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
                          total_tokens=prompt + completion).model_dump()
 
     async def until_disconnected(request: Request, work):
-        """Run ``work`` (a coroutine); cancel it if the client goes away (aborting its requests)."""
+        """Run ``work`` (a coroutine); cancel it if the client goes away (aborting its requests), and
+        when this handler itself is cancelled (Serve cancels it when its client disconnects)."""
         task = asyncio.ensure_future(work)
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    metrics.aborted.labels(model_name, "client_disconnected").inc()
+                    raise APIError(499, "client disconnected", code="client_closed_request")
+        except asyncio.CancelledError:
+            metrics.aborted.labels(model_name, "client_disconnected").inc()
+            raise
+        finally:
+            if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-                raise APIError(499, "client disconnected", code="client_closed_request")
 
     text_of = TokenText(client.tokenizer)
 
@@ -446,6 +345,7 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
         except StopAsyncIteration:
             first = None
         except Exception as e:
+            await stream.aclose()
             raise _engine_error(e) from None
 
         def chunk(c: Choice, text: str, finish: str | None, role: bool = False, logprobs: dict | None = None) -> str:
@@ -480,7 +380,10 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
                 if include_usage:
                     yield _sse({"id": rid, "object": chunk_obj, "created": created, "model": model_name,
                                 "choices": [], "usage": usage(choices)})
-            except Exception as e:  # mid-stream failure: an error event, then the stream ends
+            except (asyncio.CancelledError, GeneratorExit):  # the client went away mid-stream
+                metrics.aborted.labels(model_name, "stream_closed").inc()
+                raise
+            except Exception as e:  # mid-stream failure or deadline: an error event, then the stream ends
                 yield _sse(_engine_error(e).body())
             finally:
                 await stream.aclose()
@@ -494,25 +397,29 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
         return {"id": model_name, "object": "model", "created": now(), "owned_by": "bole",
                 "max_model_len": client.max_model_len}
 
-    @app.get("/v1/models", dependencies=[Depends(check_auth)])
+    @app.get("/v1/models")
     async def list_models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{name:path}", dependencies=[Depends(check_auth)])
+    @app.get("/v1/models/{name:path}")
     async def get_model(name: str):
         check_model(name)
         return model_card()
 
-    @app.post("/v1/completions", dependencies=[Depends(check_auth)])
+    @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        arrival = time.monotonic()
+        arrival = arrival_time(request.scope)
         check_model(req.model)
         if req.suffix is not None:
             raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
         if req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens must be >= 1 (0 only with echo)", param="max_tokens")
-        if req.best_of not in (None, req.n):
-            raise APIError(400, "best_of is not supported", param="best_of", code="unsupported")
+        if req.best_of is not None and req.best_of < req.n:
+            raise APIError(400, f"best_of ({req.best_of}) must be at least n ({req.n})", param="best_of")
+        if req.best_of is not None and req.best_of > req.n:
+            # ranking the candidates by cumulative logprob is not implemented; best_of == n is the same as n
+            raise APIError(400, "best_of > n is not supported; best_of == n is", param="best_of",
+                           code="unsupported")
         p = req.prompt
         if isinstance(p, str):
             prompts = [encode(p)]
@@ -532,9 +439,9 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
                 c.echo = client.tokenizer.decode(c.prompt_token_ids) if client.tokenizer is not None else ""
         return await respond(request, req, choices, "completion", arrival)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        arrival = time.monotonic()
+        arrival = arrival_time(request.scope)
         check_model(req.model)
         if req.tools:
             raise APIError(400, "tools are not supported", param="tools", code="unsupported")
@@ -611,12 +518,15 @@ def main(argv=None) -> int:
     p.add_argument("--calibration-table", default=EngineConfig.calibration_table)
     p.add_argument("--api-key", default=None, help=f"require this bearer key (default: ${API_KEY_ENV})")
     p.add_argument("--default-max-tokens", type=int, default=None)
+    p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
+                   help="server-side deadline of every request, seconds (then 504, engine request aborted)")
     a = p.parse_args(argv)
     engine = build_engine(a.model, mode=a.mode, device=a.device, dtype=a.dtype, num_blocks=a.num_blocks,
                           max_num_seqs=a.max_num_seqs, calibration_table=a.calibration_table)
     client = LocalEngineClient(AsyncEngine(engine))
     name = a.served_model_name or os.path.basename(os.path.normpath(a.model))
-    app = build_app(client, name, api_key=a.api_key, default_max_tokens=a.default_max_tokens)
+    app = build_app(client, name, api_key=a.api_key, default_max_tokens=a.default_max_tokens,
+                    request_timeout_s=a.request_timeout)
     uvicorn.run(app, host=a.host, port=a.port, log_level="info", timeout_graceful_shutdown=30)
     return 0
 

@@ -1,6 +1,7 @@
 """``python -m deployments.launch cluster_configs/local.yaml``: start a local Ray cluster, deploy the
 config (as ``serve run CONFIG`` does), wait until it serves, print the URL and a working openai
-snippet, and keep serving until Ctrl-C (then Serve drains the replicas gracefully).
+snippet, and keep serving until SIGINT (Ctrl-C) or SIGTERM: then Serve drains the replicas and the
+process exits (``--no-ray``: uvicorn stops accepting, the app drains, the engine stops).
 
 ``--no-ray`` serves the config's first group in this process instead (``deployments.ingress``
 over a local engine), for machines where Ray cannot start.
@@ -12,15 +13,17 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 
 import yaml
 
+from bole.config import ENGINE_MODES
 from bole.llm import resolve_repo_path
 
 SNIPPET = """\
-from openai import OpenAI
-client = OpenAI(base_url="{url}/v1", api_key="{key}")
+{imports}from openai import OpenAI
+client = OpenAI(base_url="{url}/v1", api_key={key})
 messages = [{{"role": "user", "content": "Write a Python function that adds two numbers."}}]
 out = client.chat.completions.create(model="{model}", messages=messages, max_tokens=64)
 print(out.choices[0].message.content)"""
@@ -39,9 +42,46 @@ def check_model(path: str) -> str | None:
 
 
 def banner(url: str, model: str, key_env: str) -> str:
-    key = "$" + key_env if os.environ.get(key_env) else "unused"
+    """Where the server is, a curl line and an openai snippet that work as printed: with a key set,
+    both read it from the environment variable (never printed) and send it."""
+    if os.environ.get(key_env):
+        curl = f'curl -H "Authorization: Bearer ${key_env}" {url}/v1/models'
+        snippet = SNIPPET.format(imports="import os\n", url=url, key=f'os.environ["{key_env}"]', model=model)
+    else:
+        curl = f"curl {url}/v1/models"
+        snippet = SNIPPET.format(imports="", url=url, key='"unused"', model=model)
     return (f"\nBole is serving {model!r} at {url}/v1  (health: {url}/health, metrics: {url}/metrics)\n\n"
-            f"curl {url}/v1/models\n\n" + SNIPPET.format(url=url, key=key, model=model) + "\n")
+            f"{curl}\n\n{snippet}\n")
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be served, or None. Checked first: Ray's HTTP proxy binds with
+    SO_REUSEPORT, so a second ``make serve`` would silently share the port with the first one."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
+class StopSignals:
+    """SIGINT and SIGTERM set ``requested`` (the caller drains and exits); a second one exits at once.
+    Installed explicitly: a process started in the background inherits SIGINT ignored, and Python
+    then never raises KeyboardInterrupt, so Ctrl-C / ``kill -INT`` did nothing."""
+
+    def __init__(self):
+        self.requested: int | None = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, sig, frame) -> None:
+        if self.requested is not None:
+            print("second signal: exiting without draining", file=sys.stderr, flush=True)
+            os._exit(128 + sig)
+        self.requested = sig
 
 
 def main(argv=None) -> int:
@@ -49,12 +89,17 @@ def main(argv=None) -> int:
     p.add_argument("config", help="Serve config YAML (cluster_configs/local.yaml)")
     p.add_argument("--no-ray", action="store_true", help="serve in this process without Ray")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs for the local Ray cluster")
+    p.add_argument("--mode", choices=ENGINE_MODES, default=None,
+                   help="override every group's engine_options.mode (ar / serial_tree / bole)")
     a = p.parse_args(argv)
     with open(a.config) as f:
         cfg = yaml.safe_load(f)
     from deployments.app import AppConfig, served_name
 
     app = cfg["applications"][0]
+    if a.mode is not None:
+        for group in app["args"]["groups"]:
+            group.setdefault("engine_options", {})["mode"] = a.mode
     app_cfg = AppConfig(**app["args"])
     problem = check_model(app_cfg.model)
     if problem:
@@ -64,6 +109,12 @@ def main(argv=None) -> int:
     host, port = http.get("host", "127.0.0.1"), int(http.get("port", 8000))
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     name = served_name(app_cfg)
+    busy = port_in_use(host, port)
+    if busy:
+        print(f"make serve: {host}:{port} is in use ({busy}); stop that server or change http_options.port",
+              file=sys.stderr)
+        return 2
+    stop = StopSignals()
     if a.no_ray:
         return _serve_without_ray(app_cfg, host, port, url, name)
 
@@ -77,7 +128,7 @@ def main(argv=None) -> int:
     serve.start(http_options=http, proxy_location=cfg.get("proxy_location", "HeadOnly"))
     _get_global_client().deploy_apps(schema)
     print(f"deploying {app['name']} (loading the model in the replicas)...", flush=True)
-    while True:
+    while stop.requested is None:
         status = serve.status().applications.get(app["name"])
         if status is not None and status.status == "RUNNING":
             break
@@ -86,15 +137,11 @@ def main(argv=None) -> int:
             serve.shutdown()
             return 1
         time.sleep(1)
-    print(banner(url, name, app_cfg.api_key_env), flush=True)
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    try:
-        while not stop:
-            time.sleep(1)
-    except KeyboardInterrupt:
-        pass
-    print("shutting down (draining replicas)...", flush=True)
+    if stop.requested is None:
+        print(banner(url, name, app_cfg.api_key_env), flush=True)
+    while stop.requested is None:
+        time.sleep(0.2)
+    print(f"{signal.Signals(stop.requested).name}: shutting down (draining replicas)...", flush=True)
     serve.shutdown()
     ray.shutdown()
     return 0
@@ -112,9 +159,21 @@ def _serve_without_ray(cfg, host: str, port: int, url: str, name: str) -> int:
     engine = build_engine(cfg.model, **{**group.engine_options, "calibration_table": group.calibration_table})
     client = LocalEngineClient(AsyncEngine(engine), group.max_pending)
     app = build_app(client, name, api_key=os.environ.get(cfg.api_key_env, ""),
-                    max_body_bytes=cfg.max_body_bytes, default_max_tokens=cfg.default_max_tokens)
-    print(banner(url, name, cfg.api_key_env), flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=30)
+                    max_body_bytes=cfg.max_body_bytes, default_max_tokens=cfg.default_max_tokens,
+                    request_timeout_s=cfg.request_timeout_s, protect_metrics=cfg.protect_metrics or None)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                           timeout_graceful_shutdown=30))
+
+    def announce():  # once the socket listens: the banner's commands work as soon as they show
+        while not server.started and not server.should_exit:
+            time.sleep(0.05)
+        if server.started:
+            print(banner(url, name, cfg.api_key_env), flush=True)
+
+    threading.Thread(target=announce, daemon=True).start()
+    # uvicorn takes SIGINT / SIGTERM while it runs (stop accepting, drain through the app's
+    # lifespan, then stop the engine) and re-raises the signal to StopSignals afterwards
+    server.run()
     return 0
 
 

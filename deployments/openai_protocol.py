@@ -29,7 +29,8 @@ class _SamplingFields(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(-1, ge=-1, description="Keep the k most likely tokens (-1 or 0: off). vLLM extension.")
     min_tokens: int = Field(0, ge=0, description="No EOS / stop tokens before this many. vLLM extension.")
-    n: int = Field(1, ge=1, le=16, description="Completions to generate per prompt.")
+    n: int = Field(1, ge=1, le=16, description="Completions per prompt: independent engine requests, "
+                                               "sent to one replica together.")
     stop: Union[str, list[str], None] = Field(None, description="Up to 4 strings that end generation.")
     stop_token_ids: list[int] | None = Field(None, description="Token ids ending generation. vLLM extension.")
     ignore_eos: bool = Field(False, description="Keep generating past EOS. vLLM extension.")
@@ -56,7 +57,7 @@ class CompletionRequest(_SamplingFields):
                                           "tokens' logprobs too, the first null).")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
         "Return each token's logprob and this many most likely alternatives (0..20)."))
-    best_of: int | None = Field(None, description="Not supported: must be null or equal to n.")
+    best_of: int | None = Field(None, description="Null or equal to n; > n is refused (400).")
     suffix: str | None = Field(None, description="Not supported: must be null.")
 
 

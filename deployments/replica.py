@@ -3,8 +3,9 @@
 ``BoleReplica`` is a plain class; ``deployments.app`` turns it into a Serve deployment with the
 options of its hardware group (resources, autoscaling, ``request_router_config``). It offers:
 
-  generate(prompt_token_ids, params, request_id)  streaming ``ServedOutput`` deltas; cancelling the
-                                                  call (client gone) aborts the engine request
+  generate_many(subs)     streaming (sub-request index, ``ServedOutput``) for a list of
+                          ``SubRequest`` (the n choices / prompts of one HTTP request, admitted
+                          together); cancelling the call (client gone) aborts their engine requests
   record_routing_stats()  hardware class, calibration table id, current bucket and B_ver, the
                           B_ver per request with one more request, queue, running batch, MAT, and
                           ``prefix_blocks``: the chain hashes of the prefix blocks this replica's
@@ -13,8 +14,9 @@ options of its hardware group (resources, autoscaling, ``request_router_config``
                             engine steps, no restart (rolling recalibration pushes tables this way)
   drain(timeout) / resume()  stop admitting (reported as ``accepting: False`` in the routing stats,
                              so routers route around the replica; a request that still arrives gets
-                             ``EngineUnavailable`` before any token and the ingress retries it
-                             elsewhere), wait for in-flight ones; resume admits again
+                             ``EngineUnavailable`` (with this replica's id and a Retry-After) before
+                             any token and the ingress retries it elsewhere with backoff,
+                             ``deployments.retry``), wait for in-flight ones; resume admits again
   recalibrate(quick)      re-sweep the calibration table on this replica's engine between steps
                           (``AsyncEngine.run_exclusive``); the rolling job (deployments.recalibrate)
                           calls it on a drained replica
@@ -44,14 +46,16 @@ import time
 from bole.engine.async_engine import AsyncEngine
 from bole.hardware import resolve_calibration
 from bole.llm import build_engine, resolve_repo_path
-from bole.sampling_params import SamplingParams
 from bole.spec.budget import CalibrationTable
 from deployments.engine_client import (
     EngineUnavailable,
     LocalEngineClient,
+    SubRequest,
     engine_limits,
     hardware_class,
+    unwrap_remote_error,
 )
+from deployments.retry import RetryPolicy, retryable
 from deployments.routing_policy import PrefixSummary, prefix_block_hashes
 
 logger = logging.getLogger(__name__)
@@ -70,11 +74,11 @@ class BoleReplica:
         else:
             engine = build_engine(model_path, **options)
         self.hardware_class = hardware_class(engine.config.device) if hardware == "auto" else hardware
-        self.client = LocalEngineClient(AsyncEngine(engine), max_pending, self.hardware_class)
+        self.replica_id = _replica_id()
+        self.client = LocalEngineClient(AsyncEngine(engine), max_pending, self.hardware_class, self.replica_id)
         self.block_size = engine.config.cache.block_size
         self.prefix = PrefixSummary(prefix_summary_blocks)
         self.model_path, self.drain_timeout_s, self.tp_size = model_path, drain_timeout_s, tp_size
-        self.replica_id = _replica_id()
         logger.info("replica %s up: %s on %s (tp %d), table %s", self.replica_id, model_path,
                     self.hardware_class, tp_size, engine.calibration.table_id)
 
@@ -82,15 +86,17 @@ class BoleReplica:
         if target_replica is not None and target_replica != self.replica_id:
             raise RuntimeError(f"a call for replica {target_replica} reached {self.replica_id}")
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str):
+    async def generate_many(self, subs: list[SubRequest]):
         if self.client.accepting:
-            self.prefix.add(prefix_block_hashes(prompt_token_ids, self.block_size))
-        async for out in self.client.generate(prompt_token_ids, params, request_id):
-            yield out
+            for ids in {tuple(s.prompt_token_ids) for s in subs}:
+                self.prefix.add(prefix_block_hashes(ids, self.block_size))
+        async for item in self.client.generate_many(subs):
+            yield item
 
     def info(self) -> dict:
         max_model_len, vocab_size = engine_limits(self.client.async_engine.engine)
         return {"max_model_len": max_model_len, "vocab_size": vocab_size, "block_size": self.block_size,
+                "max_choices": self.client.max_choices,
                 "hardware_class": self.hardware_class, "model_path": self.model_path,
                 "replica_id": self.replica_id, "tp_size": self.tp_size}
 
@@ -204,17 +210,24 @@ class ServeEngineClient:
     (``routing_policy.FLEET``, every replica's stats as the deployments' routers see them); the group's
     ``BoleRequestRouter`` then picks the replica with the same policy. Before any stats exist the
     group with the fewest requests in flight from here is used.
+
+    One HTTP request is one ``generate_many`` call (see ``deployments.engine_client``). A call that
+    a replica refuses before any output (draining, or the replica is gone) is sent again after a
+    jittered exponential backoff (``retry``: ``deployments.retry.RetryPolicy``), the refusing
+    replica marked so the routers skip it; past the policy's attempts or budget the client gets a
+    clean 503 with ``Retry-After``.
     """
 
-    def __init__(self, handles: dict, tokenizer, policy=None, retry_unavailable_s: float = 30.0):
+    def __init__(self, handles: dict, tokenizer, policy=None, retry: RetryPolicy | None = None):
         from deployments.routing_policy import RouterPolicyConfig
 
-        self.retry_unavailable_s = retry_unavailable_s
+        self.retry = retry or RetryPolicy()
         self.handles = handles
         self.tokenizer = tokenizer
         self.policy = policy or RouterPolicyConfig()
         self.max_model_len = 0
         self.vocab_size = 0
+        self.max_choices = 1
         self.in_flight = {name: 0 for name in handles}
 
     async def start(self) -> None:
@@ -222,6 +235,7 @@ class ServeEngineClient:
         # the fleet serves one model; the smallest capacity bounds what every group can take
         self.max_model_len = min(i["max_model_len"] for i in infos)
         self.vocab_size = min(i["vocab_size"] for i in infos)
+        self.max_choices = min(i["max_choices"] for i in infos)
 
     def _pick(self, prompt_token_ids: list[int]) -> str:
         from deployments.router import view_from_stats
@@ -242,36 +256,47 @@ class ServeEngineClient:
                 return owner[ranks[0][0]]
         return min(self.handles, key=lambda d: self.in_flight[d])
 
-    async def generate(self, prompt_token_ids, params, request_id):
-        """Stream from a replica of the chosen group. A replica that refuses the request before any
-        token because it is draining (``EngineUnavailable``) is skipped: the request is sent again
-        (routers route around draining replicas once their stats say so), for up to
-        ``retry_unavailable_s``; nothing was generated, so nothing is lost or repeated."""
+    async def generate_many(self, subs):
+        """Stream (index, output) from a replica of the chosen group, retrying refusals (above)."""
+        from deployments.routing_policy import FLEET
+
         if not self.max_model_len:
             raise EngineUnavailable("the ingress has not reached the replicas yet")
-        deadline = time.monotonic() + self.retry_unavailable_s
-        attempt = 0
+        subs = list(subs)
+        waits = self.retry.delays()
+        attempts, start = 0, time.monotonic()
         while True:
-            name = self._pick(prompt_token_ids)
-            self.in_flight[name] += 1
-            stream = self.handles[name].options(stream=True).generate.remote(prompt_token_ids, params,
-                                                                             request_id)
-            started = finished = False
+            name = self._pick(subs[0].prompt_token_ids)
+            self.in_flight[name] += len(subs)
+            stream = self.handles[name].options(stream=True).generate_many.remote(subs)
+            attempts += 1
+            started = complete = False
             try:
-                async for out in stream:
-                    started, finished = True, out.finished
-                    yield out
+                async for item in stream:
+                    started = True
+                    yield item
+                complete = True
                 return
-            except EngineUnavailable:
-                if started or time.monotonic() > deadline:
+            except Exception as e:
+                refusal = unwrap_remote_error(e)
+                if started or not retryable(refusal):
                     raise
-                logger.info("request %s refused by a draining replica; sending it again", request_id)
             finally:
-                self.in_flight[name] -= 1
-                if not finished:
-                    stream.cancel()   # the replica's generator is cancelled and aborts the engine request
-            attempt += 1
-            await asyncio.sleep(min(0.05 * 2 ** attempt, 0.5))
+                self.in_flight[name] -= len(subs)
+                if not complete:
+                    stream.cancel()   # the replica's generator is cancelled and aborts the engine requests
+            replica = getattr(refusal, "replica_id", None)
+            if replica:
+                FLEET.mark_refused(replica, self.retry.refused_ttl_s)
+            wait = next(waits, None)
+            if wait is None:
+                raise EngineUnavailable(
+                    f"no replica accepted the request: {attempts} attempts over {time.monotonic() - start:.1f} s "
+                    f"(the last: {type(refusal).__name__}: {refusal})",
+                    retry_after_s=getattr(refusal, "retry_after_s", 1.0)) from None
+            logger.info("request %s refused by %s (%s); again in %.2f s", subs[0].request_id,
+                        replica or name, type(refusal).__name__, wait)
+            await asyncio.sleep(wait)
 
     async def is_alive(self) -> bool:
         return bool(self.max_model_len)

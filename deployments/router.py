@@ -17,7 +17,9 @@ remembers the block hashes it has just sent to each replica (``on_request_routed
 requests sharing a prefix sticks to one replica before its next stats report.
 
 Draining replicas (``accepting: False`` in their stats: being drained for recalibration or shutdown)
-are routed around while any other replica is available. Control calls that name a replica
+are routed around while any other replica is available, and so are replicas that just refused a
+request (``routing_policy.FLEET.mark_refused``, set by the ingress's retry before the stats catch up).
+Control calls that name a replica
 (``target_replica=<unique id>`` keyword, used by ``deployments.recalibrate``) go to exactly that replica.
 
 The router instance lives in the caller's process (the ingress replica). It publishes every
@@ -45,12 +47,14 @@ logger = logging.getLogger(__name__)
 
 
 def prompt_token_ids(pending_request: PendingRequest | None) -> list[int] | None:
-    """The prompt of a ``generate(prompt_token_ids, params, request_id)`` call, if it is one."""
+    """The (first) prompt of a ``generate_many(subs)`` call, if it is one: its choices share it, and a
+    batch of prompts goes where its first prompt is cached."""
     if pending_request is None:
         return None
-    ids = pending_request.kwargs.get("prompt_token_ids")
-    if ids is None and pending_request.args:
-        ids = pending_request.args[0]
+    subs = pending_request.kwargs.get("subs")
+    if subs is None and pending_request.args:
+        subs = pending_request.args[0]
+    ids = getattr(subs[0], "prompt_token_ids", None) if isinstance(subs, list) and subs else None
     return ids if isinstance(ids, list) and all(isinstance(t, int) for t in ids[:4]) else None
 
 
@@ -102,7 +106,9 @@ class BoleRequestRouter(RequestRouter):
         target = pending_request.kwargs.get("target_replica") if pending_request is not None else None
         if target is not None:  # a control call for one replica; none listed yet: back off, retry
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
-        accepting = [r for r in candidate_replicas if (r.routing_stats or {}).get("accepting", True)]
+        refused = routing_policy.FLEET.refused()
+        accepting = [r for r in candidate_replicas if (r.routing_stats or {}).get("accepting", True)
+                     and r.replica_id.unique_id not in refused]
         candidate_replicas = accepting or candidate_replicas
         ids = prompt_token_ids(pending_request)
         hashes = prefix_block_hashes(ids, self.policy.block_size) if ids else []

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import random
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -175,11 +176,25 @@ def choose_replicas(prompt_hashes: Sequence[int], replicas: Sequence[ReplicaView
 
 
 class FleetView:
-    """Latest routing stats of every replica, by deployment, as seen by this process's routers."""
+    """Latest routing stats of every replica, by deployment, as seen by this process's routers, and
+    the replicas that refused a request lately (``mark_refused``: draining, before their next stats
+    report says so), which the routers skip while another replica is available."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._stats: dict[str, dict[str, dict]] = {}
+        self._refused: dict[str, float] = {}   # replica id -> until when (time.monotonic()) to skip it
+
+    def mark_refused(self, replica_id: str, ttl_s: float) -> None:
+        with self._lock:
+            self._refused[replica_id] = time.monotonic() + ttl_s
+
+    def refused(self) -> set[str]:
+        now = time.monotonic()
+        with self._lock:
+            for rid in [r for r, until in self._refused.items() if until <= now]:
+                del self._refused[rid]
+            return set(self._refused)
 
     def publish(self, deployment: str, stats_by_replica: dict[str, dict]) -> None:
         with self._lock:

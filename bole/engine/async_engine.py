@@ -2,13 +2,23 @@
 
 The engine steps in one background thread (torch work releases the GIL; the event loop stays free
 for HTTP). ``generate`` registers a request and yields its ``RequestOutput`` deltas as they come;
-leaving the iterator early (client disconnect, ``aclose``) aborts the request and frees its memory.
-A failing step fails the requests of that step with the error and the engine keeps serving others.
+leaving the iterator early (client disconnect, deadline, ``aclose``) aborts the request and frees
+its memory. A failing step fails the requests of that step with the error and the engine keeps
+serving others.
+
+The event loop never waits for a step. A step holds the engine lock for its whole length (tens of
+milliseconds on a GPU, seconds on a loaded CPU, unbounded if a kernel hangs), so adding, aborting
+and releasing requests go through an inbox the engine thread applies between steps, and
+``metrics()`` / ``budget_state()`` read a snapshot the engine thread publishes after every step.
+Had the loop taken the lock itself, one slow step would stall every stream, /metrics, and the
+deadline that is meant to end a stuck request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import itertools
 import logging
 import threading
 from typing import AsyncIterator
@@ -22,10 +32,16 @@ logger = logging.getLogger(__name__)
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)
+        self._lock = threading.Lock()          # held by a step, run_exclusive and set_calibration
+        self._inbox: collections.deque = collections.deque()   # ("add" | "abort" | "release", ...)
+        self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ids = itertools.count()
         self._stopped = False
+        self._snapshot: tuple[dict, dict] = ({}, {})
+        self._batch = self._peak_batch = 0     # requests in the last step, and the most in one step
+        with self._lock:
+            self._publish()
         self._thread = threading.Thread(target=self._run, name="bole-engine", daemon=True)
         self._thread.start()
 
@@ -37,12 +53,12 @@ class AsyncEngine:
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        with self._work:
-            rid = self.engine.add_request(prompt_token_ids, params, request_id)  # ValueError on bad input
-            self._streams[rid] = (loop, queue)
-            self._work.notify()
+        added = loop.create_future()
+        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+        self._send("add", rid, list(prompt_token_ids), params, loop, queue, added)
         finished = False
         try:
+            await added  # ValueError on bad input, raised by the engine's add_request
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -52,42 +68,27 @@ class AsyncEngine:
                 if finished:
                     break
         finally:
-            if not finished:
-                self.abort(rid)
-            with self._lock:
-                self._streams.pop(rid, None)
-                self.engine.pop_finished(rid)
+            # applied in order after the add, even if this was cancelled before the add was applied
+            self._send("release" if finished else "abort", rid)
 
-    def abort(self, request_id: str) -> bool:
-        with self._lock:
-            self._streams.pop(request_id, None)
-            return self.engine.abort(request_id)
+    def abort(self, request_id: str) -> None:
+        """Abort a request (between steps; returns at once)."""
+        self._send("abort", request_id)
 
     def metrics(self) -> dict:
-        with self._lock:
-            snap = self.engine.metrics.snapshot()
-            snap["running"] = len(self.engine.scheduler.running)
-            snap["waiting"] = len(self.engine.scheduler.waiting)
-            return snap
+        """The engine's metrics as of its last step, with the running / waiting counts."""
+        return dict(self._snapshot[0])
 
     def budget_state(self) -> dict:
-        """Where the batch stands in the calibration table, for routing: the current bucket and its
-        B_ver, and the B_ver per request the batch would get with one more request."""
-        with self._lock:
-            eng = self.engine
-            running, spec = eng.scheduler.running, eng.config.spec
-            kv_len = max((r.num_computed for r in running), default=0)
-            n = len(running)
-            bucket, b_ver = eng.calibration.lookup(max(n, 1), kv_len, spec.depth + 1)
-            _, b_next = eng.calibration.lookup(n + 1, kv_len, spec.depth + 1)
-            return {"table_id": eng.calibration.table_id, "bucket": bucket, "b_ver": b_ver,
-                    "b_ver_per_request": b_next / (n + 1), "running": n,
-                    "waiting": len(eng.scheduler.waiting)}
+        """Where the batch stands in the calibration table, for routing (as of the last step): the
+        current bucket and its B_ver, and the B_ver per request the batch would get with one more."""
+        return dict(self._snapshot[1])
 
     def set_calibration(self, table) -> None:
         """Swap the calibration table between steps (``reconfigure`` without a restart)."""
         with self._lock:
             self.engine.calibration = table
+            self._publish()
 
     def run_exclusive(self, fn):
         """Run ``fn(engine)`` in the calling thread between two steps (the step loop waits meanwhile).
@@ -99,31 +100,90 @@ class AsyncEngine:
             return fn(self.engine)
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        with self._work:
-            self._stopped = True
-            self._work.notify()
+        self._stopped = True
+        self._wake.set()
         self._thread.join(timeout)
+
+    # -- the engine thread --------------------------------------------------------------------------
+    def _send(self, *op) -> None:
+        self._inbox.append(op)
+        self._wake.set()
 
     def _deliver(self, rid: str, item) -> None:
         target = self._streams.get(rid)
         if target is not None:
             loop, queue = target
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # that event loop is closed: nobody is listening any more
+                self._streams.pop(rid, None)
+
+    def _apply_inbox(self) -> None:
+        eng = self.engine
+        while self._inbox:
+            op, rid, *rest = self._inbox.popleft()
+            if op == "add":
+                prompt, params, loop, queue, added = rest
+                try:
+                    eng.add_request(prompt, params, rid)
+                except Exception as e:  # noqa: BLE001 - bad input: the caller raises it
+                    loop.call_soon_threadsafe(_settle, added, e)
+                    continue
+                self._streams[rid] = (loop, queue)
+                loop.call_soon_threadsafe(_settle, added, None)
+            else:  # "abort" (left early) or "release" (finished): forget it either way
+                self._streams.pop(rid, None)
+                if op == "abort":
+                    eng.abort(rid)
+                eng.pop_finished(rid)
+
+    def _publish(self) -> None:
+        """Snapshot the metrics and the budget state (under the lock, between steps)."""
+        eng = self.engine
+        running, spec = eng.scheduler.running, eng.config.spec
+        snap = eng.metrics.snapshot()
+        snap["running"], snap["waiting"] = len(running), len(eng.scheduler.waiting)
+        snap["batch"], snap["peak_batch"] = self._batch, self._peak_batch
+        kv_len = max((r.num_computed for r in running), default=0)
+        n = len(running)
+        bucket, b_ver = eng.calibration.lookup(max(n, 1), kv_len, spec.depth + 1)
+        _, b_next = eng.calibration.lookup(n + 1, kv_len, spec.depth + 1)
+        budget = {"table_id": eng.calibration.table_id, "bucket": bucket, "b_ver": b_ver,
+                  "b_ver_per_request": b_next / (n + 1), "running": n, "waiting": snap["waiting"]}
+        self._snapshot = (snap, budget)
 
     def _run(self) -> None:
         while True:
-            with self._work:
-                while not self._stopped and not self.engine.has_unfinished():
-                    self._work.wait()
+            self._wake.clear()   # before reading the inbox: a later _send wakes the wait below
+            with self._lock:
                 if self._stopped:
                     return
-                try:
-                    outputs = self.engine.step()
-                except Exception as e:  # fail this step's requests, keep serving
-                    logger.exception("engine step failed")
-                    for req in list(self.engine.scheduler.running):
-                        self.engine.abort(req.request_id)
-                        self._deliver(req.request_id, e)
-                    continue
-                for out in outputs:
-                    self._deliver(out.request_id, out)
+                self._apply_inbox()
+                busy = self.engine.has_unfinished()
+                outputs = []
+                if busy:
+                    finished_before = self.engine.metrics.finished
+                    try:
+                        outputs = self.engine.step()
+                        # the step's batch: what still runs plus what finished in it
+                        self._batch = len(self.engine.scheduler.running) + \
+                            self.engine.metrics.finished - finished_before
+                        self._peak_batch = max(self._peak_batch, self._batch)
+                    except Exception as e:  # fail this step's requests, keep serving
+                        logger.exception("engine step failed")
+                        for req in list(self.engine.scheduler.running):
+                            self.engine.abort(req.request_id)
+                            self._deliver(req.request_id, e)
+                self._publish()
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            if not busy:
+                self._wake.wait()
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if not future.done():  # the caller may have been cancelled meanwhile
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)

@@ -27,6 +27,9 @@ class EngineMetrics:
     emitted_tokens: int = 0
     tree_nodes: int = 0
     b_ver_sum: int = 0
+    budgeted_nodes: int = 0        # draft nodes verified within B_ver, over speculative steps
+    floor_excess_nodes: int = 0    # draft nodes verified beyond B_ver (the depth-1 floor, see below)
+    spec_steps: int = 0
     step_time: float = 0.0
     verify_time: float = 0.0
     prefill_tokens: int = 0
@@ -52,6 +55,15 @@ class EngineMetrics:
             self.tree_nodes += s.tree_nodes
             self.b_ver_sum += s.b_ver
             self.verify_time += s.verify_time
+            if s.b_ver:
+                # ``select_nodes`` keeps every request's depth-1 children (the fairness floor), so a
+                # step verifies max(#floor, min(B_ver, #drafts)) nodes: more than B_ver once
+                # batch x topk exceeds it. Counting those against the budget read 1.26; they are
+                # counted apart.
+                drafts = s.tree_nodes - s.decode_requests
+                self.spec_steps += 1
+                self.budgeted_nodes += min(drafts, s.b_ver)
+                self.floor_excess_nodes += max(drafts - s.b_ver, 0)
         self.last_step = s
 
     def record_finish(self, req) -> None:
@@ -80,8 +92,10 @@ class EngineMetrics:
             "mat": self.mat,
             "mean_tree_nodes": self.tree_nodes / self.decode_steps if self.decode_steps else 0.0,
             "mean_b_ver": self.b_ver_sum / self.decode_steps if self.decode_steps else 0.0,
-            # draft nodes verified / B_ver, over speculative steps (roots are not budgeted)
-            "budget_used": (self.tree_nodes - self.request_steps) / self.b_ver_sum if self.b_ver_sum else 0.0,
+            # draft nodes verified within B_ver / B_ver, over speculative steps (<= 1; roots are not
+            # budgeted), and the mean draft nodes per step the depth-1 floor verified beyond B_ver
+            "budget_used": self.budgeted_nodes / self.b_ver_sum if self.b_ver_sum else 0.0,
+            "floor_excess_nodes": self.floor_excess_nodes / self.spec_steps if self.spec_steps else 0.0,
             "prefix_hit_rate": self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "prompt_tokens": self.prompt_tokens,

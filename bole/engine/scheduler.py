@@ -23,6 +23,7 @@ and prefill chunks end at GDN checkpoint boundaries (``PrefixCache.align_chunk``
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -156,6 +157,7 @@ class Scheduler:
                 cache.restore(req)
             if req.metrics.num_preemptions == 0:
                 req.metrics.prefix_hit_tokens = min(req.num_computed, len(req.prompt_token_ids))
+                req.metrics.scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
         return out

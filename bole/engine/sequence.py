@@ -42,6 +42,7 @@ class RequestStatus(enum.Enum):
 @dataclass
 class RequestMetrics:
     arrival_time: float
+    scheduled_time: float | None = None   # first admitted to the running batch (end of its queue wait)
     first_token_time: float | None = None
     finish_time: float | None = None
     num_steps: int = 0            # decode / verify steps that emitted tokens

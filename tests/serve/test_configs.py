@@ -63,3 +63,28 @@ def test_tp_groups_need_one_bundle_per_rank():
 
 def test_make_serve_explains_missing_weights(tmp_path):
     assert "no weights" in check_model(str(tmp_path))
+
+
+def test_capacity_defaults_follow_what_the_engines_admit():
+    """Serve's default max_ongoing_requests (5) had capped the endpoint at 5 requests."""
+    with open(os.path.join(REPO_ROOT, "cluster_configs", "local.yaml")) as f:
+        local = AppConfig(**yaml.safe_load(f)["applications"][0]["args"])
+    (g,) = local.groups
+    assert g.admission_limit == 4 * g.engine_options["max_num_seqs"] == g.replica_max_ongoing
+    assert local.ingress_max_ongoing == g.admission_limit + 8
+    fleet = AppConfig(model="m", groups=[
+        {"name": "a", "engine_options": {"max_num_seqs": 8}, "num_replicas": 2},
+        {"name": "b", "engine_options": {"max_num_seqs": 4}, "max_pending": 6, "max_ongoing_requests": 5,
+         "num_replicas": "auto", "autoscaling_config": {"min_replicas": 1, "max_replicas": 3}}])
+    a, b = fleet.groups
+    assert (a.replica_max_ongoing, b.replica_max_ongoing) == (32, 5)
+    assert fleet.ingress_max_ongoing == 2 * 32 + 3 * 6 + 8
+    assert AppConfig(model="m", groups=[{"name": "a"}], ingress_max_ongoing_requests=7).ingress_max_ongoing == 7
+    # and the built Serve application carries them
+    with open(os.path.join(REPO_ROOT, "cluster_configs", "local.yaml")) as f:
+        app = build_app(yaml.safe_load(f)["applications"][0]["args"])
+    assert app._bound_deployment._deployment_config.max_ongoing_requests == local.ingress_max_ongoing
+    replica = app._bound_deployment.init_args[0][g.name]._bound_deployment
+    assert replica._deployment_config.max_ongoing_requests == g.replica_max_ongoing
+    with pytest.raises(ValueError):
+        AppConfig(model="m", groups=[{"name": "a"}], request_timeout_s=0)

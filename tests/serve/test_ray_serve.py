@@ -34,9 +34,13 @@ def start_serve(attempts: int = 4) -> int:
     raise AssertionError("unreachable")
 
 
+# short retry budget: a request the whole fleet refuses gets its 503 within seconds
+APP_EXTRA = {"retry_budget_s": 2.0}
+
+
 def app_args(model_path, table="calibration_tables/default.yaml"):
     opts = {k: v for k, v in ENGINE_OPTIONS.items() if k != "calibration_table"}
-    return {"model": model_path, "served_model_name": MODEL,
+    return {"model": model_path, "served_model_name": MODEL, **APP_EXTRA,
             "groups": [{"name": "bole-cpu", "hardware": "cpu", "num_replicas": 2, "engine_options": opts,
                         "calibration_table": table, "ray_actor_options": {"num_cpus": 1},
                         "router": {"stats_period_s": 0.5}}]}
@@ -172,3 +176,153 @@ def test_ray_serve_logprobs_echo_and_penalties(cluster, tiny_model):
     assert len(streamed) == 3 and [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in full]
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         oai.chat.completions.create(model=MODEL, messages=msgs, top_logprobs=2, max_tokens=1)
+
+
+def test_ray_serve_n_choices_best_of_and_batch_prompts(cluster):
+    from choices_check import check_best_of_and_batch, check_choices
+
+    url, _ = cluster
+    oai = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+    timings = check_choices(oai, MODEL, repeats=20)
+    print({k: round(v, 3) for k, v in timings.items()})
+    check_best_of_and_batch(oai, MODEL, [5, 6, 7, 8, 9])
+
+
+def metric_values(text: str, name: str) -> list[float]:
+    return [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{")]
+
+
+def test_ray_serve_64_concurrent_requests_fill_the_engine_batch(cluster):
+    """Serve's default max_ongoing_requests (5) had capped the endpoint at 5 requests; now the
+    ingress and the replicas take what the engines admit, so both batches reach max_num_seqs, and
+    /metrics answers under the load."""
+    import asyncio
+
+    url, _ = cluster
+    seqs = ENGINE_OPTIONS["max_num_seqs"]
+    before = [v.get("bole_engine_peak_batch", 0) for v in fleet(url).values()]
+    assert max(before) < seqs   # no earlier test filled a batch: what follows is this load's doing
+
+    async def main():
+        oai = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
+        peaks, scrape_s = [], []
+        done = asyncio.Event()
+
+        async def scrape():
+            async with httpx.AsyncClient(timeout=60) as c:
+                while not done.is_set():
+                    t0 = time.perf_counter()
+                    text = (await c.get(url + "/metrics")).text
+                    scrape_s.append(time.perf_counter() - t0)
+                    peaks.append(max(metric_values(text, "bole_engine_peak_batch"), default=0))
+                    await asyncio.sleep(0.2)
+
+        async def one(i):
+            r = await oai.completions.create(model=MODEL, prompt=[5 + i % 7, 6, 7, 8 + i], temperature=0,
+                                             max_tokens=12, extra_body={"ignore_eos": True})
+            return r.usage.completion_tokens
+
+        scraper = asyncio.ensure_future(scrape())
+        try:
+            counts = await asyncio.gather(*(one(i) for i in range(64)))
+        finally:
+            done.set()
+            await scraper
+        return counts, peaks, scrape_s
+
+    counts, peaks, scrape_s = asyncio.run(main())
+    assert counts == [12] * 64
+    peak = wait_for(lambda: (f := fleet(url)) and all(v.get("bole_engine_peak_batch") == seqs for v in f.values())
+                    and f, timeout=10)   # the stats lag by a period
+    assert len(peak) == 2, "both replicas' batches reached max_num_seqs"
+    assert max(scrape_s) < 10.0, f"/metrics took {max(scrape_s):.1f} s under load"
+    text = httpx.get(url + "/metrics").text
+    # requests held behind full batches: their queue wait is part of TTFT and measured on its own
+    qsum = sum(metric_values(text, "bole_queue_wait_seconds_sum"))
+    tsum = sum(metric_values(text, "bole_time_to_first_token_seconds_sum"))
+    assert qsum > 0.5 and tsum >= qsum
+    print(f"64 concurrent: batch peaks {[v['bole_engine_peak_batch'] for v in peak.values()]} (before: "
+          f"{before}), /metrics max {max(scrape_s):.2f} s, queue wait sum {qsum:.1f} s of TTFT sum {tsum:.1f} s")
+
+
+def refused_total(url) -> float:
+    return sum(v.get("bole_refused_while_draining", 0.0) for v in fleet(url).values())
+
+
+def test_ray_serve_draining_replicas_get_retried_with_backoff_then_a_clean_503(cluster):
+    from ray import serve
+
+    url, _ = cluster
+    oai = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+    handle = serve.get_deployment_handle("bole-cpu", "bole")
+    replicas = sorted(wait_for(lambda: (f := fleet(url)) and len(f) == 2 and f))
+    a, b = replicas
+    assert handle.options(method_name="drain").remote(target_replica=a).result(timeout_s=60)
+    try:
+        # one replica draining: every request is served by the other one, right away
+        for i in range(8):
+            r = oai.completions.create(model=MODEL, prompt=[9, 9, i], max_tokens=2, extra_body={"ignore_eos": True})
+            assert r.usage.completion_tokens == 2
+        # both draining: the ingress backs off (jittered exponential, 2 s budget), then a clean 503
+        assert handle.options(method_name="drain").remote(target_replica=b).result(timeout_s=60)
+        wait_for(lambda: (f := fleet(url)) and len(f) == 2 and all("bole_refused_while_draining" in v
+                                                                  for v in f.values()))
+        before = refused_total(url)
+        for stream in (False, True):
+            t0 = time.perf_counter()
+            body = {"model": MODEL, "prompt": [9, 9], "max_tokens": 2, "stream": stream}
+            r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            took = time.perf_counter() - t0
+            assert r.status_code == 503, r.text
+            assert r.headers["retry-after"] == "1"
+            assert "Traceback" not in r.text and "\x1b[" not in r.text and "RayTaskError" not in r.text
+            err = r.json()["error"]
+            assert err["type"] == "unavailable_error" and "draining" in err["message"]
+            assert 1.0 < took < 10.0, took
+        wait_for(lambda: refused_total(url) - before >= 2)   # the replicas' stats carry their refusals
+        time.sleep(1.5)
+        attempts = refused_total(url) - before
+        # two requests, each at most max_attempts sends within its 2 s budget: a tight loop would
+        # have made hundreds
+        assert 2 <= attempts <= 2 * 12, attempts
+    finally:
+        for rid in (a, b):
+            handle.options(method_name="resume").remote(target_replica=rid).result(timeout_s=60)
+    r = oai.completions.create(model=MODEL, prompt=[9, 9, 1], max_tokens=2, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 2
+
+
+def test_ray_serve_replica_killed_mid_stream(cluster):
+    """The in-flight client gets an error event and [DONE] (no hang), new requests are served, and
+    after Serve restarts the replica the fleet is whole again. Last in this module: it kills one."""
+    import json
+
+    import ray
+    from ray.serve.context import _get_global_client
+
+    url, _ = cluster
+
+    def running():
+        dep = _get_global_client().get_serve_details()["applications"]["bole"]["deployments"]["bole-cpu"]
+        return {r["replica_id"]: r["actor_name"] for r in dep["replicas"] if r["state"] == "RUNNING"}
+
+    before = wait_for(lambda: (r := running()) and len(r) == 2 and r, timeout=60)
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as s:
+        lines = s.iter_lines()
+        for line in lines:
+            if line.startswith("data: "):
+                events.append(line[6:])
+                break
+        busy = wait_for(lambda: [r for r, v in fleet(url).items() if v.get("bole_running_requests", 0) >= 1])
+        ray.kill(ray.get_actor(before[busy[0]], namespace="serve"), no_restart=False)
+        events += [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["type"] == "unavailable_error" and "Traceback" not in err["message"], err
+    oai = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    assert oai.completions.create(model=MODEL, prompt=[5, 6], max_tokens=2).usage.completion_tokens >= 1
+    after = wait_for(lambda: (r := running()) and len(r) == 2 and busy[0] not in r and r, timeout=180)
+    assert len(set(after) - set(before)) == 1
+    assert oai.completions.create(model=MODEL, prompt=[5, 6], max_tokens=2).usage.completion_tokens >= 1

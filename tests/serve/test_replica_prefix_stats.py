@@ -5,6 +5,7 @@ import asyncio
 from conftest import ENGINE_OPTIONS
 
 from bole.sampling_params import SamplingParams
+from deployments.engine_client import SubRequest
 from deployments.replica import BoleReplica
 from deployments.routing_policy import prefix_block_hashes
 
@@ -17,7 +18,8 @@ def test_routing_stats_carry_the_engine_prefix_cache(tiny_model):
         prompt = list(range(3, 3 + 4 * 5))  # five full blocks of 4
 
         async def run():
-            async for _ in replica.generate(prompt, SamplingParams(temperature=0, max_tokens=3), "r1"):
+            sub = SubRequest(prompt, SamplingParams(temperature=0, max_tokens=3), "r1")
+            async for _ in replica.generate_many([sub]):
                 pass
         asyncio.run(run())
         stats = replica.record_routing_stats()

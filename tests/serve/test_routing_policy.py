@@ -87,3 +87,36 @@ def test_edge_cases_and_config_validation():
     for bad in (dict(block_size=0), dict(match_rate_threshold=0), dict(imbalance_threshold=-1)):
         with pytest.raises(ValueError):
             RouterPolicyConfig(**bad)
+
+
+def test_retry_backoff_is_jittered_exponential_and_bounded():
+    import random
+
+    from deployments.retry import RetryPolicy
+
+    policy = RetryPolicy(base_s=0.1, max_delay_s=2.0, budget_s=30.0, max_attempts=12)
+    waits = list(policy.delays(random.Random(0)))
+    assert len(waits) == 11   # attempts 2..12
+    for k, w in enumerate(waits):
+        step = min(2.0, 0.1 * 2 ** k)
+        assert step / 2 <= w <= step   # never near zero: no tight loop
+    assert sum(waits) <= 30.0
+    other = list(policy.delays(random.Random(1)))
+    assert other != waits   # jittered: clients refused together spread out
+    short = list(RetryPolicy(budget_s=1.0).delays(random.Random(0)))
+    assert sum(short) <= 1.0 and 2 <= len(short) <= 5
+    assert list(RetryPolicy(max_attempts=1).delays()) == []
+    with pytest.raises(ValueError):
+        RetryPolicy(base_s=0)
+
+
+def test_refused_replicas_are_skipped_until_their_mark_expires():
+    import time
+
+    from deployments.routing_policy import FleetView
+
+    fleet = FleetView()
+    fleet.mark_refused("r1", ttl_s=0.2)
+    assert fleet.refused() == {"r1"}
+    time.sleep(0.25)
+    assert fleet.refused() == set()

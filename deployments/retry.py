@@ -1,0 +1,57 @@
+"""Retrying a request that a replica refused before producing anything (draining, or gone).
+
+Nothing was generated, so sending it again loses and repeats nothing. The ingress
+(``deployments.replica.ServeEngineClient``) waits between attempts with jittered exponential
+backoff and gives up after ``max_attempts`` or ``budget_s``, whichever comes first, with a clean 503
+and ``Retry-After``. The refusing replica is also marked in ``routing_policy.FLEET`` so the routers
+skip it until its own stats catch up (``refused_ttl_s``): the retry goes to another replica instead
+of the same one again.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Iterator
+
+# Ray's errors for a replica that died or cannot be reached: retried like a refusal when nothing
+# was streamed yet (matched by name: ray.exceptions is not imported where Ray is absent).
+REPLICA_GONE_ERRORS = frozenset({"ActorDiedError", "ActorUnavailableError", "RayActorError"})
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """base_s: the first step; each later step doubles, up to max_delay_s. Every wait is drawn in
+    [step / 2, step] ("equal jitter": clients refused together spread out, and no wait is ever
+    near zero). budget_s bounds the total time spent waiting; max_attempts the sends."""
+
+    base_s: float = 0.1
+    max_delay_s: float = 2.0
+    budget_s: float = 30.0
+    max_attempts: int = 12
+    refused_ttl_s: float = 5.0
+
+    def __post_init__(self):
+        if not 0 < self.base_s <= self.max_delay_s:
+            raise ValueError(f"need 0 < base_s <= max_delay_s, got {self.base_s}, {self.max_delay_s}")
+        if self.budget_s < 0 or self.max_attempts < 1 or self.refused_ttl_s < 0:
+            raise ValueError(f"budget_s, refused_ttl_s must be >= 0 and max_attempts >= 1: {self}")
+
+    def delays(self, rng: random.Random | None = None) -> Iterator[float]:
+        """The waits before attempts 2, 3, ..., within the budget (max_attempts - 1 at most)."""
+        rng = rng or random.Random()
+        spent = 0.0
+        for k in range(self.max_attempts - 1):
+            step = min(self.max_delay_s, self.base_s * 2 ** k)
+            wait = step / 2 + rng.uniform(0, step / 2)
+            if spent + wait > self.budget_s:
+                return
+            spent += wait
+            yield wait
+
+
+def retryable(e: BaseException) -> bool:
+    """Whether an error before any output means "try another replica"."""
+    from deployments.engine_client import EngineUnavailable
+
+    return isinstance(e, EngineUnavailable) or type(e).__name__ in REPLICA_GONE_ERRORS

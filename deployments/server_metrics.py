@@ -1,0 +1,104 @@
+"""Prometheus metrics of one OpenAI app (``deployments.ingress``), in its own registry so several
+apps can live in one process.
+
+Request latencies are measured in the ingress from the request's *arrival* (the first ASGI
+middleware, before the body is read or validated; ``deployments.http_guards.ARRIVAL_KEY``):
+
+  bole_time_to_first_token_seconds   arrival -> the ingress receives the request's first token
+  bole_queue_wait_seconds            arrival -> the engine starts computing the request: TTFT less
+                                     the replica's own prefill compute time (``ServedOutput.prefill_s``),
+                                     so it holds the wait in the ingress, for a replica, and in the
+                                     engine's queue behind a full batch (durations only, so no clock is
+                                     compared across processes)
+  bole_time_per_output_token_seconds after the first token, per later token
+  bole_aborted_requests_total        requests ended before they finished, by reason: client_disconnected
+                                     (non-streaming client went away), stream_closed (a streaming
+                                     client went away), deadline (the server-side request timeout)
+
+The per-replica gauges are refreshed from the fleet's stats on every scrape (``export``).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+ABORT_REASONS = ("client_disconnected", "stream_closed", "deadline")
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = r = CollectorRegistry()
+        hw = ["model", "hardware_class"]
+        self.requests = Counter("bole_requests", "Finished HTTP requests", ["model", "endpoint", "status"],
+                                registry=r)
+        self.aborted = Counter("bole_aborted_requests", "HTTP requests ended before they finished",
+                               ["model", "reason"], registry=r)
+        for reason in ABORT_REASONS:  # present at 0 from the start, so a rate() sees the first one
+            self.aborted.labels(model_name, reason)
+        self.prompt_tokens = Counter("bole_prompt_tokens", "Prompt tokens", hw, registry=r)
+        self.generation_tokens = Counter("bole_generation_tokens", "Generated tokens", hw, registry=r)
+        self.ttft = Histogram("bole_time_to_first_token_seconds", "Arrival at the ingress to the first token",
+                              hw, buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("bole_queue_wait_seconds", "Arrival at the ingress to the start of the "
+                                    "engine's work on the request (TTFT less the prefill compute)", hw,
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("bole_time_per_output_token_seconds", "TPOT after the first token", hw,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.mat = Histogram("bole_request_mean_accepted_tokens", "Tokens per decode step of a request (MAT)",
+                             hw, buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12, 16), registry=r)
+        rep = ["model", "replica", "hardware_class"]
+        self.gauges = {
+            "mat": Gauge("bole_engine_mat", "Mean accepted tokens per request-step", rep, registry=r),
+            "budget_used": Gauge("bole_verify_budget_used_ratio", "Draft nodes verified within B_ver / B_ver "
+                                 "over speculative steps (<= 1)", rep, registry=r),
+            "floor_excess_nodes": Gauge("bole_verify_floor_excess_nodes", "Mean draft nodes per step verified "
+                                        "beyond B_ver because every request keeps its depth-1 children",
+                                        rep, registry=r),
+            "b_ver": Gauge("bole_verify_budget_b_ver", "B_ver of the current calibration bucket", rep,
+                           registry=r),
+            "bucket": Gauge("bole_calibration_bucket", "Current calibration bucket index", rep, registry=r),
+            "prefix_hit_rate": Gauge("bole_prefix_cache_hit_rate", "Share of prompt tokens served from "
+                                     "the prefix cache", rep, registry=r),
+            "running": Gauge("bole_running_requests", "Requests in the running batch", rep, registry=r),
+            "batch": Gauge("bole_engine_batch", "Requests the engine's last step ran", rep, registry=r),
+            "peak_batch": Gauge("bole_engine_peak_batch", "The most requests one engine step ran, since the "
+                                "replica started", rep, registry=r),
+            "waiting": Gauge("bole_waiting_requests", "Requests queued in the engine", rep, registry=r),
+            "refused": Gauge("bole_refused_while_draining", "Requests a draining replica refused (the "
+                             "ingress sent them elsewhere), since the replica started", rep, registry=r),
+            "num_prefix_blocks": Gauge("bole_prefix_summary_blocks", "Block hashes in the replica's prefix "
+                                       "summary", rep, registry=r),
+        }
+        self.table = Gauge("bole_calibration_table_info", "Calibration table in use (value 1)",
+                           rep + ["table_id"], registry=r)
+
+    def observe_first_token(self, hardware_class: str, ttft_s: float, prefill_s: float | None) -> None:
+        labels = (self.model_name, hardware_class)
+        self.ttft.labels(*labels).observe(ttft_s)
+        if prefill_s is not None:
+            self.queue_wait.labels(*labels).observe(max(ttft_s - prefill_s, 0.0))
+
+    def observe_choice(self, hardware_class: str, num_prompt_tokens: int, num_tokens: int,
+                       first_token_time: float | None, num_steps: int, end: float) -> None:
+        labels = (self.model_name, hardware_class)
+        self.generation_tokens.labels(*labels).inc(num_tokens)
+        if num_prompt_tokens:
+            self.prompt_tokens.labels(*labels).inc(num_prompt_tokens)
+        if first_token_time is not None and num_tokens > 1:
+            self.tpot.labels(*labels).observe((end - first_token_time) / (num_tokens - 1))
+        if num_steps:
+            self.mat.labels(*labels).observe((num_tokens - 1) / num_steps)
+
+    def export(self, fleet: list[dict]) -> bytes:
+        for g in (*self.gauges.values(), self.table):
+            g.clear()
+        for s in fleet:
+            labels = (self.model_name, str(s.get("replica", "?")), str(s.get("hardware_class", "unknown")))
+            for key, g in self.gauges.items():
+                if key in s:
+                    g.labels(*labels).set(float(s[key]))
+            if "table_id" in s:
+                self.table.labels(*labels, str(s["table_id"])).set(1)
+        return generate_latest(self.registry)

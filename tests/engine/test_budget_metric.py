@@ -1,0 +1,49 @@
+"""``budget_used`` is <= 1 by construction: the draft nodes the depth-1 floor verifies beyond B_ver
+(every request keeps its top-k children, so a batch of B verifies >= B x topk nodes) are counted
+apart, as ``floor_excess_nodes``. Counted together they had read 1.26 on the served tiny model."""
+
+from __future__ import annotations
+
+import yaml
+from checkpoints import make_checkpoint
+from engine_helpers import default_table
+
+from bole.config import EngineConfig
+from bole.engine.engine import LLMEngine
+from bole.engine.metrics import EngineMetrics, StepStats
+from bole.models.loader import load_model
+from bole.sampling_params import SamplingParams
+from bole.spec.budget import CalibrationTable
+
+
+def test_step_accounting():
+    m = EngineMetrics()
+    # batch 4, topk 3: the floor is 12 drafts, B_ver 8 -> 8 budgeted, 4 beyond
+    m.record_step(StepStats(0.0, 1.0, decode_requests=4, emitted_tokens=6, tree_nodes=4 + 12, b_ver=8))
+    # batch 1 well inside its budget: 5 of 16
+    m.record_step(StepStats(1.0, 2.0, decode_requests=1, emitted_tokens=2, tree_nodes=1 + 5, b_ver=16))
+    snap = m.snapshot()
+    assert snap["budget_used"] == (8 + 5) / (8 + 16)
+    assert snap["floor_excess_nodes"] == 4 / 2
+
+
+def test_served_engine_budget_used_stays_within_one(tmp_path):
+    make_checkpoint(tmp_path, "dense", 32)
+    with open(default_table()) as f:
+        table = yaml.safe_load(f)
+    for b in table["buckets"]:
+        b["b_ver"] = 8   # below the floor of a full batch (4 requests x topk 4 = 16 depth-1 nodes)
+    cfg = EngineConfig.from_options(mode="bole", num_blocks=96, block_size=4, depth=2, topk=4, beam=2,
+                                    max_num_seqs=4, calibration_table=default_table())
+    eng = LLMEngine(load_model(str(tmp_path), dtype="float32"), cfg,
+                    calibration=CalibrationTable.from_dict(table))
+    for p in ([1, 2, 3], [4, 5, 6, 7], [8, 9], [3, 3, 3, 3, 3]):
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    snap = eng.metrics.snapshot()
+    assert 0 < snap["budget_used"] <= 1.0
+    assert snap["floor_excess_nodes"] > 0
+    # the old ratio (every verified draft over B_ver) is what exceeded 1
+    m = eng.metrics
+    assert (m.tree_nodes - m.request_steps) / m.b_ver_sum > 1.0
