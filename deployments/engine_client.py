@@ -19,11 +19,14 @@ Admission control lives here: beyond ``max_pending`` requests in flight new ones
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol
 
 from bole.engine.engine import RequestOutput
 from bole.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -67,6 +70,26 @@ def hardware_class(device: str = "cpu") -> str:
     return detect_hardware(device)
 
 
+def calibration_mismatch(engine, hardware: str) -> dict[str, tuple]:
+    """Where the engine's calibration table was not measured for how it runs (``bole.hardware.
+    table_mismatch``: model shapes, dtype, tp_size, hardware class); {} when it matches."""
+    from bole.hardware import table_mismatch
+
+    cfg = engine.config
+    return table_mismatch(engine.calibration, engine.model.config, cfg.dtype, cfg.tp_size, hardware)
+
+
+def warn_if_mismatched(engine, hardware: str, where: str) -> dict[str, tuple]:
+    """Log loudly (WARNING) when the calibration table does not describe this engine; the mismatch."""
+    mismatch = calibration_mismatch(engine, hardware)
+    if mismatch:
+        detail = ", ".join(f"{k} {have!r} (runs {want!r})" for k, (have, want) in mismatch.items())
+        logger.warning("CALIBRATION TABLE MISMATCH on %s: table %s was measured for %s; its verification "
+                       "budgets do not describe this replica. Recalibrate it (python -m deployments.recalibrate) "
+                       "or name a matching calibration_table.", where, engine.calibration.table_id, detail)
+    return mismatch
+
+
 def engine_limits(engine) -> tuple[int, int]:
     """(max_model_len, vocab_size) of an ``LLMEngine``: the KV capacity less one step's lookahead."""
     return engine.capacity_tokens - engine.lookahead, engine.model.config.vocab_size
@@ -84,6 +107,8 @@ class LocalEngineClient:
         self.hardware_class = hardware or hardware_class(engine.config.device)
         self.num_pending = 0
         self.accepting = True
+        self._checked_table, self._mismatch = None, ""
+        warn_if_mismatched(engine, self.hardware_class, f"the {self.hardware_class} engine")
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -124,6 +149,11 @@ class LocalEngineClient:
         snap = self.async_engine.metrics()
         snap.update(self.async_engine.budget_state())
         snap.update(hardware_class=self.hardware_class, pending=self.num_pending, accepting=self.accepting)
+        table = self.async_engine.engine.calibration
+        if self._checked_table is not table:  # recomputed only when the table object changes
+            self._checked_table = table
+            self._mismatch = ",".join(calibration_mismatch(self.async_engine.engine, self.hardware_class))
+        snap["calibration_mismatch"] = self._mismatch   # e.g. "dtype,tp_size"; "" when the table matches
         return snap
 
     async def fleet_stats(self) -> list[dict]:

@@ -136,8 +136,9 @@ class ServerMetrics:
             "num_prefix_blocks": Gauge("bole_prefix_summary_blocks", "Block hashes in the replica's prefix "
                                        "summary", rep, registry=r),
         }
-        self.table = Gauge("bole_calibration_table_info", "Calibration table in use (value 1)",
-                           rep + ["table_id"], registry=r)
+        self.table = Gauge("bole_calibration_table_info", "Calibration table in use (value 1); mismatch: the "
+                           "fields (model, dtype, tp_size, hardware) it was not measured for, '' if none",
+                           rep + ["table_id", "mismatch"], registry=r)
 
     def observe_choice(self, c: Choice, end: float) -> None:
         labels = (self.model_name, c.hardware_class)
@@ -158,7 +159,7 @@ class ServerMetrics:
                 if key in s:
                     g.labels(*labels).set(float(s[key]))
             if "table_id" in s:
-                self.table.labels(*labels, str(s["table_id"])).set(1)
+                self.table.labels(*labels, str(s["table_id"]), str(s.get("calibration_mismatch", ""))).set(1)
         return generate_latest(self.registry)
 
 
