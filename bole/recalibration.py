@@ -10,9 +10,10 @@ new table is judged on its own merits, never by its distance from the old one (`
               capacity's T_ver >= T_dec / 2 and the largest's <= 1000 T_dec
   monotone    within ``monotone_tolerance`` (a relative drop; more is noise or a bug): T_ver
               non-decreasing in N (the raw medians), T_dec non-decreasing in batch and in KV length
-  repeatable  two quick sweeps agree: at every bucket point T_dec and each T_ver(N) within a
-              factor 1 + ``repeat_tolerance`` of each other; the table is built from both sweeps'
-              samples (medians over twice the iterations)
+  repeatable  two quick sweeps agree on what the table holds: at every bucket point T_dec within
+              a factor 1 + ``repeat_tolerance``, B_ver (each sweep's own eq. 12) at most one capacity
+              of G apart; the table is built from both sweeps' samples (medians over twice the
+              iterations)
   identity    the table's model (shape signature), dtype, tp_size and hardware class are the
               engine's
   max_change  a guard, off by default: B_ver and T_dec within a factor ``max_change`` of the old
@@ -34,7 +35,7 @@ from statistics import median
 
 from bole.calibrate import QUICK_PLAN, SweepPlan, build_table, measure, measured_header
 from bole.hardware import detect_hardware, model_signature, table_mismatch
-from bole.spec.budget import CalibrationTable
+from bole.spec.budget import CalibrationTable, select_b_ver
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class TableChecks:
     """Tolerances of a re-measured table's validation (see the module docstring)."""
 
     monotone_tolerance: float = 0.25   # relative drop counted as noise (T_ver in N, T_dec in batch / KV)
-    repeat_tolerance: float = 0.5      # two sweeps agree within a factor 1 + this at every point
+    repeat_tolerance: float = 0.5      # two sweeps' T_dec agree within a factor 1 + this at every point
     max_change: float | None = None    # off; else B_ver and T_dec within this factor of the old table
 
     def __post_init__(self):
@@ -129,18 +130,32 @@ def _changes(new: CalibrationTable, old: CalibrationTable, max_change: float) ->
     return problems
 
 
-def check_repeatable(first: list[dict], second: list[dict], tolerance: float) -> tuple[list[str], float]:
-    """(problems, worst factor) of two sweeps' raw records (``measure``) of one plan."""
+def _b_ver(record: dict, epsilon: float) -> tuple[float, int]:
+    """(T_dec, B_ver) of one sweep's record: eq. 12 on the running maximum of its medians."""
+    t_dec, env, run = median(record["dec"]), {}, 0.0
+    for n in sorted(record["ver"]):
+        run = max(run, median(record["ver"][n]))
+        env[n] = run
+    return t_dec, select_b_ver(env, t_dec, epsilon)
+
+
+def check_repeatable(first: list[dict], second: list[dict], tolerance: float,
+                     epsilon: float = 0.1) -> tuple[list[str], float]:
+    """(problems, worst T_dec factor) of two sweeps' raw records (``measure``) of one plan: at every
+    point T_dec within a factor 1 + ``tolerance`` and B_ver (eq. 12 on each sweep alone) at most one
+    capacity of G apart. What the table is for must repeat; a single T_ver(N) far from B_ver's bound
+    may wander without changing it."""
     problems, worst = [], 1.0
     for a, b in zip(first, second, strict=True):
-        pairs = {"T_dec": (median(a["dec"]), median(b["dec"]))}
-        pairs.update({f"T_ver({n})": (median(a["ver"][n]), median(b["ver"][n])) for n in a["ver"]})
-        for what, (x, y) in pairs.items():
-            factor = max(x / y, y / x) if x > 0 and y > 0 else math.inf
-            worst = max(worst, factor)
-            if factor > 1 + tolerance:
-                problems.append(f"point (batch, kv, depth) {tuple(a['at'])}: two sweeps disagree on {what}: "
-                                f"{x:.4g} vs {y:.4g} ms (a factor {factor:.2f} > {1 + tolerance:.2f})")
+        (ta, ba), (tb, bb) = _b_ver(a, epsilon), _b_ver(b, epsilon)
+        factor = max(ta / tb, tb / ta) if ta > 0 and tb > 0 else math.inf
+        worst = max(worst, factor)
+        where = f"point (batch, kv, depth) {tuple(a['at'])}: two sweeps disagree"
+        if factor > 1 + tolerance:
+            problems.append(f"{where} on T_dec: {ta:.4g} vs {tb:.4g} ms (a factor {factor:.2f} > {1 + tolerance:.2f})")
+        capacities = sorted(a["ver"])
+        if abs(capacities.index(ba) - capacities.index(bb)) > 1:
+            problems.append(f"{where} on B_ver: {ba} vs {bb} (more than one capacity of G apart)")
     return problems, worst
 
 
@@ -154,15 +169,19 @@ def merge_records(runs: list[list[dict]]) -> list[dict]:
 
 
 def plan_for_engine(engine, quick: bool = True) -> SweepPlan:
-    """The old table's bucket layout when it was measured or modeled, else the (quick) default plan,
-    at the engine's tree depth; either way cut to what the engine can run (batch up to max_num_seqs,
-    KV length up to its capacity): a larger point is never looked up, it would clamp to the last."""
+    """The old table's bucket layout when it was measured or modeled (``quick``: only the powers of
+    two of its capture set), else the (quick) default plan at the engine's tree depth; either way cut
+    to what the engine can run (batch up to max_num_seqs, KV length up to its capacity): a larger
+    point is never looked up, it would clamp to the last."""
     old, cfg = engine.calibration, engine.config
     base = QUICK_PLAN if quick else SweepPlan()
     if old.source in ("measured", "modeled"):
         edges = lambda axis: tuple(sorted({getattr(b, axis)[1] for b in old.buckets}))
         batch, kv, depth = edges("batch"), edges("kv"), edges("depth")
-        base = replace(base, capture_set=old.capture_set, epsilon=old.epsilon)
+        capture = old.capture_set
+        if quick:  # the powers of two of G (and its ends): a 10-capacity G is swept at 6
+            capture = tuple(n for n in capture if n & (n - 1) == 0 or n in (capture[0], capture[-1]))
+        base = replace(base, capture_set=capture, epsilon=old.epsilon)
     else:
         batch, kv, depth = base.batch_points, base.kv_points, (max(2, cfg.spec.depth + 1),)
     cap = cfg.cache.num_blocks * cfg.cache.block_size
@@ -195,7 +214,7 @@ def recalibrate(engine, quick: bool = True, force: bool = False, plan: SweepPlan
     runs = [measure(engine.model, plan, engine.config.device, dtype, progress) for _ in range(2)]
     header = measured_header(engine.model, engine.config.device, dtype, model_name, plan, "checkpoint", hardware)
     header["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
-    repeat_problems, worst = check_repeatable(runs[0], runs[1], checks.repeat_tolerance)
+    repeat_problems, worst = check_repeatable(runs[0], runs[1], checks.repeat_tolerance, plan.epsilon)
     new = build_table(plan, merge_records(runs), header)
     new = replace(new, provenance={**new.provenance, "recalibrated_from": old.table_id, "sweeps": 2,
                                    "repeat_worst_factor": round(worst, 3),

@@ -184,7 +184,8 @@ async def recalibrate_replica(handle, app: str, deployment: str, replica_id: str
             ev.table_path = _write_table(res["table"], opts.table_dir, deployment, replica_id)
         ev.ok = True
     except Exception as e:  # noqa: BLE001 - recorded; the replica is resumed (old table) and the job goes on
-        ev.error = f"{type(e).__name__}: {e}"
+        cause = getattr(e, "cause", None) or e   # a RayTaskError carries the replica's exception
+        ev.error = f"{type(cause).__name__}: {cause}"
         logger.error("recalibration of %s failed: %s", replica_id, ev.error)
     finally:
         await call("resume")

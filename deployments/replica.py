@@ -20,12 +20,12 @@ options of its hardware group (resources, autoscaling, ``request_router_config``
                           ``bole.recalibration``) and return it without installing it; the rolling
                           job (deployments.recalibrate) calls it on a drained replica
   set_calibration(table)  install a table (mapping) without a redeploy
+  __del__                 graceful shutdown: drain, then stop the engine loop (and the TP workers)
 
 A table that was not measured for how this replica runs (model shapes, dtype, tp_size, hardware
 class: ``bole.hardware.table_mismatch``) is logged as a WARNING whenever it is installed, and the
 routing stats carry ``calibration_mismatch`` (the fields, e.g. "dtype,tp_size"), which /metrics
 shows as the ``mismatch`` label of ``bole_calibration_table_info``.
-  __del__                 graceful shutdown: drain, then stop the engine loop (and the TP workers)
 
 Control calls aimed at one replica (the rolling job) pass ``target_replica=<replica unique id>``:
 ``BoleRequestRouter`` routes such calls to exactly that replica, and the replica checks the id.

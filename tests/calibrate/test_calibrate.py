@@ -257,10 +257,14 @@ def test_check_table_sanity_monotone_and_the_max_change_guard():
 
 
 def test_two_sweeps_must_agree():
-    rec = lambda dec, ver: [{"at": [1, 8, 4], "dec": [dec], "ver": {2: [ver]}}]
-    assert check_repeatable(rec(10, 12), rec(11, 12.5), 0.5)[0] == []
-    problems, worst = check_repeatable(rec(10, 12), rec(30, 12), 0.5)
+    rec = lambda dec, ver: [{"at": [1, 8, 4], "dec": [dec], "ver": {2: [ver[0]], 4: [ver[1]], 8: [ver[2]]}}]
+    assert check_repeatable(rec(10, (10, 10.5, 11)), rec(11, (11, 11.5, 12)), 0.5)[0] == []  # B_ver 8 and 8
+    assert check_repeatable(rec(10, (10, 10.5, 11)), rec(10, (10, 11.5, 12)), 0.5)[0] == []  # 8 and 4: adjacent
+    problems, worst = check_repeatable(rec(10, (10, 10.5, 11)), rec(30, (30, 33, 34)), 0.5)
     assert worst == 3.0 and "two sweeps disagree on T_dec: 10 vs 30 ms (a factor 3.00 > 1.50)" in problems[0]
+    problems, _ = check_repeatable(rec(10, (10, 10.5, 11)), rec(10, (10, 20, 30)), 0.5)
+    assert problems == ["point (batch, kv, depth) (1, 8, 4): two sweeps disagree on B_ver: 8 vs 2 "
+                        "(more than one capacity of G apart)"]
 
 
 def _greedy(eng, swap_at=None, swap=None):
@@ -317,6 +321,9 @@ def test_plan_is_cut_to_what_the_engine_runs(model):
     eng.calibration = synthetic_table("cpu")                 # layout batch (1, 4), kv (100,)
     plan = plan_for_engine(eng)
     assert plan.batch_points == (1, 3) and plan.kv_points == (64,) and plan.capture_set == (8, 16, 32, 64)
+    eng.calibration = replace(synthetic_table("cpu"), capture_set=(8, 16, 24, 32, 48, 64, 96))
+    assert plan_for_engine(eng).capture_set == (8, 16, 32, 64, 96)           # quick: powers of two + the ends
+    assert plan_for_engine(eng, quick=False).capture_set == (8, 16, 24, 32, 48, 64, 96)
     eng.calibration = CalibrationTable.load(DEFAULT_YAML)
     plan = plan_for_engine(eng)
     assert plan.batch_points == (1, 3) and plan.kv_points == (64,) and plan.depth_points == (4,)
