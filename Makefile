@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install test lint serve bench clean
+.PHONY: install test lint serve serve-mixed bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,14 @@ lint: install
 SERVE_CONFIG ?= cluster_configs/local.yaml
 serve: install
 	$(BIN)/python -m deployments.launch $(SERVE_CONFIG) $(SERVE_FLAGS)
+
+# cluster_configs/mixed.yaml's A100 (TP=2) + GB10 fleet simulated on this CPU machine: a local Ray head with
+# the fleet nodes' resources and cluster_configs/overlays/mixed-cpu.yaml (embedded model, CPU bundles,
+# 127.0.0.1, gloo). Ctrl-C drains and stops. `serve run cluster_configs/mixed.yaml` stays the real fleet.
+MIXED_RESOURCES ?= {"accelerator_type:A100": 1, "gb10": 2}
+serve-mixed: install
+	$(BIN)/python -m deployments.launch cluster_configs/mixed.yaml --overlay cluster_configs/overlays/mixed-cpu.yaml \
+		--num-cpus 8 --resources '$(MIXED_RESOURCES)' $(SERVE_FLAGS)
 
 bench: install
 	$(BIN)/python benchmarks/gdn_verify.py

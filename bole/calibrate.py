@@ -21,12 +21,7 @@ capture yet, so forwards run eagerly (``provenance.execution: eager``), as the e
 B_ver(c) follows by eq. 12 on the running maximum over N of the medians (a longer forest never
 costs less; the raw medians stay in ``provenance.raw``).
 
-Recalibration. ``recalibrate(engine)`` re-sweeps the engine's model between steps with a quick
-plan (by default the old table's bucket layout), validates the result (``check_table``: raw
-timings monotone in N within noise, sane bounds, agreement with the old table within a tolerance
-unless forced) and swaps ``engine.calibration`` in one attribute assignment. The caller guarantees
-that no step runs meanwhile (``AsyncEngine.run_exclusive(lambda e: recalibrate(e))`` does); the
-sweep never touches the engine's caches or requests, so running generations are unaffected.
+Recalibration of a running engine (re-sweep, validation, swap) is ``bole.recalibration``.
 """
 
 from __future__ import annotations
@@ -313,7 +308,7 @@ def measured_header(model, device, dtype: torch.dtype, model_name: str, plan: Sw
     dev = torch.device(device)
     return {
         "hardware": hardware or detect_hardware(dev), "model": model_name,
-        "dtype": str(dtype).replace("torch.", ""), "tp_size": 1, "versions": _versions(),
+        "dtype": str(dtype).replace("torch.", ""), "tp_size": getattr(model, "tp_size", 1), "versions": _versions(),
         "date": datetime.date.today().isoformat(), "source": "measured",
         "notes": f"measured by bole.calibrate on {device_name(dev)}",
         "provenance": {
@@ -379,93 +374,6 @@ def modeled_table(cfg: ModelConfig, hardware: str, plan: SweepPlan, model_name: 
                 "reports it against an H200 measurement")
         table = replace(table, provenance={**table.provenance, "model_error": note})
     return table
-
-
-# ------------------------------------------------------------------------------------ recalibration
-class RecalibrationError(ValueError):
-    """A re-measured table failed validation; the engine keeps its old table."""
-
-
-def check_table(new: CalibrationTable, old: CalibrationTable | None, tolerance: float = 1.0,
-                monotone_tolerance: float = 0.25) -> list[str]:
-    """Problems that should stop a swap (empty list: fine).
-
-    - raw medians monotone in N within ``monotone_tolerance`` (relative drop; more is noise or a bug),
-    - sane bounds: 1 us < T_dec < 60 s, T_ver(min N) >= T_dec / 2, T_ver(max N) <= 1000 T_dec,
-    - agreement: at each new bucket's point, B_ver and T_dec within a factor (1 + tolerance) of the
-      old table's (skipped when the old table is the unmeasured default).
-    """
-    problems = []
-    raw = new.provenance.get("raw") or []
-    for i, b in enumerate(new.buckets):
-        where = f"bucket {i} (batch {list(b.batch)}, kv {list(b.kv)}, depth {list(b.depth)})"
-        worst = raw[i].get("monotone_fix_max_rel", 0.0) if i < len(raw) else 0.0
-        if worst > monotone_tolerance:
-            problems.append(f"{where}: T_ver drops by {worst:.0%} as N grows (not monotone within noise)")
-        if b.t_dec_ms is None or not 1e-3 < b.t_dec_ms < 6e4:
-            problems.append(f"{where}: T_dec {b.t_dec_ms} ms is out of bounds")
-            continue
-        ts = [b.t_ver_ms[n] for n in sorted(b.t_ver_ms)]
-        if ts[0] < 0.5 * b.t_dec_ms or ts[-1] > 1000 * b.t_dec_ms:
-            problems.append(f"{where}: T_ver {ts[0]}..{ts[-1]} ms is implausible against "
-                            f"T_dec {b.t_dec_ms} ms")
-        if old is None or old.source == "default":
-            continue
-        point = (b.batch[1], b.kv[1], b.depth[1])
-        j, old_b_ver = old.lookup(*point)
-        ratios = {"B_ver": b.b_ver / old_b_ver}
-        if old.buckets[j].t_dec_ms:
-            ratios["T_dec"] = b.t_dec_ms / old.buckets[j].t_dec_ms
-        for what, ratio in ratios.items():
-            if not 1 / (1 + tolerance) <= ratio <= 1 + tolerance:
-                problems.append(f"{where}: {what} changed by a factor {ratio:.2f} from the old table "
-                                f"(tolerance {1 + tolerance:.2f})")
-    return problems
-
-
-def plan_for_engine(engine, quick: bool = True) -> SweepPlan:
-    """The old table's bucket layout when it was measured or modeled, else the (quick) default plan
-    cut to the engine's batch and KV capacity, at the engine's tree depth."""
-    old, cfg = engine.calibration, engine.config
-    base = QUICK_PLAN if quick else SweepPlan()
-    if old.source in ("measured", "modeled"):
-        edges = lambda axis: tuple(sorted({getattr(b, axis)[1] for b in old.buckets}))
-        plan = SweepPlan(batch_points=edges("batch"), kv_points=edges("kv"), depth_points=edges("depth"),
-                         capture_set=old.capture_set, epsilon=old.epsilon, warmup=base.warmup,
-                         iters=base.iters)
-    else:
-        cap = cfg.cache.num_blocks * cfg.cache.block_size
-        batch = tuple(sorted({p for p in base.batch_points if p < cfg.max_num_seqs} | {cfg.max_num_seqs}))
-        kv = tuple(sorted({p for p in base.kv_points if p < cap} | {min(max(base.kv_points), cap)}))
-        plan = replace(base, batch_points=batch, kv_points=kv, depth_points=(max(2, cfg.spec.depth + 1),))
-    return plan
-
-
-def recalibrate(engine, quick: bool = True, force: bool = False, tolerance: float = 1.0,
-                plan: SweepPlan | None = None, progress: bool = False,
-                monotone_tolerance: float = 0.25) -> CalibrationTable:
-    """Re-sweep ``engine``'s model, validate, and swap ``engine.calibration`` atomically.
-
-    Call between steps only (no concurrent ``engine.step``); with an ``AsyncEngine`` use
-    ``async_engine.run_exclusive(recalibrate)``. Raises ``RecalibrationError`` (the old table stays)
-    when ``check_table`` finds problems, unless ``force``.
-    """
-    old = engine.calibration
-    plan = plan or plan_for_engine(engine, quick)
-    name = old.model if old.model != "any" else model_signature(engine.model.config)
-    t0 = time.perf_counter()
-    new = sweep(engine.model, plan, engine.config.device, engine.config.torch_dtype, name,
-                hardware=old.hardware if old.hardware != "any" else None, progress=progress)
-    new = replace(new, provenance={**new.provenance, "recalibrated_from": old.table_id,
-                                   "sweep_seconds": round(time.perf_counter() - t0, 2)})
-    problems = check_table(new, old, tolerance, monotone_tolerance)
-    if problems and not force:
-        raise RecalibrationError("new calibration table refused: " + "; ".join(problems))
-    if problems:
-        logger.warning("forced calibration swap despite: %s", "; ".join(problems))
-    engine.calibration = new  # one attribute assignment: a step sees the old table or the new one
-    logger.info("calibration swapped: %s -> %s (%.1fs)", old.table_id, new.table_id, time.perf_counter() - t0)
-    return new
 
 
 # ------------------------------------------------------------------------------------ plot and CLI

@@ -67,12 +67,22 @@ class ModelConfig:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {self.model_type!r}; "
                              f"supported: {SUPPORTED_MODEL_TYPES}")
+        if not isinstance(self.num_hidden_layers, int) or self.num_hidden_layers < 1:
+            raise ValueError(f"num_hidden_layers must be an int >= 1, got {self.num_hidden_layers!r}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
                              f"{self.num_hidden_layers} layers")
         bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if bad:
             raise ValueError(f"unknown layer types {bad}; expected {LAYER_TYPES}")
+        if not self.gdn_layer_ids or not self.attn_layer_ids:
+            # the engine's caches are built for the mix: a paged KV cache for the attention layers and
+            # a GDN state pool (plus the verifier's tree factors) for the linear ones; with no layer of
+            # a kind those have no dimension to allocate, and a drafter's MTP layer is attention anyway
+            missing = "linear_attention (Gated DeltaNet)" if not self.gdn_layer_ids else "full_attention"
+            raise ValueError(f"layer_types has no {missing} layer (all {self.num_hidden_layers} layers are "
+                             f"{self.layer_types[0]!r}): Bole serves hybrid models only, which interleave "
+                             "linear_attention and full_attention layers")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
@@ -219,6 +229,51 @@ ENGINE_MODES = ("ar", "serial_tree", "bole")
 DEFAULT_CALIBRATION_TABLE = "calibration_tables/default.yaml"
 
 
+def _check_types(obj, ints: tuple[str, ...] = (), bools: tuple[str, ...] = (), strs: tuple[str, ...] = ()) -> None:
+    """ValueError naming the option and its value when an option has the wrong type; bools are not
+    ints here (``block_size=True`` is a typo, not 1) and strings such as ``'64'`` or ``'no'`` are not
+    coerced (``enable_prefix_cache='no'`` would otherwise be truthy, i.e. on)."""
+    name = type(obj).__name__
+    for k in ints:
+        v = getattr(obj, k)
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ValueError(f"{name}.{k} must be an int, got {v!r} ({type(v).__name__})")
+    for k in bools:
+        v = getattr(obj, k)
+        if not isinstance(v, bool):
+            raise ValueError(f"{name}.{k} must be a bool (True / False), got {v!r} ({type(v).__name__})")
+    for k in strs:
+        v = getattr(obj, k)
+        if not isinstance(v, str):
+            raise ValueError(f"{name}.{k} must be a string, got {v!r} ({type(v).__name__})")
+
+
+def _int_tuple(name: str, value) -> tuple[int, ...]:
+    """A list / tuple of non-negative ints (numpy / torch integer scalars allowed) as a tuple of ints."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        hint = f" (one id: {name}=[{value!r}])" if is_integral(value) else ""
+        raise ValueError(f"{name} must be a list of ints, got {value!r} ({type(value).__name__}){hint}")
+    out = tuple(value)
+    bad = [v for v in out if not is_integral(v) or int(v) < 0]
+    if bad:
+        raise ValueError(f"{name} must be a list of non-negative ints, got {list(out)!r} (bad: {bad[:5]!r})")
+    return tuple(int(v) for v in out)
+
+
+def is_integral(v) -> bool:
+    """int, or a numpy / torch integer scalar; never a bool or a float (1.0 is not a token id)."""
+    if isinstance(v, bool):
+        return False
+    if isinstance(v, int):
+        return True
+    import numbers
+
+    if isinstance(v, numbers.Integral):  # numpy integer scalars register as Integral
+        return True
+    dtype = getattr(v, "dtype", None)  # a 0-d torch / numpy integer tensor
+    return dtype is not None and getattr(v, "ndim", 1) == 0 and "int" in str(dtype) and "bool" not in str(dtype)
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Draft-tree shape (EAGLE-2 style expansion with the MTP head).
@@ -235,12 +290,11 @@ class SpecConfig:
     draft_fast_math: bool = True
 
     def __post_init__(self):
+        _check_types(self, ints=("depth", "topk", "beam"), bools=("draft_fast_math",))
         for name in ("depth", "topk", "beam"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if v < 1:
                 raise ValueError(f"SpecConfig.{name} must be an int >= 1, got {v!r}")
-        if not isinstance(self.draft_fast_math, bool):
-            raise ValueError(f"SpecConfig.draft_fast_math must be a bool, got {self.draft_fast_math!r}")
         if self.depth > 15:
             raise ValueError(f"SpecConfig.depth={self.depth} exceeds the supported 15")
         if self.topk > MAX_TREE_NODES - 1:  # a request always keeps its first-level drafts (root + topk nodes)
@@ -266,6 +320,8 @@ class CacheConfig:
     num_checkpoint_slots: int = 32
 
     def __post_init__(self):
+        _check_types(self, ints=("block_size", "num_blocks", "checkpoint_interval_blocks", "num_checkpoint_slots"),
+                     bools=("enable_prefix_cache",))
         if self.block_size < 1 or self.num_blocks < 1:
             raise ValueError(f"block_size={self.block_size} and num_blocks={self.num_blocks} must be >= 1")
         if self.checkpoint_interval_blocks < 1 or self.num_checkpoint_slots < 1:
@@ -304,6 +360,9 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
 
     def __post_init__(self):
+        _check_types(self, ints=("max_num_seqs", "max_num_batched_tokens"), strs=("mode", "device", "dtype",
+                                                                              "calibration_table"))
+        object.__setattr__(self, "eos_token_ids", _int_tuple("eos_token_ids", self.eos_token_ids))
         if self.device == "auto":
             import torch
 
@@ -349,6 +408,7 @@ class EngineConfig:
                              f"{sorted(spec_keys | cache_keys | top_keys)}")
         spec = SpecConfig(**{k: v for k, v in options.items() if k in spec_keys})
         cache = CacheConfig(**{k: v for k, v in options.items() if k in cache_keys})
-        tuples = ("eos_token_ids", "cuda_graph_batch_sizes")
-        top = {k: (tuple(v) if k in tuples else v) for k, v in options.items() if k in top_keys}
+        top = {k: v for k, v in options.items() if k in top_keys}
+        if "cuda_graph_batch_sizes" in top:  # eos_token_ids is normalised (and checked) by __post_init__
+            top["cuda_graph_batch_sizes"] = _int_tuple("cuda_graph_batch_sizes", top["cuda_graph_batch_sizes"])
         return EngineConfig(spec=spec, cache=cache, **top)

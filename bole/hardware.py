@@ -194,3 +194,28 @@ def resolve_calibration(spec: str, model_cfg, device, dtype: str | None = None,
     logger.info("calibration table %s from %s (%s, hardware %s)", table.table_id, path, table.source,
                 hardware)
     return table
+
+
+def table_mismatch(table: CalibrationTable, model_cfg, dtype: str, tp_size: int,
+                   hardware: str | None) -> dict[str, tuple]:
+    """{field: (table's value, engine's value)} where ``table`` was not measured (or modeled) for how
+    this engine runs: model shapes (``provenance.model_signature``), dtype, tp_size, hardware class.
+
+    Budgets are timings: a table for other shapes, another dtype, another TP degree or another class
+    of device over- or under-budgets every step. The unmeasured default table (``source: default``)
+    stands for anything and is never a mismatch; fields a table leaves as ``any`` or unrecorded are
+    not compared, nor is ``hardware`` when the engine's class is unknown.
+    """
+    if table.source == "default":
+        return {}
+    out: dict[str, tuple] = {}
+    signature = table.provenance.get("model_signature")
+    if signature and signature != model_signature(model_cfg):
+        out["model"] = (f"{table.model} ({signature})", model_signature(model_cfg))
+    if table.dtype != "any" and table.dtype != str(dtype):
+        out["dtype"] = (table.dtype, str(dtype))
+    if table.tp_size != tp_size:
+        out["tp_size"] = (table.tp_size, tp_size)
+    if hardware and hardware != "unknown" and table.hardware != "any" and table.hardware != hardware:
+        out["hardware"] = (table.hardware, hardware)
+    return out

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Sequence
 
-from bole.config import EngineConfig
+from bole.config import EngineConfig, is_integral
 from bole.engine.engine import LLMEngine
 from bole.sampling_params import SamplingParams
 from bole.spec.logprobs import TokenLogprob
@@ -74,18 +74,44 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer in the model folder; pass token ids")
             return self.tokenizer.encode(prompt)
-        return [int(t) for t in prompt]
+        return token_ids(prompt)
 
     def generate(self, prompts: str | Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[CompletionOutput]:
-        """Run prompts (strings or token-id lists) to completion; outputs in input order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = params or SamplingParams()
+        """Run prompts to completion; outputs in input order.
+
+        ``prompts``: a string, a list of token ids, or a list of those; a 1-D integer numpy array /
+        torch tensor is one prompt, a 2-D one a batch of equal-length prompts. Float ids are refused
+        (``1.7`` is not a token). The call is atomic: every prompt and parameter is checked before any
+        request is queued, and if anything fails later the batch's requests are aborted, so nothing
+        is left queued for the next call.
+        """
+        prompts = _prompt_list(prompts)
+        params = SamplingParams() if params is None else params
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
-        ids = [self.engine.add_request(self._encode(p), sp) for p, sp in zip(prompts, plist)]
+        encoded = []
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            try:
+                ids = self._encode(p)
+                self.engine.check_request(ids, sp)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            encoded.append(ids)
+        ids = []
+        try:
+            for p, sp in zip(encoded, plist):
+                ids.append(self.engine.add_request(p, sp))
+            results = self._run(ids, use_tqdm)
+        except BaseException:  # KeyboardInterrupt included: the next call must not find them queued
+            for rid in ids:
+                self.engine.abort(rid)
+                self.engine.pop_finished(rid)
+            raise
+        return results
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[CompletionOutput]:
         bar = None
         if use_tqdm:
             from tqdm import tqdm
@@ -110,3 +136,52 @@ class LLM:
                                             req.output_text, req.finish_reason,
                                             logprobs.get(rid, []) if asked else None, prompt_logprobs.get(rid)))
         return results
+
+
+def token_ids(prompt) -> list[int]:
+    """One prompt's token ids as Python ints: a sequence of ints (numpy / torch integer scalars
+    allowed) or a 1-D integer array / tensor; floats and bools raise ``ValueError`` naming them."""
+    if _is_array(prompt):
+        if prompt.ndim != 1:
+            raise ValueError(f"a prompt array must be 1-D, got shape {tuple(prompt.shape)}")
+        if not _integer_dtype(prompt.dtype):
+            raise ValueError(f"prompt token ids must be integers, got an array of dtype {prompt.dtype}")
+        return [int(t) for t in prompt.tolist()]
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    bad = [t for t in prompt if not is_integral(t)]
+    if bad:
+        raise ValueError(f"prompt token ids must be ints, got {bad[:5]!r} "
+                         f"({', '.join(sorted({type(t).__name__ for t in bad}))})")
+    return [int(t) for t in prompt]
+
+
+def _is_array(x) -> bool:
+    """A numpy array or a torch tensor (without importing numpy when it is not in use)."""
+    return hasattr(x, "ndim") and hasattr(x, "dtype") and hasattr(x, "tolist") and not isinstance(x, (list, tuple))
+
+
+def _integer_dtype(dtype) -> bool:
+    name = str(dtype).replace("torch.", "")
+    return ("int" in name) and name != "bool"
+
+
+def _prompt_list(prompts) -> list:
+    """``generate``'s prompts as a list of single prompts (see its docstring)."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if _is_array(prompts):
+        if prompts.ndim == 1:
+            return [prompts]
+        if prompts.ndim == 2:
+            return list(prompts)
+        raise ValueError(f"a prompt array must be 1-D (one prompt) or 2-D (a batch), got shape "
+                         f"{tuple(prompts.shape)}")
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a string, a list of token ids or a list of prompts, got "
+                         f"{type(prompts).__name__}")
+    if not prompts:
+        raise ValueError("prompts is empty")
+    if not isinstance(prompts[0], (str, list, tuple)) and not _is_array(prompts[0]):
+        return [prompts]  # one prompt given as a flat list of token ids (floats are refused later)
+    return list(prompts)

@@ -29,11 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol, Sequence
 
 from bole.engine.engine import RequestOutput
 from bole.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,26 @@ def hardware_class(device: str = "cpu") -> str:
     return detect_hardware(device)
 
 
+def calibration_mismatch(engine, hardware: str) -> dict[str, tuple]:
+    """Where the engine's calibration table was not measured for how it runs (``bole.hardware.
+    table_mismatch``: model shapes, dtype, tp_size, hardware class); {} when it matches."""
+    from bole.hardware import table_mismatch
+
+    cfg = engine.config
+    return table_mismatch(engine.calibration, engine.model.config, cfg.dtype, cfg.tp_size, hardware)
+
+
+def warn_if_mismatched(engine, hardware: str, where: str) -> dict[str, tuple]:
+    """Log loudly (WARNING) when the calibration table does not describe this engine; the mismatch."""
+    mismatch = calibration_mismatch(engine, hardware)
+    if mismatch:
+        detail = ", ".join(f"{k} {have!r} (runs {want!r})" for k, (have, want) in mismatch.items())
+        logger.warning("CALIBRATION TABLE MISMATCH on %s: table %s was measured for %s; its verification "
+                       "budgets do not describe this replica. Recalibrate it (python -m deployments.recalibrate) "
+                       "or name a matching calibration_table.", where, engine.calibration.table_id, detail)
+    return mismatch
+
+
 def engine_limits(engine) -> tuple[int, int]:
     """(max_model_len, vocab_size) of an ``LLMEngine``: the model's positions or the KV capacity less
     one step's lookahead, whichever is smaller (RoPE past the trained positions is not served)."""
@@ -178,6 +201,8 @@ class LocalEngineClient:
         self.num_pending = 0
         self.num_refused = 0        # requests refused while draining (the ingress retries them elsewhere)
         self.accepting = True
+        self._checked_table, self._mismatch = None, ""
+        warn_if_mismatched(engine, self.hardware_class, f"the {self.hardware_class} engine")
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -239,6 +264,11 @@ class LocalEngineClient:
         snap.update(self.async_engine.budget_state())
         snap.update(hardware_class=self.hardware_class, pending=self.num_pending, accepting=self.accepting,
                     refused=self.num_refused, max_pending=self.max_pending)
+        table = self.async_engine.engine.calibration
+        if self._checked_table is not table:  # recomputed only when the table object changes
+            self._checked_table = table
+            self._mismatch = ",".join(calibration_mismatch(self.async_engine.engine, self.hardware_class))
+        snap["calibration_mismatch"] = self._mismatch   # e.g. "dtype,tp_size"; "" when the table matches
         return snap
 
     async def fleet_stats(self) -> list[dict]:

@@ -5,18 +5,23 @@ process exits (``--no-ray``: uvicorn stops accepting, the app drains, the engine
 
 ``--no-ray`` serves the config's first group in this process instead (``deployments.ingress``
 over a local engine), for machines where Ray cannot start.
+
+``--overlay FILE`` (repeatable) applies an overlay to the config (``deployments.overlay``) and
+``--resources JSON`` gives the local Ray head custom resources: ``make serve-mixed`` runs
+``cluster_configs/mixed.yaml`` on this machine with ``cluster_configs/overlays/mixed-cpu.yaml`` and
+the ``accelerator_type:A100`` / ``gb10`` resources of the real fleet's nodes. The banner prints the
+Ray address, for ``python -m deployments.recalibrate --address``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
 import threading
 import time
-
-import yaml
 
 from bole.config import ENGINE_MODES
 from bole.llm import resolve_repo_path
@@ -91,10 +96,21 @@ def main(argv=None) -> int:
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs for the local Ray cluster")
     p.add_argument("--mode", choices=ENGINE_MODES, default=None,
                    help="override every group's engine_options.mode (ar / serial_tree / bole)")
+    p.add_argument("--overlay", action="append", default=[], help="overlay YAML applied to the config "
+                   "(deployments.overlay; repeatable, in order)")
+    p.add_argument("--deploy-timeout-s", type=float, default=900.0,
+                   help="give up (and stop) when the application is not running after this long")
+    p.add_argument("--resources", type=json.loads, default=None,
+                   help='custom resources of the local Ray head, JSON: \'{"accelerator_type:A100": 1, "gb10": 2}\'')
     a = p.parse_args(argv)
-    with open(a.config) as f:
-        cfg = yaml.safe_load(f)
     from deployments.app import AppConfig, served_name
+    from deployments.overlay import load_config
+
+    try:
+        cfg = load_config(a.config, a.overlay)
+    except ValueError as e:
+        print(f"make serve: {e}", file=sys.stderr)
+        return 2
 
     app = cfg["applications"][0]
     if a.mode is not None:
@@ -124,21 +140,31 @@ def main(argv=None) -> int:
     from ray.serve.schema import ServeDeploySchema
 
     schema = ServeDeploySchema.model_validate(cfg)
-    ray.init(num_cpus=a.num_cpus, include_dashboard=False, log_to_driver=True)
+    ray.init(num_cpus=a.num_cpus, resources=a.resources, include_dashboard=False, log_to_driver=True)
     serve.start(http_options=http, proxy_location=cfg.get("proxy_location", "HeadOnly"))
     _get_global_client().deploy_apps(schema)
     print(f"deploying {app['name']} (loading the model in the replicas)...", flush=True)
+    deadline = time.monotonic() + a.deploy_timeout_s
     while stop.requested is None:
         status = serve.status().applications.get(app["name"])
         if status is not None and status.status == "RUNNING":
             break
-        if status is not None and status.status == "DEPLOY_FAILED":
-            print(f"deploy failed: {status.message}", file=sys.stderr)
+        failed = status is not None and status.status == "DEPLOY_FAILED"
+        if failed or time.monotonic() > deadline:  # e.g. resources no node has: say so, do not wait forever
+            why = "deploy failed" if failed else f"not running after {a.deploy_timeout_s:.0f} s"
+            details = {n: (d.status, d.message) for n, d in status.deployments.items()} if status else {}
+            print(f"{why}: {status.message if status else ''} {details}", file=sys.stderr)
             serve.shutdown()
+            ray.shutdown()
             return 1
         time.sleep(1)
     if stop.requested is None:
         print(banner(url, name, app_cfg.api_key_env), flush=True)
+        # a job on this cluster (the rolling recalibration) connects by address; with Ray's token auth
+        # on (the default for a new local cluster) an explicit address needs RAY_AUTH_MODE=token as well
+        auth = "RAY_AUTH_MODE=token " if os.environ.get("RAY_AUTH_MODE") == "token" else ""
+        print(f"recalibrate: {auth}python -m deployments.recalibrate --address "
+              f"{ray.get_runtime_context().gcs_address}\n", flush=True)
     while stop.requested is None:
         time.sleep(0.2)
     print(f"{signal.Signals(stop.requested).name}: shutting down (draining replicas)...", flush=True)

@@ -17,11 +17,17 @@ options of its hardware group (resources, autoscaling, ``request_router_config``
                              ``EngineUnavailable`` (with this replica's id and a Retry-After) before
                              any token and the ingress retries it elsewhere with backoff,
                              ``deployments.retry``), wait for in-flight ones; resume admits again
-  recalibrate(quick)      re-sweep the calibration table on this replica's engine between steps
-                          (``AsyncEngine.run_exclusive``); the rolling job (deployments.recalibrate)
-                          calls it on a drained replica
+  recalibrate(quick, checks)  re-sweep the calibration table on this replica's engine between steps
+                          (``AsyncEngine.run_exclusive``; two sweeps, validated by
+                          ``bole.recalibration``) and return it without installing it; the rolling
+                          job (deployments.recalibrate) calls it on a drained replica
   set_calibration(table)  install a table (mapping) without a redeploy
   __del__                 graceful shutdown: drain, then stop the engine loop (and the TP workers)
+
+A table that was not measured for how this replica runs (model shapes, dtype, tp_size, hardware
+class: ``bole.hardware.table_mismatch``) is logged as a WARNING whenever it is installed, and the
+routing stats carry ``calibration_mismatch`` (the fields, e.g. "dtype,tp_size"), which /metrics
+shows as the ``mismatch`` label of ``bole_calibration_table_info``.
 
 Control calls aimed at one replica (the rolling job) pass ``target_replica=<replica unique id>``:
 ``BoleRequestRouter`` routes such calls to exactly that replica, and the replica checks the id.
@@ -54,6 +60,7 @@ from deployments.engine_client import (
     engine_limits,
     hardware_class,
     unwrap_remote_error,
+    warn_if_mismatched,
 )
 from deployments.retry import RetryPolicy, retryable
 from deployments.routing_policy import PrefixSummary, prefix_block_hashes
@@ -79,6 +86,7 @@ class BoleReplica:
         self.block_size = engine.config.cache.block_size
         self.prefix = PrefixSummary(prefix_summary_blocks)
         self.model_path, self.drain_timeout_s, self.tp_size = model_path, drain_timeout_s, tp_size
+        self.model_name = os.path.basename(os.path.normpath(model_path))  # the id recalibrated tables carry
         logger.info("replica %s up: %s on %s (tp %d), table %s", self.replica_id, model_path,
                     self.hardware_class, tp_size, engine.calibration.table_id)
 
@@ -136,8 +144,7 @@ class BoleReplica:
             hw = self.hardware_class if self.hardware_class != "cpu" else None
             loaded = resolve_calibration(resolve_repo_path(str(table)), engine.model.config,
                                          engine.config.device, engine.config.dtype, hardware=hw)
-        self.client.async_engine.set_calibration(loaded)
-        logger.info("calibration table swapped to %s", loaded.table_id)
+        self._install(loaded)
 
     async def drain(self, timeout_s: float | None = None, target_replica: str | None = None) -> bool:
         self._check_target(target_replica)
@@ -148,38 +155,44 @@ class BoleReplica:
         self.client.accepting = True
 
     def calibration_info(self, target_replica: str | None = None) -> dict:
+        """Where this replica stands, for the rolling job: table, admission, requests served so far."""
         self._check_target(target_replica)
-        table = self.client.async_engine.engine.calibration
-        return {"replica_id": self.replica_id, "table_id": table.table_id,
-                "accepting": self.client.accepting, "pending": self.client.num_pending,
-                "hardware_class": self.hardware_class}
+        stats = self.client.stats()
+        return {"replica_id": self.replica_id, "table_id": stats["table_id"], "accepting": self.client.accepting,
+                "pending": self.client.num_pending, "hardware_class": self.hardware_class,
+                "finished": int(stats.get("finished", 0)), "mismatch": stats["calibration_mismatch"],
+                "table": self.client.async_engine.engine.calibration.to_dict()}
 
-    async def recalibrate(self, quick: bool = True, monotone_tolerance: float = 0.25,
-                          target_replica: str | None = None) -> dict:
-        """Re-sweep this replica's table between engine steps; the new table (mapping) and both ids.
-
-        Raises ``RecalibrationError`` (the old table stays) if the sweep's checks refuse it.
-        """
-        from bole.calibrate import recalibrate
+    async def recalibrate(self, quick: bool = True, checks=None, target_replica: str | None = None) -> dict:
+        """Re-sweep this replica's table between engine steps (``bole.recalibration.recalibrate``:
+        two sweeps, validated with ``checks``, a ``TableChecks``) without installing it; returns the
+        new and the old table (mappings). Raises ``RecalibrationError`` if a check refuses it."""
+        from bole.recalibration import recalibrate
 
         self._check_target(target_replica)
         old = self.client.async_engine.engine.calibration
+        kw = dict(checks=checks, hardware=self.hardware_class, model_name=self.model_name)
 
         def run(engine):
-            if self.tp_size > 1:
-                return engine.recalibrate(quick, monotone_tolerance=monotone_tolerance)
-            return recalibrate(engine, quick=quick, monotone_tolerance=monotone_tolerance)
+            if self.tp_size > 1:  # every rank sweeps at once (the forwards all-reduce)
+                return engine.recalibrate(quick, **kw)
+            return recalibrate(engine, quick=quick, install=False, **kw)
 
         new = await asyncio.to_thread(self.client.async_engine.run_exclusive, run)
-        logger.info("recalibrated %s: %s -> %s", self.replica_id, old.table_id, new.table_id)
+        logger.info("recalibrated %s: %s -> %s (not installed yet)", self.replica_id, old.table_id, new.table_id)
         return {"replica_id": self.replica_id, "old_table_id": old.table_id, "table_id": new.table_id,
                 "table": new.to_dict(), "old_table": old.to_dict()}
 
     def set_calibration(self, table: dict, target_replica: str | None = None) -> str:
         self._check_target(target_replica)
-        loaded = CalibrationTable.from_dict(table)
-        self.client.async_engine.set_calibration(loaded)
-        return loaded.table_id
+        return self._install(CalibrationTable.from_dict(table))
+
+    def _install(self, table: CalibrationTable) -> str:
+        """Swap the table between engine steps; warn loudly if it does not describe this replica."""
+        self.client.async_engine.set_calibration(table)
+        logger.info("replica %s: calibration table %s installed", self.replica_id, table.table_id)
+        warn_if_mismatched(self.client.async_engine.engine, self.hardware_class, f"replica {self.replica_id}")
+        return table.table_id
 
     async def check_health(self) -> None:
         if not await self.client.is_alive():
@@ -247,14 +260,17 @@ class ServeEngineClient:
         owner, views = {}, []
         for dep, replicas in fleet.items():
             for rid, stats in replicas.items():
-                owner[rid] = dep
-                views.append(view_from_stats(rid, stats, None, set(stats.get("prefix_blocks") or [])))
+                if stats.get("accepting", True):  # a draining replica (recalibration, shutdown) is skipped
+                    owner[rid] = dep
+                    views.append(view_from_stats(rid, stats, None, set(stats.get("prefix_blocks") or [])))
         if views:
             hashes = prefix_block_hashes(prompt_token_ids, self.policy.block_size)
             ranks = choose_replicas(hashes, views, self.policy).ranks
             if ranks:
                 return owner[ranks[0][0]]
-        return min(self.handles, key=lambda d: self.in_flight[d])
+        # a class whose every replica is draining takes nothing while another class can
+        open_groups = [d for d in self.handles if d not in fleet or d in owner.values()] or list(self.handles)
+        return min(open_groups, key=lambda d: self.in_flight[d])
 
     async def generate_many(self, subs):
         """Stream (index, output) from a replica of the chosen group, retrying refusals (above)."""

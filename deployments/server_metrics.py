@@ -71,8 +71,9 @@ class ServerMetrics:
             "num_prefix_blocks": Gauge("bole_prefix_summary_blocks", "Block hashes in the replica's prefix "
                                        "summary", rep, registry=r),
         }
-        self.table = Gauge("bole_calibration_table_info", "Calibration table in use (value 1)",
-                           rep + ["table_id"], registry=r)
+        self.table = Gauge("bole_calibration_table_info", "Calibration table in use (value 1); mismatch: the "
+                           "fields (model, dtype, tp_size, hardware) it was not measured for, '' if none",
+                           rep + ["table_id", "mismatch"], registry=r)
 
     def observe_first_token(self, hardware_class: str, ttft_s: float, prefill_s: float | None) -> None:
         labels = (self.model_name, hardware_class)
@@ -100,5 +101,5 @@ class ServerMetrics:
                 if key in s:
                     g.labels(*labels).set(float(s[key]))
             if "table_id" in s:
-                self.table.labels(*labels, str(s["table_id"])).set(1)
+                self.table.labels(*labels, str(s["table_id"]), str(s.get("calibration_mismatch", ""))).set(1)
         return generate_latest(self.registry)

@@ -19,8 +19,9 @@ bundle. Otherwise the driver creates the group and removes it on shutdown. The p
 gloo on CPU and NCCL on CUDA; rank 0 picks the rendezvous port on its own node.
 
 Recalibration (``recalibrate``) runs the sweep on every rank at once (its forwards contain the
-all-reduce), then installs rank 0's table on every rank, so the budget, and with it every
-scheduling decision, stays identical across ranks.
+all-reduce) and returns rank 0's table; installing it (the ``calibration`` setter) puts that one
+table on every rank, so the budget, and with it every scheduling decision, stays identical across
+ranks.
 """
 
 from __future__ import annotations
@@ -87,13 +88,13 @@ class TPWorker:
                          metrics=self.engine.metrics.snapshot())
         return state
 
-    def recalibrate(self, quick: bool = True, monotone_tolerance: float = 0.25) -> dict:
-        """Sweep on this rank (every rank at once: the forwards all-reduce); the table or the error."""
-        from bole.calibrate import recalibrate
+    def recalibrate(self, quick: bool = True, **kw) -> dict:
+        """Sweep on this rank (every rank at once: the forwards all-reduce) without installing; the
+        table or the error (``bole.recalibration.recalibrate``'s keywords)."""
+        from bole.recalibration import recalibrate
 
         try:
-            return {"table": recalibrate(self.engine, quick=quick,
-                                         monotone_tolerance=monotone_tolerance).to_dict()}
+            return {"table": recalibrate(self.engine, quick=quick, install=False, **kw).to_dict()}
         except Exception as e:  # noqa: BLE001 - reported to the driver, which keeps the old table
             return {"error": f"{type(e).__name__}: {e}"}
 
@@ -170,16 +171,15 @@ class TPEngine:
         ray.get([w.set_calibration.remote(table.to_dict()) for w in self.workers])
         self._calibration = table
 
-    def recalibrate(self, quick: bool = True, monotone_tolerance: float = 0.25) -> CalibrationTable:
-        """Sweep on all ranks at once, install rank 0's table everywhere (call between steps)."""
-        from bole.calibrate import RecalibrationError
+    def recalibrate(self, quick: bool = True, **kw) -> CalibrationTable:
+        """Sweep on all ranks at once (call between steps); rank 0's table, not installed (the
+        ``calibration`` setter installs one table on every rank)."""
+        from bole.recalibration import RecalibrationError
 
-        results = ray.get([w.recalibrate.remote(quick, monotone_tolerance) for w in self.workers])
+        results = ray.get([w.recalibrate.remote(quick, **kw) for w in self.workers])
         if "error" in results[0]:
-            self.calibration = self._calibration  # a rank that did swap goes back to the shared table
             raise RecalibrationError(results[0]["error"])
-        self.calibration = CalibrationTable.from_dict(results[0]["table"])
-        return self._calibration
+        return CalibrationTable.from_dict(results[0]["table"])
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,

@@ -39,7 +39,7 @@ from contextlib import ExitStack
 from typing import Callable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from bole.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from bole.models.qwen3_5 import HybridForCausalLM
@@ -57,18 +57,30 @@ _MTP_LAYER_RE = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 # ---------------------------------------------------------------------------------------- config
 def read_config(path: str):
-    """(transformers config, ModelConfig) of a checkpoint folder; unsupported types raise."""
+    """(transformers config, ModelConfig) of a checkpoint folder; a missing, malformed or unsupported
+    ``config.json`` raises ``ValueError`` naming the file."""
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise ValueError(f"{path}: no config.json")
-    with open(cfg_file) as fh:
-        model_type = json.load(fh).get("model_type")
+    try:
+        with open(cfg_file) as fh:
+            raw = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{cfg_file}: expected a JSON object, got {type(raw).__name__}")
+    model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{path}: unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
     from transformers import AutoConfig
 
-    hf = AutoConfig.from_pretrained(path)
-    return hf, ModelConfig.from_hf(hf)
+    try:
+        hf = AutoConfig.from_pretrained(path)
+        return hf, ModelConfig.from_hf(hf)
+    except Exception as e:  # noqa: BLE001 - transformers' strict config classes raise their own types
+        # a field of the wrong type or a missing one surfaces deep inside transformers or from_hf
+        detail = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        raise ValueError(f"{cfg_file}: {detail}") from None
 
 
 def resolve_dtype(dtype, cfg: ModelConfig) -> torch.dtype:
@@ -103,10 +115,19 @@ def checkpoint_files(path: str) -> dict[str, str]:
     out = {}
     for f in files:
         full = os.path.join(path, f)
-        with safe_open(full, framework="pt") as fh:
+        with open_safetensors(full) as fh:
             for name in fh.keys():
                 out[name] = full
     return out
+
+
+def open_safetensors(file: str):
+    """``safe_open`` that names the file when it is not a readable safetensors file (truncated,
+    corrupt header, not safetensors at all)."""
+    try:
+        return safe_open(file, framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
 
 
 def normalize_name(name: str) -> str | None:
@@ -130,8 +151,11 @@ class _Reader:
     def get(self, name: str) -> torch.Tensor:
         f = self.files[name]
         if f not in self.handles:
-            self.handles[f] = self.stack.enter_context(safe_open(f, framework="pt"))
-        return self.handles[f].get_tensor(name)
+            self.handles[f] = self.stack.enter_context(open_safetensors(f))
+        try:
+            return self.handles[f].get_tensor(name)
+        except (SafetensorError, OSError) as e:  # a header that lies about the data (truncated file)
+            raise ValueError(f"{f}: tensor {name} cannot be read ({e})") from None
 
 
 def _split_qkvz(t: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -323,6 +347,13 @@ def load_model(path: str, dtype="auto", device="cpu", tp_rank: int = 0, tp_size:
                                   f"vs model {tuple(p.shape)}")
                 continue
             p.copy_(t.to(dt))
+            if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+                # a NaN / inf weight makes every logit NaN: argmax then emits token 0 forever
+                srcs = sources[name]
+                where = ", ".join(f"{s} in {files.get(s, path)}" for s in srcs[:2])
+                cause = ("has NaN / inf values" if not bool(torch.isfinite(t).all()) else
+                         f"overflows {dt} (finite in the checkpoint, inf after conversion)")
+                raise ValueError(f"{path}: weight {name} ({where}) {cause}")
     if mismatches:
         raise ValueError(f"{path}: shape mismatches ({len(mismatches)}): " + "; ".join(mismatches))
     logger.info("loaded %s (%s, %d MTP layers, tp %d/%d) from %s", cfg.model_type, dt, num_mtp,

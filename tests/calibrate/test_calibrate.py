@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,13 +22,10 @@ from checkpoints import make_checkpoint
 
 import bole.hardware as hw
 from bole.calibrate import (
-    RecalibrationError,
     SweepPlan,
     build_table,
-    check_table,
     main,
     modeled_table,
-    recalibrate,
     shapes_config,
     sweep,
     write_table,
@@ -38,6 +36,14 @@ from bole.engine.async_engine import AsyncEngine
 from bole.engine.engine import LLMEngine
 from bole.llm import REPO_ROOT
 from bole.models.loader import load_model
+from bole.recalibration import (
+    RecalibrationError,
+    TableChecks,
+    check_repeatable,
+    check_table,
+    plan_for_engine,
+    recalibrate,
+)
 from bole.sampling_params import SamplingParams
 from bole.spec.budget import CalibrationTable, select_b_ver
 
@@ -218,17 +224,47 @@ def test_malformed_tables_refused(tmp_path, mutate, message):
 
 # ---------------------------------------------------------------- live recalibration
 
-def test_check_table_agreement_and_bounds():
+def test_check_table_sanity_monotone_and_the_max_change_guard():
     old = synthetic_table(slope=0.05)
     assert check_table(synthetic_table(slope=0.05), old) == []
+    # far from the old table is no problem by default: following the hardware is the point
     far = synthetic_table(slope=0.2, t_dec=10.0)            # B_ver 8 instead of 32: a factor 4
-    assert any("B_ver changed by a factor 0.25" in p for p in check_table(far, old))
-    assert check_table(far, old, tolerance=3.0) == []
     slow = synthetic_table(t_dec=50.0)
-    assert any("T_dec changed" in p for p in check_table(slow, old))
+    assert check_table(far, old) == [] and check_table(slow, old) == []
+    guard = TableChecks(max_change=2.0)
+    assert any("B_ver changed by a factor 0.25 from the old table (--max-change 2)" in p
+               for p in check_table(far, old, guard))
+    assert any("T_dec changed by a factor 5.00" in p for p in check_table(slow, old, guard))
+    assert check_table(far, old, TableChecks(max_change=5.0)) == []
     data = synthetic_table().to_dict()
     data["provenance"]["raw"][0]["monotone_fix_max_rel"] = 0.5
-    assert any("not monotone" in p for p in check_table(CalibrationTable.from_dict(data), None))
+    assert any("not monotone" in p for p in check_table(CalibrationTable.from_dict(data)))
+    data = synthetic_table().to_dict()     # T_dec falls as the batch grows
+    b0, b1 = data["buckets"][:2]
+    scale = 0.5 * b0["t_dec_ms"] / b1["t_dec_ms"]
+    b1["t_dec_ms"] *= scale
+    b1["t_ver_ms"] = {n: t * scale for n, t in b1["t_ver_ms"].items()}
+    assert any("drops below bucket 0" in p and "batch grows" in p
+               for p in check_table(CalibrationTable.from_dict(data)))
+    # loading refuses non-finite timings already; a table built in code is checked again
+    good = synthetic_table()
+    for bad in (float("nan"), float("inf"), -1.0):
+        bucket = replace(good.buckets[0], t_ver_ms={**good.buckets[0].t_ver_ms, 8: bad})
+        table = replace(good, buckets=(bucket,) + good.buckets[1:])
+        assert any("finite and positive" in p for p in check_table(table)), bad
+    with pytest.raises(ValueError, match="max_change"):
+        TableChecks(max_change=1.0)
+
+
+def test_two_sweeps_must_agree():
+    rec = lambda dec, ver: [{"at": [1, 8, 4], "dec": [dec], "ver": {2: [ver[0]], 4: [ver[1]], 8: [ver[2]]}}]
+    assert check_repeatable(rec(10, (10, 10.5, 11)), rec(11, (11, 11.5, 12)), 0.5)[0] == []  # B_ver 8 and 8
+    assert check_repeatable(rec(10, (10, 10.5, 11)), rec(10, (10, 11.5, 12)), 0.5)[0] == []  # 8 and 4: adjacent
+    problems, worst = check_repeatable(rec(10, (10, 10.5, 11)), rec(30, (30, 33, 34)), 0.5)
+    assert worst == 3.0 and "two sweeps disagree on T_dec: 10 vs 30 ms (a factor 3.00 > 1.50)" in problems[0]
+    problems, _ = check_repeatable(rec(10, (10, 10.5, 11)), rec(10, (10, 20, 30)), 0.5)
+    assert problems == ["point (batch, kv, depth) (1, 8, 4): two sweeps disagree on B_ver: 8 vs 2 "
+                        "(more than one capacity of G apart)"]
 
 
 def _greedy(eng, swap_at=None, swap=None):
@@ -250,20 +286,47 @@ def test_recalibrate_swaps_mid_generation_without_changing_greedy_output(model):
     def swap(e):
         # force: this test is about the swap between steps; CPU timings on a loaded 2-core box can
         # fail the plausibility checks, which have their own tests
-        seen.append(recalibrate(e, plan=PLAN, force=True, monotone_tolerance=1.0))
+        seen.append(recalibrate(e, plan=PLAN, force=True))
 
     assert _greedy(eng, swap_at=3, swap=swap) == reference
     new = seen[0]
     assert eng.calibration is new and new is not old and new.source == "measured"
-    assert new.provenance["recalibrated_from"] == old.table_id
-    # a table far from the old one is refused (the old stays) unless forced
+    assert new.provenance["recalibrated_from"] == old.table_id and new.provenance["sweeps"] == 2
+    assert new.table_id != old.table_id and "T" in new.date          # a timestamp: one id per measurement
+    assert all(len(r["t_dec_samples_ms"]) == 2 * PLAN.iters for r in new.provenance["raw"])  # both sweeps
+    # a table 1e4 ms per decode step: the re-measurement differs by orders of magnitude and is
+    # installed; the --max-change guard refuses it and keeps the old one
     eng.calibration = old = synthetic_table("cpu", t_dec=1e4)
     plan = SweepPlan(batch_points=(1,), kv_points=(8,), depth_points=(4,), capture_set=(2, 4),
                      warmup=0, iters=1)
+    loose = TableChecks(monotone_tolerance=1.0, repeat_tolerance=100.0)
     with pytest.raises(RecalibrationError, match="T_dec changed"):
-        recalibrate(eng, plan=plan, monotone_tolerance=1.0)
+        recalibrate(eng, plan=plan, checks=replace(loose, max_change=3.0))
     assert eng.calibration is old
-    assert recalibrate(eng, plan=plan, force=True, monotone_tolerance=1.0) is eng.calibration
+    new = recalibrate(eng, plan=plan, checks=loose)
+    assert eng.calibration is new and new.buckets[0].t_dec_ms < old.buckets[0].t_dec_ms / 3
+    assert new.hardware == "cpu" and new.dtype == "float32" and new.tp_size == 1
+
+
+def test_recalibrate_refuses_disagreeing_sweeps(model):
+    eng = engine(model)
+    old = eng.calibration
+    with pytest.raises(RecalibrationError, match="two sweeps disagree"):
+        recalibrate(eng, plan=PLAN, checks=TableChecks(repeat_tolerance=0.0, monotone_tolerance=1.0))
+    assert eng.calibration is old
+
+
+def test_plan_is_cut_to_what_the_engine_runs(model):
+    eng = engine(model, num_blocks=16, max_num_seqs=3)      # 64 KV tokens, batch <= 3
+    eng.calibration = synthetic_table("cpu")                 # layout batch (1, 4), kv (100,)
+    plan = plan_for_engine(eng)
+    assert plan.batch_points == (1, 3) and plan.kv_points == (64,) and plan.capture_set == (8, 16, 32, 64)
+    eng.calibration = replace(synthetic_table("cpu"), capture_set=(8, 16, 24, 32, 48, 64, 96))
+    assert plan_for_engine(eng).capture_set == (8, 16, 32, 64, 96)           # quick: powers of two + the ends
+    assert plan_for_engine(eng, quick=False).capture_set == (8, 16, 24, 32, 48, 64, 96)
+    eng.calibration = CalibrationTable.load(DEFAULT_YAML)
+    plan = plan_for_engine(eng)
+    assert plan.batch_points == (1, 3) and plan.kv_points == (64,) and plan.depth_points == (4,)
 
 
 def test_recalibrate_through_async_engine_between_steps(model):
@@ -277,7 +340,7 @@ def test_recalibrate_through_async_engine_between_steps(model):
             tokens += out.new_token_ids
             if swapped is None:
                 swapped = await asyncio.to_thread(
-                    aeng.run_exclusive, lambda e: recalibrate(e, plan=PLAN, force=True, monotone_tolerance=1.0))
+                    aeng.run_exclusive, lambda e: recalibrate(e, plan=PLAN, force=True))
         return tokens, swapped
 
     try:

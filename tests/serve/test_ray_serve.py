@@ -326,3 +326,33 @@ def test_ray_serve_replica_killed_mid_stream(cluster):
     after = wait_for(lambda: (r := running()) and len(r) == 2 and busy[0] not in r and r, timeout=180)
     assert len(set(after) - set(before)) == 1
     assert oai.completions.create(model=MODEL, prompt=[5, 6], max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_rolling_recalibration_one_replica_at_a_time(cluster, tiny_model, tmp_path):
+    """Two replicas of one class: the job drains them in turn (the other serves: no surge), each gets
+    its own re-measured table, and a client sending requests the whole time sees no failure."""
+    import asyncio
+
+    from fleet_helpers import SteadyLoad, stale_table
+
+    from bole.recalibration import TableChecks
+    from deployments.recalibrate import RollingOptions, rolling_recalibrate
+
+    url, port = cluster
+    stale = stale_table(tmp_path / "stale.yaml", tiny_model, "cpu")
+    deploy(deploy_config(tiny_model, port, override_table=stale))        # reconfigure: no restart
+    old = wait_for(lambda: (f := fleet(url)) and len(f) == 2 and all(
+        v["table_id"].startswith("cpu/tiny/") for v in f.values()) and f)
+    opts = RollingOptions(checks=TableChecks(monotone_tolerance=0.9, repeat_tolerance=9.0), settle_s=1.0)
+    with SteadyLoad(url, clients=3, model=MODEL) as load:
+        wait_for(lambda: len(load.results) >= 3, timeout=60)
+        report = asyncio.run(rolling_recalibrate("bole", ["bole-cpu"], opts))
+    assert not load.errors, load.errors[:3]
+    assert report.ok and [(c.strategy, len(c.replicas)) for c in report.classes] == [("rolling", 2)]
+    assert sorted(e.replica_id for e in report.events) == sorted(old)
+    windows = sorted((e.drained_at, e.resumed_at) for e in report.events)
+    assert windows[0][1] <= windows[1][0], windows
+    assert load.served_between(report.started_at, report.finished_at) >= 3
+    after = wait_for(lambda: (f := fleet(url)) and {v["table_id"] for v in f.values()}
+                     == {e.new_table_id for e in report.events} and f)
+    assert set(after) == set(old)

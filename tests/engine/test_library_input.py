@@ -1,0 +1,182 @@
+"""``bole.LLM`` and the engine refuse bad input with a ValueError naming the value or the file, and a
+failed ``generate()`` leaves nothing queued (issue 22, Deliver 7)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from checkpoints import make_checkpoint
+from engine_helpers import default_table
+from safetensors.torch import load_file, save_file
+
+from bole import LLM, SamplingParams
+from bole.config import EngineConfig
+
+GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+OPTS = dict(mode="ar", device="cpu", num_blocks=32, block_size=4, max_num_seqs=4, calibration_table=default_table())
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("lib_input")
+    make_checkpoint(path, "dense", vocab_size=16)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    return LLM(ckpt, **OPTS)
+
+
+def copy_ckpt(src: str, dst) -> str:
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def test_float_ids_are_refused_integer_arrays_accepted(llm):
+    with pytest.raises(ValueError, match=r"prompt 0: prompt token ids must be ints, got \[1.7\] \(float\)"):
+        llm.generate([[1.7, 2]], GREEDY)
+    with pytest.raises(ValueError, match="ints"):
+        llm.generate([1, 2.0], GREEDY)
+    with pytest.raises(ValueError, match="ints"):
+        llm.generate([[True, 2]], GREEDY)
+    want = [o.token_ids for o in llm.generate([[1, 2, 3], [4, 5, 6]], GREEDY)]
+    for batch in (np.array([[1, 2, 3], [4, 5, 6]]), torch.tensor([[1, 2, 3], [4, 5, 6]]),
+                  [np.array([1, 2, 3]), torch.tensor([4, 5, 6], dtype=torch.int32)],
+                  [[np.int64(1), np.int32(2), 3], [torch.tensor(4), 5, 6]]):
+        assert [o.token_ids for o in llm.generate(batch, GREEDY)] == want
+    one = llm.generate([[1, 2, 3]], GREEDY)[0].token_ids  # alone, not in a batch of two (ties can differ)
+    assert llm.generate(np.array([1, 2, 3]), GREEDY)[0].token_ids == one   # 1-D: one prompt
+    assert llm.generate(torch.tensor([1, 2, 3]), GREEDY)[0].token_ids == one
+    for bad in (np.array([[1.0, 2.0]]), torch.tensor([1.5, 2.0]), np.array([True, False])):
+        with pytest.raises(ValueError, match="must be integers, got an array of dtype"):
+            llm.generate(bad, GREEDY)
+    with pytest.raises(ValueError, match="1-D"):
+        llm.generate(np.zeros((1, 2, 2), dtype=np.int64), GREEDY)
+
+
+def test_generate_is_atomic(llm):
+    eng = llm.engine
+    with pytest.raises(ValueError, match=r"prompt 2: prompt token ids out of range \[0, 16\): \[99\]"):
+        llm.generate([[1, 2], [3, 4], [5, 99]], GREEDY)
+    assert not eng.has_unfinished() and not eng.requests
+    with pytest.raises(ValueError, match="prompt 1: params must be a SamplingParams"):
+        llm.generate([[1, 2], [3, 4]], [GREEDY, {"max_tokens": 3}])
+    assert not eng.has_unfinished() and not eng.requests
+    with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
+        llm.generate([[1, 2]], [GREEDY, GREEDY])
+    # the next call returns exactly its own outputs
+    out = llm.generate([[1, 2]], GREEDY)
+    assert len(out) == 1 and len(out[0].token_ids) == 3 and not eng.requests
+
+
+def test_a_failing_step_leaves_nothing_queued(llm, monkeypatch):
+    eng = llm.engine
+
+    def broken_step():
+        raise RuntimeError("step failed")
+    monkeypatch.setattr(eng, "step", broken_step)  # a fault injected into the real engine's loop
+    with pytest.raises(RuntimeError, match="step failed"):
+        llm.generate([[1, 2], [3, 4]], GREEDY)
+    monkeypatch.undo()
+    assert not eng.has_unfinished() and not eng.requests
+    assert len(llm.generate([[1, 2]], GREEDY)) == 1
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("block_size", 2.5, r"CacheConfig.block_size must be an int, got 2.5 \(float\)"),
+    ("num_blocks", "64", r"CacheConfig.num_blocks must be an int, got '64' \(str\)"),
+    ("enable_prefix_cache", "no", r"CacheConfig.enable_prefix_cache must be a bool .*got 'no' \(str\)"),
+    ("eos_token_ids", 5, r"eos_token_ids must be a list of ints, got 5 \(int\) \(one id: eos_token_ids=\[5\]\)"),
+    ("eos_token_ids", [1, -2], r"eos_token_ids must be a list of non-negative ints"),
+    ("max_num_seqs", 4.0, r"EngineConfig.max_num_seqs must be an int, got 4.0"),
+    ("depth", True, r"SpecConfig.depth must be an int, got True"),
+    ("mode", 3, r"EngineConfig.mode must be a string, got 3"),
+])
+def test_engine_options_are_type_checked(option, value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_options(**{option: value})
+    assert EngineConfig.from_options(eos_token_ids=[np.int64(3)]).eos_token_ids == (3,)
+
+
+def test_corrupt_safetensors_names_the_file(ckpt, tmp_path):
+    path = copy_ckpt(ckpt, tmp_path / "corrupt")
+    file = os.path.join(path, "model.safetensors")
+    with open(file, "r+b") as f:  # a garbled header
+        f.seek(0)
+        f.write(b"\xff" * 16)
+    with pytest.raises(ValueError, match=f"{file}: not a readable safetensors file"):
+        LLM(path, **OPTS)
+    data = open(os.path.join(ckpt, "model.safetensors"), "rb").read()
+    with open(file, "wb") as f:  # a truncated file: the header promises more data than there is
+        f.write(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=file):
+        LLM(path, **OPTS)
+
+
+def test_malformed_config_json_names_the_path(ckpt, tmp_path):
+    path = copy_ckpt(ckpt, tmp_path / "badcfg")
+    cfg_file = os.path.join(path, "config.json")
+    cfg = json.load(open(cfg_file))
+    with open(cfg_file, "w") as f:
+        f.write(json.dumps(cfg)[:-10])
+    with pytest.raises(ValueError, match=f"{cfg_file}: not valid JSON"):
+        LLM(path, **OPTS)
+    with open(cfg_file, "w") as f:
+        json.dump([1, 2], f)
+    with pytest.raises(ValueError, match=f"{cfg_file}: expected a JSON object"):
+        LLM(path, **OPTS)
+    with open(cfg_file, "w") as f:
+        json.dump({**cfg, "num_hidden_layers": "four"}, f)
+    with pytest.raises(ValueError, match=cfg_file):
+        LLM(path, **OPTS)
+
+
+@pytest.mark.parametrize("kind", ["linear_attention", "full_attention"])
+def test_single_kind_layouts_are_refused_clearly(ckpt, tmp_path, kind):
+    path = copy_ckpt(ckpt, tmp_path / kind)
+    cfg_file = os.path.join(path, "config.json")
+    cfg = json.load(open(cfg_file))
+    cfg["layer_types"] = [kind] * cfg["num_hidden_layers"]
+    json.dump(cfg, open(cfg_file, "w"))
+    missing = "full_attention" if kind == "linear_attention" else r"linear_attention \(Gated DeltaNet\)"
+    with pytest.raises(ValueError, match=f"{cfg_file}: layer_types has no {missing} layer .*hybrid models only"):
+        LLM(path, **OPTS)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weight_names_tensor_and_file(ckpt, tmp_path, bad):
+    path = copy_ckpt(ckpt, tmp_path / "nonfinite")
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name][3, 5] = bad
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"weight {name} \\({name} in {file}\\) has NaN / inf values"):
+        LLM(path, **OPTS)
+
+
+def test_fp16_overflow_is_named(ckpt, tmp_path):
+    path = copy_ckpt(ckpt, tmp_path / "overflow")
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    tensors["model.norm.weight"][0] = 1e6   # finite in fp32, inf in float16
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="model.norm.weight .* overflows torch.float16"):
+        LLM(path, **{**OPTS, "dtype": "float16"})
+
+
+def test_wide_tree_refusal_names_the_lookahead(ckpt):
+    wide = LLM(ckpt, **{**OPTS, "mode": "bole", "num_blocks": 16, "depth": 4, "topk": 8, "beam": 8})
+    with pytest.raises(ValueError, match=r"prompt 0: prompt \(2 tokens\) \+ max_tokens \(3\) \+ the tree lookahead "
+                                         r"reserved per request \((\d+) tokens: 1 \+ \d+ draft nodes for depth 4, "
+                                         r"topk 8, beam 8\) = \d+ does not fit the KV cache \(64 tokens\)"):
+        wide.generate([[1, 2]], GREEDY)
+    with pytest.raises(ValueError, match=r"does not fit the KV cache \(64 tokens = num_blocks 16 x block_size 4\)"):
+        wide.generate([[1, 2]], SamplingParams(max_tokens=100))
+    assert not wide.engine.requests
