@@ -162,12 +162,10 @@ class AsyncEngine:
                 busy = self.engine.has_unfinished()
                 outputs = []
                 if busy:
-                    finished_before = self.engine.metrics.finished
                     try:
                         outputs = self.engine.step()
                         # the step's batch: what still runs plus what finished in it
-                        self._batch = len(self.engine.scheduler.running) + \
-                            self.engine.metrics.finished - finished_before
+                        self._batch = len(self.engine.scheduler.running) + sum(o.finished for o in outputs)
                         self._peak_batch = max(self._peak_batch, self._batch)
                     except Exception as e:  # fail this step's requests, keep serving
                         logger.exception("engine step failed")

@@ -105,7 +105,7 @@ def check_banner_works(text: str, env: dict) -> None:
     curl = next(line for line in text.splitlines() if line.startswith("curl "))
     out = subprocess.run(["bash", "-c", curl + " -s -f"], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and '"id":"tiny"' in out.stdout, (curl, out.stdout, out.stderr)
-    snippet = text[text.index("from openai import OpenAI") - len("import os\n"):]
+    snippet = text[text.index("from openai import OpenAI") - len("import os\n"):].split("\n\n")[0]
     assert snippet.startswith("import os\n")
     snippet = snippet.replace("max_tokens=64", "max_tokens=4")   # the same call, shorter on a CPU
     out = subprocess.run([sys.executable, "-c", snippet], env=env, capture_output=True, text=True, timeout=120)
