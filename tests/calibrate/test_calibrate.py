@@ -259,7 +259,7 @@ def test_check_table_sanity_monotone_and_the_max_change_guard():
 def test_two_sweeps_must_agree():
     rec = lambda dec, ver: [{"at": [1, 8, 4], "dec": [dec], "ver": {2: [ver[0]], 4: [ver[1]], 8: [ver[2]]}}]
     assert check_repeatable(rec(10, (10, 10.5, 11)), rec(11, (11, 11.5, 12)), 0.5)[0] == []  # B_ver 8 and 8
-    assert check_repeatable(rec(10, (10, 10.5, 11)), rec(10, (10, 11.5, 12)), 0.5)[0] == []  # 8 and 4: adjacent
+    assert check_repeatable(rec(10, (10, 10.5, 11)), rec(10, (10, 10.5, 12)), 0.5)[0] == []  # 8 and 4: adjacent
     problems, worst = check_repeatable(rec(10, (10, 10.5, 11)), rec(30, (30, 33, 34)), 0.5)
     assert worst == 3.0 and "two sweeps disagree on T_dec: 10 vs 30 ms (a factor 3.00 > 1.50)" in problems[0]
     problems, _ = check_repeatable(rec(10, (10, 10.5, 11)), rec(10, (10, 20, 30)), 0.5)
