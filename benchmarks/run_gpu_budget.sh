@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fig. 11 budget sweep on one GPU (issue 7, deliverable 5): tokens/s and MAT of the engine in `bole`
+# The budget sweep (the paper's Fig. 11) on one GPU: tokens/s and MAT of the engine in `bole`
 # mode against a fixed verification budget B = 8..256 draft nodes per step, at batch 1, 4 and 8, on
 # the held-out prompts, with the calibrated B_ver marked. From the repository root:
 #     OUT=$OUT bash benchmarks/run_gpu_budget.sh [extra budget_sweep.py flags]

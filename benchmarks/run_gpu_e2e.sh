@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# End-to-end benchmark (issue 9) on a GPU machine, in ONE command of < 10 minutes, from the repo root:
+# End-to-end benchmark on a GPU machine, in ONE command of < 10 minutes, from the repo root:
 #     OUT=$OUT bash benchmarks/run_gpu_e2e.sh [extra benchmarks/e2e.py flags]
 #
 #   1. GPU tests (<= 150 s): CUDA-graph decode (tests/engine/test_cuda_graphs.py) and the engine / model

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Prepare the training data and tokenizer for bole-tiny-coder (issue 6).
+"""Prepare the training data and tokenizer for bole-tiny-coder, the embedded test / benchmark model.
 
 Runs on the *data machine* (the CPU build machine), not on the GPU machine:
 

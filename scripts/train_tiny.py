@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train bole-tiny-coder: a small Qwen3.5-architecture code model with one MTP layer (issue 6).
+"""Train bole-tiny-coder: a small Qwen3.5-architecture code model with one MTP layer.
 
 Target: ``transformers.Qwen3_5ForCausalLM`` built from a ``Qwen3_5TextConfig`` (16 layers,
 3 Gated DeltaNet : 1 gated full attention). Drafter: one MTP block trained jointly with the
@@ -438,7 +438,7 @@ def write_card(out: Path, log: dict) -> None:
         "",
         "A tiny Python code model with the **Qwen3.5 text architecture** (Gated DeltaNet 3 : 1 gated",
         "full attention) and **one MTP drafter layer**, trained from scratch by the Bole project as the",
-        "test / benchmark checkpoint for Bole's speculative decoding (issue 6). It is a toy: expect",
+        "test / benchmark checkpoint for Bole's speculative decoding. It is a toy: expect",
         "plausible-looking Python, not correct programs.",
         "",
         "## Architecture",
