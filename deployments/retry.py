@@ -23,7 +23,8 @@ REPLICA_GONE_ERRORS = frozenset({"ActorDiedError", "ActorUnavailableError", "Ray
 class RetryPolicy:
     """base_s: the first step; each later step doubles, up to max_delay_s. Every wait is drawn in
     [step / 2, step] ("equal jitter": clients refused together spread out, and no wait is ever
-    near zero). budget_s bounds the total time spent waiting; max_attempts the sends."""
+    near zero), except the last, which is cut to what is left of budget_s: the total wait is
+    budget_s unless max_attempts runs out first. max_attempts bounds the sends."""
 
     base_s: float = 0.1
     max_delay_s: float = 2.0
@@ -43,11 +44,11 @@ class RetryPolicy:
         spent = 0.0
         for k in range(self.max_attempts - 1):
             step = min(self.max_delay_s, self.base_s * 2 ** k)
-            wait = step / 2 + rng.uniform(0, step / 2)
-            if spent + wait > self.budget_s:
+            wait = min(step / 2 + rng.uniform(0, step / 2), self.budget_s - spent)
+            if wait <= 0:
                 return
             spent += wait
-            yield wait
+            yield wait   # the last one is cut to what is left: the budget is spent, not undershot
 
 
 def retryable(e: BaseException) -> bool:

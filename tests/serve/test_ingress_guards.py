@@ -117,7 +117,9 @@ def test_ttft_counts_the_wait_behind_a_full_batch_and_aborts_are_counted(tiny_mo
     with serve_app(build_app(client, MODEL, api_key="")) as srv:
         async def main():
             async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
-                long = {"model": MODEL, "prompt": "x", "max_tokens": 60, "ignore_eos": True}
+                # 240 tokens: about 1 s on a 2-core CPU (60 took 0.25 s, so the held request's
+                # wait could fall under the 0.25 s bucket below)
+                long = {"model": MODEL, "prompt": "x", "max_tokens": 240, "ignore_eos": True}
                 batch = [asyncio.ensure_future(c.post("/v1/completions", json=long)) for _ in range(4)]
                 eng = client.async_engine.engine
                 while len(eng.scheduler.running) < 4:   # the batch is full
@@ -130,7 +132,7 @@ def test_ttft_counts_the_wait_behind_a_full_batch_and_aborts_are_counted(tiny_mo
         text = httpx.get(srv.url + "/metrics").text
         labels = dict(model=MODEL, hardware_class="cpu")
         assert metric(text, "bole_queue_wait_seconds_count", **labels) == 5
-        # the held request waited for a batch slot (a whole 60-token request): one queue wait over
+        # the held request waited for a batch slot (most of a 240-token request): one queue wait over
         # 0.25 s, inside its TTFT; the TTFT histogram holds it too
         assert metric(text, "bole_queue_wait_seconds_bucket", le="0.25", **labels) <= 4
         assert metric(text, "bole_time_to_first_token_seconds_bucket", le="0.25", **labels) <= 4

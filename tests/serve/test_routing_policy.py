@@ -100,11 +100,16 @@ def test_retry_backoff_is_jittered_exponential_and_bounded():
     for k, w in enumerate(waits):
         step = min(2.0, 0.1 * 2 ** k)
         assert step / 2 <= w <= step   # never near zero: no tight loop
-    assert sum(waits) <= 30.0
+    assert sum(waits) <= 30.0   # 11 waits of at most 2 s: max_attempts runs out first
     other = list(policy.delays(random.Random(1)))
     assert other != waits   # jittered: clients refused together spread out
-    short = list(RetryPolicy(budget_s=1.0).delays(random.Random(0)))
-    assert sum(short) <= 1.0 and 2 <= len(short) <= 5
+    for seed in range(50):   # the budget is spent, never undershot: only the last wait is cut
+        for budget in (1.0, 2.0):
+            short = list(RetryPolicy(budget_s=budget).delays(random.Random(seed)))
+            assert sum(short) == pytest.approx(budget) and 2 <= len(short) <= 6
+            for k, w in enumerate(short[:-1]):
+                assert min(2.0, 0.1 * 2 ** k) / 2 <= w
+            assert short[-1] > 0
     assert list(RetryPolicy(max_attempts=1).delays()) == []
     with pytest.raises(ValueError):
         RetryPolicy(base_s=0)
