@@ -21,16 +21,10 @@ import yaml
 from checkpoints import make_checkpoint
 
 import bole.hardware as hw
-from bole.calibrate import (
-    SweepPlan,
-    build_table,
-    main,
-    modeled_table,
-    shapes_config,
-    sweep,
-    write_table,
-)
+from bole.calibrate import main, modeled_table, sweep
 from bole.calibrate_model import RooflineAssumptions, fit_overheads, model_error
+from bole.calibrate_sweep import SweepPlan, shapes_config
+from bole.calibrate_table import build_table, write_table
 from bole.config import EngineConfig
 from bole.engine.async_engine import AsyncEngine
 from bole.engine.engine import LLMEngine
