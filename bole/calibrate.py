@@ -31,9 +31,10 @@ logger = logging.getLogger(__name__)
 
 
 def sweep(model, plan: SweepPlan, device, dtype: torch.dtype, model_name: str, weights: str = "checkpoint",
-          hardware: str | None = None, progress: bool = True) -> CalibrationTable:
-    records = measure(model, plan, device, dtype, progress)
-    header = measured_header(model, device, dtype, model_name, plan, weights, hardware)
+          hardware: str | None = None, progress: bool = True, cuda_graphs: bool = False) -> CalibrationTable:
+    """A measured table: the sweep's timings (eager, or graphed as the engine serves with graphs)."""
+    records = measure(model, plan, device, dtype, progress, cuda_graphs)
+    header = measured_header(model, device, dtype, model_name, plan, weights, hardware, cuda_graphs)
     return build_table(plan, records, header)
 
 
@@ -108,6 +109,8 @@ def main(argv=None) -> CalibrationTable:
                     help="write a roofline-modeled table for this class instead of measuring")
     ap.add_argument("--fit", help="measured table to fit the model's overhead terms on (--modeled)")
     ap.add_argument("--compare", help="measured table to report the model's error against (--modeled)")
+    ap.add_argument("--cuda-graphs", action="store_true", help="time decode and verify replayed from CUDA graphs, "
+                    "as the engine serves them with enable_cuda_graphs (default: eager; needs --device cuda)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -130,6 +133,8 @@ def main(argv=None) -> CalibrationTable:
     else:
         name, cfg = args.model_name or args.shapes, shapes_config(args.shapes)
 
+    if args.cuda_graphs and (args.modeled or not args.device.startswith("cuda")):
+        raise SystemExit("--cuda-graphs measures captured graphs: it needs --device cuda and no --modeled")
     if args.modeled:
         a = RooflineAssumptions()
         if args.fit:
@@ -146,7 +151,8 @@ def main(argv=None) -> CalibrationTable:
             if not args.device.startswith("cuda"):
                 raise SystemExit(f"--shapes {args.shapes} measures a full-size model: it needs --device cuda")
             model, weights = random_model(cfg, tdtype, args.device, plan.seed), "random"
-        table = sweep(model, plan, args.device, tdtype, name, weights, args.hardware, not args.no_progress)
+        table = sweep(model, plan, args.device, tdtype, name, weights, args.hardware, not args.no_progress,
+                      args.cuda_graphs)
 
     out = args.out or os.path.join(TABLE_DIR, f"{table.hardware}-{name}.yaml")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

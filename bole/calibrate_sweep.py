@@ -12,8 +12,9 @@ for every capacity N of the capture set G, as medians over interleaved rounds (C
 synchronize on the GPU, perf_counter on the CPU), after warm-up. The sweep gets its own runner
 (own KV cache and state pool, sharing the weights): its B dummy requests hold blocks and slots
 whose contents are filled directly with random values instead of being prefilled, because the
-forwards' cost depends on the lengths, not on the cached values. The forwards run eagerly
-(``provenance.execution``); the tables are then built by ``bole.calibrate_table``.
+forwards' cost depends on the lengths, not on the cached values. The forwards run eagerly, or with
+``cuda_graphs`` replayed from CUDA graphs as the engine serves them with ``enable_cuda_graphs``
+(``provenance.execution`` says which); the tables are then built by ``bole.calibrate_table``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from bole.calibrate_model import split_nodes
 from bole.config import ModelConfig
 from bole.engine.runner import ModelRunner
 from bole.engine.sequence import Request
+from bole.engine.spec_graphs import tree_widths
 from bole.models.qwen3_5 import HybridForCausalLM
 from bole.sampling_params import SamplingParams
 from bole.spec.drafter import DraftBatch
@@ -196,24 +198,54 @@ def _point_fns(runner: ModelRunner, reqs: list[Request], kv: int, depth: int, ca
     return fns
 
 
-def measure(model, plan: SweepPlan, device, dtype: torch.dtype, progress: bool = True) -> list[dict]:
-    """Time T_dec and T_ver(N) at every plan point; returns one raw record per point."""
+def graph_widths(plan: SweepPlan) -> list[int]:
+    """The tree widths (nodes per request, root included) graphed verify forwards are captured for: the
+    engine's ``tree_widths`` up to the widest tree the sweep verifies (a tree is padded up to one)."""
+    return tree_widths(max(1 + -(-n // b) for b in plan.batch_points
+                           for n in feasible_capacities(plan.capture_set, b)))
+
+
+def _runner(model, plan: SweepPlan, device: torch.device, dtype: torch.dtype, cuda_graphs: bool) -> ModelRunner:
+    """The sweep's own runner. With ``cuda_graphs`` its decode and verify run through the runner's
+    graphs (one family per batch point; captured on CUDA, the same static forwards uncaptured on the
+    CPU), with one more KV block and state slot for their padding rows and a factor buffer for trees
+    padded to the captured widths."""
+    max_b, max_n, bs = max(plan.batch_points), max(plan.capture_set), 16
+    per_req = blocks_needed(max(plan.kv_points) + max_n + 3, bs)
+    spare = int(cuda_graphs)
+    nodes = max_b * graph_widths(plan)[-1] if cuda_graphs else max_n + max_b
+    runner = ModelRunner(model, max_b * per_req + spare, bs, max_b + spare, nodes, dtype, device)
+    if cuda_graphs:
+        runner.enable_cuda_graphs(plan.batch_points, capture=device.type == "cuda")
+    return runner
+
+
+def measure(model, plan: SweepPlan, device, dtype: torch.dtype, progress: bool = True,
+            cuda_graphs: bool = False) -> list[dict]:
+    """Time T_dec and T_ver(N) at every plan point; returns one raw record per point. ``cuda_graphs``:
+    the forwards as the engine runs them with ``enable_cuda_graphs`` (decode and verify replayed from
+    graphs, each captured by its first warm-up call, so at least one warm-up call runs)."""
     from tqdm import tqdm
 
     device = torch.device(device)
-    max_b, max_n, bs = max(plan.batch_points), max(plan.capture_set), 16
-    per_req = blocks_needed(max(plan.kv_points) + max_n + 3, bs)
-    runner = ModelRunner(model, max_b * per_req, bs, max_b, max_n + max_b, dtype, device)
+    runner = _runner(model, plan, device, dtype, cuda_graphs)
+    verify_graphs = {}  # depth -> VerifyGraphs: a family has one depth bound, the drafter's depth + 1
+    warmup = max(plan.warmup, int(cuda_graphs))
     gen = torch.Generator().manual_seed(plan.seed)
     with torch.no_grad():
         runner.kv_cache.kv.normal_(0.0, 1.0)
     records = []
-    calls = len(plan.points()) * (1 + len(plan.capture_set)) * (plan.warmup + plan.iters)
+    calls = len(plan.points()) * (1 + len(plan.capture_set)) * (warmup + plan.iters)
     bar = tqdm(total=calls, desc="calibrate", unit="fwd", disable=not progress)
     for B, kv, d in plan.points():
-        reqs = _dummy_requests(runner, B, kv, max_n, model.config.vocab_size, gen)
+        if cuda_graphs:
+            if d not in verify_graphs:
+                verify_graphs[d] = runner.enable_verify_graphs(plan.batch_points, graph_widths(plan), d, tail=False,
+                                                               capture=device.type == "cuda")
+            runner.verify_graphs = verify_graphs[d]
+        reqs = _dummy_requests(runner, B, kv, max(plan.capture_set), model.config.vocab_size, gen)
         fns = _point_fns(runner, reqs, kv, d, plan.capture_set, gen)
-        samples = time_ms(fns, plan.warmup, plan.iters, device, tick=lambda: bar.update(1))
+        samples = time_ms(fns, warmup, plan.iters, device, tick=lambda: bar.update(1))
         for r in reqs:
             runner.allocator.free(r.block_table)
             runner.state_pool.free(r.state_slot)

@@ -14,7 +14,7 @@ from statistics import median
 
 import torch
 
-from bole.calibrate_sweep import SweepPlan
+from bole.calibrate_sweep import SweepPlan, graph_widths
 from bole.hardware import detect_hardware, device_name, model_signature
 from bole.spec.budget import CalibrationTable, select_b_ver
 
@@ -80,8 +80,24 @@ def versions() -> dict:
     return out
 
 
+EAGER = ("eager: runner.decode / runner.verify called directly, without CUDA graphs; with "
+         "enable_cuda_graphs the engine on a GPU replays captured graphs for decode (ar), draft and verify, "
+         "which `python -m bole.calibrate --cuda-graphs` measures")
+
+
+def execution(device: torch.device, cuda_graphs: bool, plan: SweepPlan) -> str:
+    """``provenance.execution``: how the sweep ran the forwards it timed."""
+    if not cuda_graphs:
+        return EAGER
+    how = ("replayed from CUDA graphs captured during warm-up" if device.type == "cuda"
+           else "the graphs' static forwards run uncaptured (CUDA graphs are GPU-only)")
+    return (f"cuda graphs: runner.decode / runner.verify through the runner's DecodeGraphs / VerifyGraphs, as "
+            f"the engine with enable_cuda_graphs: batch sizes {list(plan.batch_points)}, trees padded to widths "
+            f"{graph_widths(plan)}, KV-length buckets; {how}")
+
+
 def measured_header(model, device, dtype: torch.dtype, model_name: str, plan: SweepPlan, weights: str,
-                    hardware: str | None = None) -> dict:
+                    hardware: str | None = None, cuda_graphs: bool = False) -> dict:
     dev = torch.device(device)
     return {
         "hardware": hardware or detect_hardware(dev), "model": model_name,
@@ -91,7 +107,7 @@ def measured_header(model, device, dtype: torch.dtype, model_name: str, plan: Sw
         "provenance": {
             "device_name": device_name(dev), "model_signature": model_signature(model.config),
             "weights": weights, "gdn_backend": model.backend.name,
-            "execution": "eager (ModelRunner has no CUDA-graph capture)",
+            "execution": execution(dev, cuda_graphs, plan),
             "timing": {"method": "cuda events after synchronize" if dev.type == "cuda" else "perf_counter",
                        "warmup": plan.warmup, "iters": plan.iters, "statistic": "median",
                        "order": "interleaved rounds over decode and every N",
