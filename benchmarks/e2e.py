@@ -57,8 +57,8 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from bole import calibrate_sweep  # noqa: E402
 from bole.cache.kv_cache import blocks_needed  # noqa: E402
-from bole.calibrate import _time_ms  # noqa: E402
 from bole.config import ModelConfig  # noqa: E402
 from bole.engine.cuda_graphs import decode_step_fn  # noqa: E402
 from bole.engine.runner import ModelRunner  # noqa: E402
@@ -71,7 +71,7 @@ SECTIONS = {"a": "gdn_share", "b": "state_bytes", "c": "throughput", "d": "decod
 SHARE_MODES = ("serial_tree", "bole")
 TREE_DEPTH = 8  # verified trees: random EAGLE-like, depth <= 8 with the root (as benchmarks/gdn_verify.py)
 
-# GDN-relevant shapes for section b (DESIGN.md §5; 9B / 27B also in bole.calibrate.SHAPES). Qwen3.5-4B's
+# GDN-relevant shapes for section b (DESIGN.md §5; 9B / 27B also in bole.calibrate_sweep.SHAPES). Qwen3.5-4B's
 # GDN heads are taken as the 9B's (16 key / 32 value heads of 128): the per-request ratio depends only
 # on the head shapes, the totals on the layer count.
 STATE_SHAPES = {
@@ -133,8 +133,8 @@ def parse_args(argv=None):
 
 # ------------------------------------------------------------------------------------------ helpers
 def time_ms(fn, warmup: int, reps: int, device: torch.device) -> float:
-    """Median time of fn() in ms (``bole.calibrate._time_ms``: CUDA events around each synchronised call)."""
-    return statistics.median(_time_ms({0: fn}, warmup, reps, device)[0])
+    """Median time of fn() in ms (``bole.calibrate_sweep.time_ms``: CUDA events around each synchronised call)."""
+    return statistics.median(calibrate_sweep.time_ms({0: fn}, warmup, reps, device)[0])
 
 
 def copy_bandwidth(device: torch.device, smoke: bool) -> dict:
@@ -263,7 +263,7 @@ class Target:
     """A random-weight model at real shapes, its runner, and requests with ``kv_len`` committed tokens."""
 
     def __init__(self, args, device: torch.device, snapshots: bool):
-        from bole.calibrate import random_model, shapes_config
+        from bole.calibrate_sweep import random_model, shapes_config
 
         self.name = "tiny (smoke)" if args.smoke else args.shapes
         self.cfg = tiny_config() if args.smoke else shapes_config(args.shapes)
@@ -406,7 +406,7 @@ def _graph_verify_ms(runner, reqs, batch, args, dev) -> float:
 
 
 def section_gdn_share(rep: Report, tgt: Target, args, decode_ms: dict, t_end: float, share: bool) -> None:
-    from bole.calibrate import synthetic_batch
+    from bole.calibrate_sweep import synthetic_batch
 
     dev, runner, model = tgt.device, tgt.runner, tgt.model
     full_factors = tgt.factors

@@ -86,7 +86,7 @@ def profile(fn, device: torch.device, warmup: int = 3, reps: int = 5, top: int =
 
 def case_target(name: str, args, device) -> dict:
     from benchmarks.e2e import Target, parse_args
-    from bole.calibrate import synthetic_batch
+    from bole.calibrate_sweep import synthetic_batch
 
     eargs = parse_args((["--smoke"] if args.smoke else []) + ["--share-batches", "1", "--decode-batches", "1",
                                                               "--tree-sizes", "64"])

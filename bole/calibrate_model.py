@@ -18,8 +18,9 @@ components (T = Σ_b t_b tokens, t_b = 1 + drafts of request b in verify, 1 in d
              (Q S_pre and K S_pre 4·t·K·V, Neumann rounds 2·d·t²·V, G and C 4·t²·K, C U 2·t²·V per
              value head) and writes the per-node factors (k, u, logp, conv inputs).
 
-The overhead terms stand for what the eager engine pays besides the arithmetic: host-side
-ForwardContext and forest construction, kernel launches per layer, the per-request attention loop.
+The overhead terms stand for what an eager forward pays besides the arithmetic: host-side
+ForwardContext and forest construction, kernel launches per layer, the per-request attention loop
+(the measured tables they are fitted on are eager sweeps; a graphed forward pays less of them).
 Their defaults are guesses; ``fit_overheads`` estimates them from a measured table (least squares on
 the residual, non-negative) so a model calibrated on one GPU can be carried to another. Every
 assumption is written into the table (``provenance.assumptions``) and ``model_error`` compares the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bole.option_checks import check_types, int_tuple
 from bole.spec.tree import MAX_TREE_NODES
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
@@ -229,51 +230,6 @@ ENGINE_MODES = ("ar", "serial_tree", "bole")
 DEFAULT_CALIBRATION_TABLE = "calibration_tables/default.yaml"
 
 
-def _check_types(obj, ints: tuple[str, ...] = (), bools: tuple[str, ...] = (), strs: tuple[str, ...] = ()) -> None:
-    """ValueError naming the option and its value when an option has the wrong type; bools are not
-    ints here (``block_size=True`` is a typo, not 1) and strings such as ``'64'`` or ``'no'`` are not
-    coerced (``enable_prefix_cache='no'`` would otherwise be truthy, i.e. on)."""
-    name = type(obj).__name__
-    for k in ints:
-        v = getattr(obj, k)
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise ValueError(f"{name}.{k} must be an int, got {v!r} ({type(v).__name__})")
-    for k in bools:
-        v = getattr(obj, k)
-        if not isinstance(v, bool):
-            raise ValueError(f"{name}.{k} must be a bool (True / False), got {v!r} ({type(v).__name__})")
-    for k in strs:
-        v = getattr(obj, k)
-        if not isinstance(v, str):
-            raise ValueError(f"{name}.{k} must be a string, got {v!r} ({type(v).__name__})")
-
-
-def _int_tuple(name: str, value) -> tuple[int, ...]:
-    """A list / tuple of non-negative ints (numpy / torch integer scalars allowed) as a tuple of ints."""
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-        hint = f" (one id: {name}=[{value!r}])" if is_integral(value) else ""
-        raise ValueError(f"{name} must be a list of ints, got {value!r} ({type(value).__name__}){hint}")
-    out = tuple(value)
-    bad = [v for v in out if not is_integral(v) or int(v) < 0]
-    if bad:
-        raise ValueError(f"{name} must be a list of non-negative ints, got {list(out)!r} (bad: {bad[:5]!r})")
-    return tuple(int(v) for v in out)
-
-
-def is_integral(v) -> bool:
-    """int, or a numpy / torch integer scalar; never a bool or a float (1.0 is not a token id)."""
-    if isinstance(v, bool):
-        return False
-    if isinstance(v, int):
-        return True
-    import numbers
-
-    if isinstance(v, numbers.Integral):  # numpy integer scalars register as Integral
-        return True
-    dtype = getattr(v, "dtype", None)  # a 0-d torch / numpy integer tensor
-    return dtype is not None and getattr(v, "ndim", 1) == 0 and "int" in str(dtype) and "bool" not in str(dtype)
-
-
 @dataclass(frozen=True)
 class SpecConfig:
     """Draft-tree shape (EAGLE-2 style expansion with the MTP head).
@@ -290,7 +246,7 @@ class SpecConfig:
     draft_fast_math: bool = True
 
     def __post_init__(self):
-        _check_types(self, ints=("depth", "topk", "beam"), bools=("draft_fast_math",))
+        check_types(self, ints=("depth", "topk", "beam"), bools=("draft_fast_math",))
         for name in ("depth", "topk", "beam"):
             v = getattr(self, name)
             if v < 1:
@@ -320,7 +276,7 @@ class CacheConfig:
     num_checkpoint_slots: int = 32
 
     def __post_init__(self):
-        _check_types(self, ints=("block_size", "num_blocks", "checkpoint_interval_blocks", "num_checkpoint_slots"),
+        check_types(self, ints=("block_size", "num_blocks", "checkpoint_interval_blocks", "num_checkpoint_slots"),
                      bools=("enable_prefix_cache",))
         if self.block_size < 1 or self.num_blocks < 1:
             raise ValueError(f"block_size={self.block_size} and num_blocks={self.num_blocks} must be >= 1")
@@ -360,9 +316,9 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
 
     def __post_init__(self):
-        _check_types(self, ints=("max_num_seqs", "max_num_batched_tokens"), strs=("mode", "device", "dtype",
+        check_types(self, ints=("max_num_seqs", "max_num_batched_tokens"), strs=("mode", "device", "dtype",
                                                                               "calibration_table"))
-        object.__setattr__(self, "eos_token_ids", _int_tuple("eos_token_ids", self.eos_token_ids))
+        object.__setattr__(self, "eos_token_ids", int_tuple("eos_token_ids", self.eos_token_ids))
         if self.device == "auto":
             import torch
 
@@ -410,5 +366,5 @@ class EngineConfig:
         cache = CacheConfig(**{k: v for k, v in options.items() if k in cache_keys})
         top = {k: v for k, v in options.items() if k in top_keys}
         if "cuda_graph_batch_sizes" in top:  # eos_token_ids is normalised (and checked) by __post_init__
-            top["cuda_graph_batch_sizes"] = _int_tuple("cuda_graph_batch_sizes", top["cuda_graph_batch_sizes"])
+            top["cuda_graph_batch_sizes"] = int_tuple("cuda_graph_batch_sizes", top["cuda_graph_batch_sizes"])
         return EngineConfig(spec=spec, cache=cache, **top)

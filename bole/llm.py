@@ -6,8 +6,9 @@ import os
 from dataclasses import dataclass
 from typing import Sequence
 
-from bole.config import EngineConfig, is_integral
+from bole.config import EngineConfig
 from bole.engine.engine import LLMEngine
+from bole.option_checks import is_integral
 from bole.sampling_params import SamplingParams
 from bole.spec.logprobs import TokenLogprob
 

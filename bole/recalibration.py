@@ -19,7 +19,7 @@ new table is judged on its own merits, never by its distance from the old one (`
   max_change  a guard, off by default: B_ver and T_dec within a factor ``max_change`` of the old
               table's at each new bucket point (skipped against the unmeasured default)
 
-The sweep (``bole.calibrate.measure``) gets its own runner and never touches the engine's caches or
+The sweep (``bole.calibrate_sweep.measure``) gets its own runner and never touches the engine's caches or
 requests, so running generations are unaffected; the swap is one attribute assignment. A live
 table's ``date`` is a UTC timestamp to the second, so every measurement has its own ``table_id``.
 """
@@ -33,7 +33,8 @@ import time
 from dataclasses import dataclass, replace
 from statistics import median
 
-from bole.calibrate import QUICK_PLAN, SweepPlan, build_table, measure, measured_header
+from bole.calibrate_sweep import QUICK_PLAN, SweepPlan, measure
+from bole.calibrate_table import build_table, measured_header
 from bole.hardware import detect_hardware, model_signature, table_mismatch
 from bole.spec.budget import CalibrationTable, select_b_ver
 

@@ -60,7 +60,7 @@ STRATEGIES = ("auto", "surge", "reroute")
 class RollingOptions:
     """How the job runs (the CLI flags mirror these)."""
 
-    quick: bool = True                 # quick sweep plan (bole.calibrate.QUICK_PLAN layout)
+    quick: bool = True                 # quick sweep plan (bole.calibrate_sweep.QUICK_PLAN layout)
     checks: TableChecks = TableChecks()
     strategy: str = "auto"             # for a class with one running replica: surge | reroute | auto
     drain_timeout_s: float = 120.0     # longest wait for a replica's in-flight requests
@@ -79,7 +79,7 @@ class RollingOptions:
 
 
 def _write_table(table: dict, table_dir: str, deployment: str, replica_id: str) -> str:
-    from bole.calibrate import write_table
+    from bole.calibrate_table import write_table
     from bole.spec.budget import CalibrationTable
 
     os.makedirs(table_dir, exist_ok=True)

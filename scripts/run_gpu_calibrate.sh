@@ -2,7 +2,8 @@
 # Quick calibration sweeps on one GPU (written for the H200; about 3-4 minutes in all):
 #     bash scripts/run_gpu_calibrate.sh
 # 1. measured: bole-tiny-coder (only once its weights exist) and Qwen3.5-9B shapes with random weights,
-#    quick plan (batch 1/4/16, kv 1024/8192, depth 5, G = 8..256), eager forwards as the engine runs them;
+#    quick plan (batch 1/4/16, kv 1024/8192, depth 5, G = 8..256), eager forwards (an engine with
+#    enable_cuda_graphs replays graphs instead: `python -m bole.calibrate --cuda-graphs` measures those);
 # 2. modeled: a100 / gb10 tables from the roofline model, its overhead terms fitted on this GPU's
 #    measurement and its error against that measurement in `model_error`.
 # Everything (YAML + PNG) goes to $OUT (default calibration_out/); copy the YAML files you keep into

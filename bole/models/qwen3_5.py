@@ -191,7 +191,7 @@ class HybridForCausalLM(nn.Module):
 
     def fuse_projections(self) -> "HybridForCausalLM":
         """Concatenate the projections that share an input into one GEMM each (``bole.layers.linear``);
-        called once the weights are loaded (``load_model``, ``bole.calibrate.random_model``)."""
+        called once the weights are loaded (``load_model``, ``bole.calibrate_sweep.random_model``)."""
         for m in self.modules():
             if m is not self and hasattr(m, "fuse_projections"):
                 m.fuse_projections()

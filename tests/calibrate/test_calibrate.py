@@ -21,19 +21,15 @@ import yaml
 from checkpoints import make_checkpoint
 
 import bole.hardware as hw
-from bole.calibrate import (
-    SweepPlan,
-    build_table,
-    main,
-    modeled_table,
-    shapes_config,
-    sweep,
-    write_table,
-)
+from bole.calibrate import main, modeled_table, sweep
 from bole.calibrate_model import RooflineAssumptions, fit_overheads, model_error
+from bole.calibrate_sweep import SweepPlan, shapes_config
+from bole.calibrate_table import build_table, write_table
 from bole.config import EngineConfig
 from bole.engine.async_engine import AsyncEngine
+from bole.engine.cuda_graphs import DecodeGraphs
 from bole.engine.engine import LLMEngine
+from bole.engine.spec_graphs import VerifyGraphs
 from bole.llm import REPO_ROOT
 from bole.models.loader import load_model
 from bole.recalibration import (
@@ -46,6 +42,7 @@ from bole.recalibration import (
 )
 from bole.sampling_params import SamplingParams
 from bole.spec.budget import CalibrationTable, select_b_ver
+from bole.spec.tree import feasible_capacities
 
 PLAN = SweepPlan(batch_points=(1, 3), kv_points=(8, 40), depth_points=(4,), capture_set=(2, 4, 8),
                  warmup=1, iters=3)
@@ -112,6 +109,49 @@ def test_quick_sweep_cli_writes_a_valid_table_and_plot(ckpt, tmp_path):
     assert len(prov["raw"][0]["t_ver_samples_ms"][8]) == 2
     assert t.lookup(2, 20, 4)[0] == 3 and t.lookup(100, 10**6, 9)[0] == 3   # clamps past the last point
     assert (tmp_path / "cpu-tiny.png").stat().st_size > 1000
+
+
+def _count_graph_runs(monkeypatch) -> dict:
+    """Counts of the decode and verify forwards that ran through the runner's graphs."""
+    runs = {"dec": 0, "ver": 0}
+    for key, cls in (("dec", DecodeGraphs), ("ver", VerifyGraphs)):
+        def run(self, *a, _key=key, _run=cls.run):
+            runs[_key] += 1
+            return _run(self, *a)
+        monkeypatch.setattr(cls, "run", run)
+    return runs
+
+
+def test_graphed_sweep_runs_every_forward_through_the_graphs(model, monkeypatch):
+    """--cuda-graphs: every timed decode and verify goes through DecodeGraphs / VerifyGraphs (the static
+    forwards, uncaptured on the CPU), none falls back to eager, and the provenance says so."""
+    runs = _count_graph_runs(monkeypatch)
+    t = sweep(model, PLAN, "cpu", torch.float32, "tiny", progress=False, cuda_graphs=True)
+    calls = PLAN.warmup + PLAN.iters
+    assert runs["dec"] == len(PLAN.points()) * calls
+    assert runs["ver"] == sum(len(feasible_capacities(PLAN.capture_set, B)) for B, _, _ in PLAN.points()) * calls
+    assert t.provenance["execution"].startswith("cuda graphs") and "uncaptured" in t.provenance["execution"]
+    for b in t.buckets:
+        assert b.b_ver == select_b_ver(b.t_ver_ms, b.t_dec_ms, t.epsilon) and b.t_dec_ms > 0
+    eager = _count_graph_runs(monkeypatch)
+    sweep(model, PLAN, "cpu", torch.float32, "tiny", progress=False)
+    assert eager == {"dec": 0, "ver": 0}
+
+
+def test_cuda_graphs_option_needs_a_gpu_sweep(ckpt, tmp_path):
+    for extra in (["--device", "cpu"], ["--modeled", "a100"]):
+        with pytest.raises(SystemExit, match="--cuda-graphs .* needs --device cuda"):
+            main(["--model", ckpt, "--out", str(tmp_path / "t.yaml"), "--cuda-graphs", *extra])
+
+
+@pytest.mark.gpu
+def test_graphed_sweep_captures_on_cuda(ckpt, monkeypatch):
+    runs = _count_graph_runs(monkeypatch)
+    t = sweep(load_model(ckpt, dtype="bfloat16", device="cuda"), PLAN, "cuda", torch.bfloat16, "tiny",
+              progress=False, cuda_graphs=True)
+    assert "replayed from CUDA graphs" in t.provenance["execution"]
+    assert runs["dec"] == len(PLAN.points()) * (PLAN.warmup + PLAN.iters) and runs["ver"] > 0
+    assert all(b.t_dec_ms > 0 for b in t.buckets)
 
 
 def test_eq12_on_synthetic_curves_and_monotone_repair():

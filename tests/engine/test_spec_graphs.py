@@ -18,7 +18,7 @@ from checkpoints import make_checkpoint
 from engine_helpers import default_table, meta_model, run_arrivals
 
 from bole.cache.kv_cache import blocks_needed
-from bole.calibrate import synthetic_batch
+from bole.calibrate_sweep import synthetic_batch
 from bole.config import EngineConfig
 from bole.engine.engine import LLMEngine
 from bole.engine.runner import ModelRunner

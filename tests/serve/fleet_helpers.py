@@ -8,7 +8,8 @@ import time
 import openai
 import yaml
 
-from bole.calibrate import SweepPlan, build_table
+from bole.calibrate_sweep import SweepPlan
+from bole.calibrate_table import build_table
 from bole.hardware import model_signature
 from bole.models.loader import read_config
 
