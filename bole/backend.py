@@ -60,6 +60,7 @@ from bole.ops.gdn_decode import causal_conv1d_update_ref, gdn_decode_step_ref
 from bole.ops.rope import qk_norm_rope_store_ref
 from bole.ops.topk import log_softmax_topk_ref
 from bole.ops.tree_layout import tree_layout_ref
+from bole.spec.sampling import TreeAcceptance
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,28 @@ def _fla_prefill():
     return prefill
 
 
+def tree_acceptance(kernel: Callable) -> Callable:
+    """``kernel`` (kernels.greedy_accept, which returns TreeAcceptance's fields as a tuple) with the
+    twin's result type."""
+    @functools.wraps(kernel)
+    def accept(*args, **kw) -> TreeAcceptance:
+        return TreeAcceptance(*kernel(*args, **kw))
+    return accept
+
+
+def topk_within(kernel: Callable, max_v: int, max_k: int) -> Callable:
+    """``kernel`` (kernels.logits_topk) for rows of at most ``max_v`` logits and k <= ``max_k``, the
+    twin past them (rows that do not fit the kernel's tile); malformed arguments reach the kernel's
+    checks."""
+    @functools.wraps(kernel)
+    def topk(logits, k):
+        if (isinstance(logits, torch.Tensor) and logits.dim() >= 1 and isinstance(k, int)
+                and (logits.shape[-1] > max_v or max_k < k <= logits.shape[-1])):
+            return log_softmax_topk_ref(logits, k)
+        return kernel(logits, k)
+    return topk
+
+
 FLA_MIN_TOKENS = 65
 
 
@@ -163,7 +186,7 @@ def _triton_backend() -> GDNBackend:
     from kernels.gdn_tree_serial import gdn_tree_serial as triton_serial
     from kernels.gdn_tree_verify import gdn_tree_verify as triton_verify
     from kernels.greedy_accept import greedy_accept
-    from kernels.logits_topk import log_softmax_topk
+    from kernels.logits_topk import MAX_K, MAX_V, log_softmax_topk
     from kernels.paged_decode_attention import paged_decode_attention
     from kernels.qk_norm_rope import qk_norm_rope_store
     from kernels.rmsnorm import gated_rms_norm, rms_norm
@@ -191,7 +214,8 @@ def _triton_backend() -> GDNBackend:
                       gated_rms_norm=gated_rms_norm, decode_attention=paged_decode_attention,
                       tree_attention=tree_attention,
                       qk_norm_rope_store=qk_norm_rope_store, act_mul=act_mul, tree_layout=tree_layout,
-                      greedy_accept=greedy_accept, log_softmax_topk=log_softmax_topk)
+                      greedy_accept=tree_acceptance(greedy_accept),
+                      log_softmax_topk=topk_within(log_softmax_topk, MAX_V, MAX_K))
 
 
 def resolve_backend(name: str = "auto", device: torch.device | str | None = None) -> GDNBackend:

@@ -66,9 +66,8 @@ import torch
 import triton
 import triton.language as tl
 
-from bole.ops.gdn import check_gdn_inputs
-from bole.spec.tree import MAX_TREE_NODES, PackedForest
-from kernels._checks import interpreting
+from kernels._checks import check_forest, check_gdn_inputs, interpreting
+from kernels.limits import MAX_TREE_NODES
 
 MAX_NODES = MAX_TREE_NODES
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
@@ -419,7 +418,7 @@ def solve_plan(method: str, max_depth: int, BC: int) -> tuple[int, int, int]:
     return bs, min(d, bs) - 1, (BC // bs).bit_length() - 1
 
 
-def launch_gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state_indices, scale,
+def launch_gdn_tree_verify(q, k, v, g, beta, forest, initial_state, state_indices, scale,
                            use_qk_l2norm, o, u, logp, config: VerifyConfig, input_precision: str, method: str):
     """Launcher: contiguous [N, H, D] views, grid (B, HV, V / BV). Outputs are preallocated."""
     _, N, HK, K = q.shape
@@ -462,7 +461,7 @@ def _check_out(name, t, shape, dtype, device):
     return t
 
 
-def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state_indices=None,
+def gdn_tree_verify(q, k, v, g, beta, forest, initial_state, state_indices=None,
                     scale=None, use_qk_l2norm=False, u_out=None, logp_out=None, o_out=None, *,
                     block_v: int | None = None, config: VerifyConfig | None = None,
                     input_precision: str = "ieee", method: str = "blocked", tuned: bool = False):
@@ -496,8 +495,7 @@ def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state
     N, HK, HV, K, V = check_gdn_inputs(q, k, v, g, beta)  # the twin's shape rules
     if K > 256 or V > 256:
         raise ValueError(f"head dims K={K}, V={V} exceed 256")
-    if not isinstance(forest, PackedForest):
-        raise ValueError(f"forest must be a PackedForest, got {type(forest)}")
+    check_forest(forest)
     if forest.num_nodes != N:
         raise ValueError(f"forest has {forest.num_nodes} nodes but the inputs have {N} tokens")
     if forest.max_nodes > MAX_NODES:
