@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_attention_inputs, check_tensor
+from kernels._checks import check_attention_inputs, check_tensor, interpreting
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX = (torch.int32, torch.int64)
@@ -141,7 +140,7 @@ def launch_paged_decode_attention(q, k_cache, v_cache, kv_index, kv_len, scale: 
     HKV, L = k_cache.shape[1], kv_index.shape[1]
     BD = max(16, triton.next_power_of_2(D))
     S = num_splits
-    dynamic_loop = os.environ.get("TRITON_INTERPRET", "0") != "1"
+    dynamic_loop = not interpreting()
     o_part = lse_part = out  # unused with S == 1
     if S > 1:
         o_part = torch.empty(B, HQ, S, D, dtype=torch.float32, device=q.device)

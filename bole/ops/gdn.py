@@ -22,10 +22,8 @@ import torch.nn.functional as F
 from bole.spec.tree import PackedForest
 from kernels._checks import check_gdn_inputs
 
-L2NORM_EPS = 1e-6
 
-
-def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x²) + eps) over the last dim (fla's and transformers' definition)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
