@@ -108,7 +108,7 @@ def _torch_backend() -> GDNBackend:
                       commit=gdn_commit)
 
 
-def _fla_prefill():
+def fla_prefill():
     """Wrap fla's chunk_gated_delta_rule (state [N, H, K, V], no slot indices) into our signature."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -156,7 +156,7 @@ def topk_within(kernel: Callable, max_v: int, max_k: int) -> Callable:
 FLA_MIN_TOKENS = 65
 
 
-def _short_to_recurrent(long_prefill, min_tokens: int = FLA_MIN_TOKENS, fp32_to_recurrent: bool = True):
+def short_to_recurrent(long_prefill, min_tokens: int = FLA_MIN_TOKENS, fp32_to_recurrent: bool = True):
     """Prefills of fewer than ``min_tokens`` tokens (in the whole batch), and with ``fp32_to_recurrent``
     (``long_prefill`` is fla's) every prefill of fp32 activations, through the Triton recurrence
     (``kernels.gdn_recurrent``, one launch per layer); the others through ``long_prefill``. For short
@@ -197,16 +197,16 @@ def _triton_backend() -> GDNBackend:
     # fla's kernels need a GPU driver: under the Triton interpreter (CPU tests) the torch chunk
     if torch.cuda.is_available() and not interpreting():
         try:
-            long_prefill, prefill_name = _fla_prefill(), "fla.chunk_gated_delta_rule"
+            long_prefill, prefill_name = fla_prefill(), "fla.chunk_gated_delta_rule"
         except Exception as e:  # absent, or an fla that does not import against this torch / triton
             logger.warning("GDN triton backend: flash-linear-attention unavailable (%s); torch chunk prefill", e)
     # the torch chunk (CPU tests) is exact in fp32: only fla's TF32 products send fp32 to the recurrence
     fla = long_prefill is not gdn_chunk
-    prefill = _short_to_recurrent(long_prefill, fp32_to_recurrent=fla)
+    prefill = short_to_recurrent(long_prefill, fp32_to_recurrent=fla)
     logger.info("GDN triton backend: prefill via kernels.gdn_recurrent below %d tokens%s, else %s",
                 FLA_MIN_TOKENS, " or in fp32" if fla else "", prefill_name)
-    # the measured per-shape launch tables (kernels.gdn_tree_verify._TUNED_LOWP for half-precision q/k,
-    # _TUNED_FP32 for fp32)
+    # the measured per-shape launch tables (kernels.gdn_tree_verify.TUNED_LOWP for half-precision q/k,
+    # TUNED_FP32 for fp32)
     tree_verify = functools.partial(triton_verify, tuned=True)
     return GDNBackend("triton", prefill=prefill, decode_step=gdn_decode_step, conv_update=causal_conv1d_update,
                       tree_verify=tree_verify, prefill_conv=causal_conv1d_varlen,
