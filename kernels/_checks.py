@@ -46,6 +46,18 @@ def check_attention_inputs(q, k_cache, v_cache) -> tuple[int, int, int, int]:
     return N, HQ, D, HKV
 
 
+def attention_out(out, q, rows: int, HQ: int, D: int):
+    """The attention kernels' output: ``out`` [rows, Hq, D] in q's dtype with a contiguous last dim, or
+    a new one when None."""
+    if out is None:
+        return torch.empty(rows, HQ, D, dtype=q.dtype, device=q.device)
+    check_tensor("out", out, 3, (q.dtype,), q.device)
+    if tuple(out.shape) != (rows, HQ, D) or out.stride(2) != 1:
+        raise ValueError(f"out must be [{rows}, {HQ}, {D}] with a contiguous last dim, got "
+                         f"{tuple(out.shape)} strides {out.stride()}")
+    return out
+
+
 def check_conv_inputs(x, weight, conv_state) -> tuple[int, int, int]:
     """The GDN conv's x [N, C] (last dim contiguous), depthwise weight [C, W >= 2] and window pool
     conv_state [slots, C, W - 1], float, on x's device; returns (N, C, W)."""

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_attention_inputs, check_tensor, interpreting
+from kernels._checks import attention_out, check_attention_inputs, check_tensor, interpreting
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX = (torch.int32, torch.int64)
@@ -207,13 +207,7 @@ def paged_decode_attention(q, k_cache, v_cache, kv_index, kv_len, scale=None, ou
         num_splits = default_num_splits(B, HKV, L, block_n, q.device)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
-    if out is None:
-        out = torch.empty(B, HQ, D, dtype=q.dtype, device=q.device)
-    else:
-        check_tensor("out", out, 3, (q.dtype,), dev)
-        if tuple(out.shape) != (B, HQ, D) or out.stride(2) != 1:
-            raise ValueError(f"out must be [{B}, {HQ}, {D}] with a contiguous last dim, got "
-                             f"{tuple(out.shape)} strides {out.stride()}")
+    out = attention_out(out, q, B, HQ, D)
     if B == 0 or HQ == 0:
         return out
     if L == 0:
