@@ -149,10 +149,11 @@ def copy_bandwidth(device, smoke: bool) -> dict:
 def load_bole_kernel():
     """kernels.gdn_tree_verify, imported lazily: (BoleKernel, None), or (None, why) when it is absent."""
     try:
+        from benchmarks import verify_space
         from kernels import gdn_tree_verify as mod
     except Exception as e:  # absent on a CPU smoke run, or broken: skip the column, say so
         return None, f"kernels.gdn_tree_verify unavailable ({type(e).__name__}: {e}); bole_us skipped"
-    return BoleKernel(mod.gdn_tree_verify, mod), None
+    return BoleKernel(mod.gdn_tree_verify, mod, configs_for=verify_space.configs_for), None
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -8,7 +8,7 @@ a default or a benchmark's pick.
 
     python benchmarks/kernel_check.py --out results.json [--trees 16 32 64 128 256] [--methods horner]
 
-Block_k defaults to the kernel's default for the chunk tile (``_DEFAULTS[BC]``).
+Block_k defaults to the kernel's default for the chunk tile (``DEFAULT_TILES[BC]``).
 """
 
 from __future__ import annotations
@@ -61,13 +61,13 @@ def main():
     ap.add_argument("--precisions", nargs="*", default=["ieee", "tf32"])
     a = ap.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
-    from kernels.gdn_tree_verify import _DEFAULTS, METHODS, chunk_tile
+    from kernels.gdn_tree_verify import DEFAULT_TILES, METHODS, chunk_tile
 
     tasks = []
     for T in a.trees:
         BC = chunk_tile(T)[0]
         for method in a.methods or METHODS:
-            for bk in a.block_k or [_DEFAULTS[BC][0]]:
+            for bk in a.block_k or [DEFAULT_TILES[BC][0]]:
                 for st in a.stages:
                     for bv in (16, 32, 64, 128):
                         for w in (4, 8):

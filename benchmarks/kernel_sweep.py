@@ -1,7 +1,7 @@
 """Which launch configurations of kernels.gdn_tree_verify the benchmark tries, and compiling them ahead.
 
-Candidates come from the kernel module's ``configs_for(K, V, tile)`` (tile: its ``chunk_tile(T)[0]``, else
-BT), else its ``configs`` / ``CONFIGS`` list; an entry is a dict of keyword arguments or a config object
+Candidates come from ``configs`` (a list) or ``configs_for(K, V, tile)`` (benchmarks/verify_space.py; tile:
+the kernel module's ``chunk_tile(T)[0]``, else BT); an entry is a dict of keyword arguments or a config object
 passed as ``config=``. Every candidate is a fresh Triton compile per (model, T) (HV and the tree tile
 are constexprs, the batch is not), and big-tile compiles take tens of seconds, so ``--sweep auto`` keeps
 the sweep small:
@@ -37,8 +37,8 @@ def _fields(c) -> dict:
 
 
 class BoleKernel:
-    def __init__(self, fn, module=None, configs=None):
-        self.fn, self.module, self.configs = fn, module, configs
+    def __init__(self, fn, module=None, configs=None, configs_for=None):
+        self.fn, self.module, self.configs, self.configs_for = fn, module, configs, configs_for
         self.ranked: dict[tuple, list[str]] = {}  # (model, T) -> labels, fastest first
         self.failed: set[tuple] = set()  # (model, T, label) that failed in a worker
         self._known: dict[tuple, list[dict]] = {}  # (model, T) -> first-row candidates
@@ -57,14 +57,13 @@ class BoleKernel:
         return name in inspect.signature(self.fn).parameters
 
     def _base(self, K, V, BT, method=None) -> list:
-        mod = self.module
         if self.configs is not None:
             return list(self.configs)
-        if hasattr(mod, "configs_for"):
-            if method is not None and "method" in inspect.signature(mod.configs_for).parameters:
-                return list(mod.configs_for(K, V, BT, method=method))
-            return list(mod.configs_for(K, V, BT))
-        return list(getattr(mod, "configs", None) or getattr(mod, "CONFIGS", None) or [])
+        if self.configs_for is not None:
+            if method is not None and "method" in inspect.signature(self.configs_for).parameters:
+                return list(self.configs_for(K, V, BT, method=method))
+            return list(self.configs_for(K, V, BT))
+        return []
 
     def methods(self) -> list:
         """The kernel's methods (``METHODS``) when it takes ``method=``, else [None]."""

@@ -70,18 +70,18 @@ def engine_rows(reps: int, device: str = "cuda") -> list[dict]:
     from bole.engine.sequence import RequestStatus
 
     prompts = [json.loads(line)["prompt"] for line in open(PROMPTS)][:16]
-    real = backend_mod._short_to_recurrent
+    real = backend_mod.short_to_recurrent
     rows, first = [], {}
     for routing in ("shipped", "fp32_to_fla"):
         if routing == "fp32_to_fla":  # the previous routing: fp32 prefills of >= 65 tokens through fla
-            backend_mod._short_to_recurrent = lambda long, *a, **kw: real(long, *a,
+            backend_mod.short_to_recurrent = lambda long, *a, **kw: real(long, *a,
                                                                           **dict(kw, fp32_to_recurrent=False))
         try:
             llm = LLM(str(MODEL), mode="bole", dtype="float32", device=device, num_blocks=4096, max_num_seqs=16,
                       calibration_table=str(REPO_ROOT / "calibration_tables" / "default.yaml"),
                       enable_cuda_graphs=device == "cuda")
         finally:
-            backend_mod._short_to_recurrent = real
+            backend_mod.short_to_recurrent = real
         eng = llm.engine
         sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -126,7 +126,7 @@ def main():
     res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                command="python " + " ".join(sys.argv))
-    fla = backend_mod._fla_prefill()
+    fla = backend_mod.fla_prefill()
     res["op"] = [op_row(fla, name, lens) for name, lens in cases]
     Path(args.out).write_text(json.dumps(res, indent=1))
     try:

@@ -60,6 +60,7 @@ from bole.ops.gdn_decode import causal_conv1d_update_ref, gdn_decode_step_ref
 from bole.ops.rope import qk_norm_rope_store_ref
 from bole.ops.topk import log_softmax_topk_ref
 from bole.ops.tree_layout import tree_layout_ref
+from bole.spec.sampling import TreeAcceptance
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ def _torch_backend() -> GDNBackend:
                       commit=gdn_commit)
 
 
-def _fla_prefill():
+def fla_prefill():
     """Wrap fla's chunk_gated_delta_rule (state [N, H, K, V], no slot indices) into our signature."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -130,10 +131,32 @@ def _fla_prefill():
     return prefill
 
 
+def tree_acceptance(kernel: Callable) -> Callable:
+    """``kernel`` (kernels.greedy_accept, which returns TreeAcceptance's fields as a tuple) with the
+    twin's result type."""
+    @functools.wraps(kernel)
+    def accept(*args, **kw) -> TreeAcceptance:
+        return TreeAcceptance(*kernel(*args, **kw))
+    return accept
+
+
+def topk_within(kernel: Callable, max_v: int, max_k: int) -> Callable:
+    """``kernel`` (kernels.logits_topk) for rows of at most ``max_v`` logits and k <= ``max_k``, the
+    twin past them (rows that do not fit the kernel's tile); malformed arguments reach the kernel's
+    checks."""
+    @functools.wraps(kernel)
+    def topk(logits, k):
+        if (isinstance(logits, torch.Tensor) and logits.dim() >= 1 and isinstance(k, int)
+                and (logits.shape[-1] > max_v or max_k < k <= logits.shape[-1])):
+            return log_softmax_topk_ref(logits, k)
+        return kernel(logits, k)
+    return topk
+
+
 FLA_MIN_TOKENS = 65
 
 
-def _short_to_recurrent(long_prefill, min_tokens: int = FLA_MIN_TOKENS, fp32_to_recurrent: bool = True):
+def short_to_recurrent(long_prefill, min_tokens: int = FLA_MIN_TOKENS, fp32_to_recurrent: bool = True):
     """Prefills of fewer than ``min_tokens`` tokens (in the whole batch), and with ``fp32_to_recurrent``
     (``long_prefill`` is fla's) every prefill of fp32 activations, through the Triton recurrence
     (``kernels.gdn_recurrent``, one launch per layer); the others through ``long_prefill``. For short
@@ -163,7 +186,7 @@ def _triton_backend() -> GDNBackend:
     from kernels.gdn_tree_serial import gdn_tree_serial as triton_serial
     from kernels.gdn_tree_verify import gdn_tree_verify as triton_verify
     from kernels.greedy_accept import greedy_accept
-    from kernels.logits_topk import log_softmax_topk
+    from kernels.logits_topk import MAX_K, MAX_V, log_softmax_topk
     from kernels.paged_decode_attention import paged_decode_attention
     from kernels.qk_norm_rope import qk_norm_rope_store
     from kernels.rmsnorm import gated_rms_norm, rms_norm
@@ -174,16 +197,16 @@ def _triton_backend() -> GDNBackend:
     # fla's kernels need a GPU driver: under the Triton interpreter (CPU tests) the torch chunk
     if torch.cuda.is_available() and not interpreting():
         try:
-            long_prefill, prefill_name = _fla_prefill(), "fla.chunk_gated_delta_rule"
+            long_prefill, prefill_name = fla_prefill(), "fla.chunk_gated_delta_rule"
         except Exception as e:  # absent, or an fla that does not import against this torch / triton
             logger.warning("GDN triton backend: flash-linear-attention unavailable (%s); torch chunk prefill", e)
     # the torch chunk (CPU tests) is exact in fp32: only fla's TF32 products send fp32 to the recurrence
     fla = long_prefill is not gdn_chunk
-    prefill = _short_to_recurrent(long_prefill, fp32_to_recurrent=fla)
+    prefill = short_to_recurrent(long_prefill, fp32_to_recurrent=fla)
     logger.info("GDN triton backend: prefill via kernels.gdn_recurrent below %d tokens%s, else %s",
                 FLA_MIN_TOKENS, " or in fp32" if fla else "", prefill_name)
-    # the measured per-shape launch tables (kernels.gdn_tree_verify._TUNED_LOWP for half-precision q/k,
-    # _TUNED_FP32 for fp32)
+    # the measured per-shape launch tables (kernels.gdn_tree_verify.TUNED_LOWP for half-precision q/k,
+    # TUNED_FP32 for fp32)
     tree_verify = functools.partial(triton_verify, tuned=True)
     return GDNBackend("triton", prefill=prefill, decode_step=gdn_decode_step, conv_update=causal_conv1d_update,
                       tree_verify=tree_verify, prefill_conv=causal_conv1d_varlen,
@@ -191,7 +214,8 @@ def _triton_backend() -> GDNBackend:
                       gated_rms_norm=gated_rms_norm, decode_attention=paged_decode_attention,
                       tree_attention=tree_attention,
                       qk_norm_rope_store=qk_norm_rope_store, act_mul=act_mul, tree_layout=tree_layout,
-                      greedy_accept=greedy_accept, log_softmax_topk=log_softmax_topk)
+                      greedy_accept=tree_acceptance(greedy_accept),
+                      log_softmax_topk=topk_within(log_softmax_topk, MAX_V, MAX_K))
 
 
 def resolve_backend(name: str = "auto", device: torch.device | str | None = None) -> GDNBackend:

@@ -3,8 +3,9 @@ guard with power-of-two fallback, and a hardware-aware tie-break by verification
 
 Prefix identity. A prompt is cut into full blocks of ``block_size`` tokens (the engine's KV block
 size, so one routing block is one cache block) and each block gets a *chain* hash: the hash of the
-previous block's hash and this block's token ids. Block i's hash therefore names the whole prefix
-up to block i, and "replica r holds the first m blocks" is m consecutive hits from the start.
+previous block's hash and this block's token ids (``bole.cache.block_hash``, the prefix cache's
+own). Block i's hash therefore names the whole prefix up to block i, and "replica r holds the
+first m blocks" is m consecutive hits from the start.
 Replicas publish the chain hashes of the blocks they computed recently (``PrefixSummary``); the
 router adds the hashes of requests it has just sent (stats arrive periodically, routing is now).
 
@@ -25,7 +26,6 @@ The result is a ranking for Ray Serve: the chosen replica first, then the others
 
 from __future__ import annotations
 
-import hashlib
 import random
 import threading
 import time
@@ -33,20 +33,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-_SEED = b"bole-prefix-v1"
-
-
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chain hashes (64-bit ints) of the prompt's full blocks: hash_i = H(hash_{i-1}, block_i)."""
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    out, prev = [], _SEED
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        h = hashlib.blake2b(prev, digest_size=8)
-        h.update(b",".join(str(int(t)).encode() for t in token_ids[start:start + block_size]))
-        prev = h.digest()
-        out.append(int.from_bytes(prev, "little", signed=True))
-    return out
+# the router's prompt hashes are the prefix cache's own chain hashes (one definition of the wire contract)
+from bole.cache.block_hash import prefix_block_hashes as prefix_block_hashes
 
 
 class PrefixSummary:

@@ -46,6 +46,18 @@ def check_attention_inputs(q, k_cache, v_cache) -> tuple[int, int, int, int]:
     return N, HQ, D, HKV
 
 
+def attention_out(out, q, rows: int, HQ: int, D: int):
+    """The attention kernels' output: ``out`` [rows, Hq, D] in q's dtype with a contiguous last dim, or
+    a new one when None."""
+    if out is None:
+        return torch.empty(rows, HQ, D, dtype=q.dtype, device=q.device)
+    check_tensor("out", out, 3, (q.dtype,), q.device)
+    if tuple(out.shape) != (rows, HQ, D) or out.stride(2) != 1:
+        raise ValueError(f"out must be [{rows}, {HQ}, {D}] with a contiguous last dim, got "
+                         f"{tuple(out.shape)} strides {out.stride()}")
+    return out
+
+
 def check_conv_inputs(x, weight, conv_state) -> tuple[int, int, int]:
     """The GDN conv's x [N, C] (last dim contiguous), depthwise weight [C, W >= 2] and window pool
     conv_state [slots, C, W - 1], float, on x's device; returns (N, C, W)."""
@@ -61,3 +73,34 @@ def check_conv_inputs(x, weight, conv_state) -> tuple[int, int, int]:
     if tuple(conv_state.shape[1:]) != (C, W - 1):
         raise ValueError(f"conv_state must be [slots, {C}, {W - 1}], got {tuple(conv_state.shape)}")
     return N, C, W
+
+
+def check_gdn_inputs(q, k, v, g, beta) -> tuple[int, int, int, int, int]:
+    """The GDN recurrences' q / k [1, N, HK, K], v [1, N, HV, V] (HV a multiple of HK), g / beta
+    [1, N, HV]; returns (N, HK, HV, K, V)."""
+    if q.dim() != 4 or q.shape[0] != 1:
+        raise ValueError(f"q must be [1, N, HK, K], got {tuple(q.shape)}")
+    if k.shape != q.shape:
+        raise ValueError(f"k shape {tuple(k.shape)} != q shape {tuple(q.shape)}")
+    _, N, HK, K = q.shape
+    if v.dim() != 4 or v.shape[:2] != (1, N):
+        raise ValueError(f"v must be [1, {N}, HV, V], got {tuple(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    if HV % HK != 0:
+        raise ValueError(f"value heads HV={HV} must be a multiple of key heads HK={HK}")
+    for name, t in (("g", g), ("beta", beta)):
+        if tuple(t.shape) != (1, N, HV):
+            raise ValueError(f"{name} must be [1, {N}, {HV}], got {tuple(t.shape)}")
+    return N, HK, HV, K, V
+
+
+FOREST_FIELDS = ("num_nodes", "num_requests", "max_nodes", "max_depth", "device", "parents", "depth",
+                 "cu_seqlens", "request_ids", "anc", "anc_bits")
+
+
+def check_forest(forest) -> None:
+    """``forest`` carries a packed forest's fields (``bole.spec.tree.PackedForest``, duck-typed: the
+    kernels read its tensors and sizes only)."""
+    missing = [f for f in FOREST_FIELDS if not hasattr(forest, f)]
+    if missing:
+        raise ValueError(f"forest must be a packed forest, got {type(forest).__name__} without {missing}")

@@ -20,8 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bole.ops.gdn import check_gdn_inputs
-from kernels._checks import interpreting
+from kernels._checks import check_gdn_inputs, interpreting
 
 
 @triton.jit

@@ -23,8 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bole.spec.tree import PackedForest
-from kernels._checks import check_conv_inputs, check_tensor
+from kernels._checks import check_conv_inputs, check_forest, check_tensor
 from kernels.gdn_decode import softplus
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -88,7 +87,7 @@ def gdn_tree_conv_kernel(
         tl.store(beta + i_n * HV + o_h, b_beta.to(beta.dtype.element_ty), mask=m_h)
 
 
-def launch_gdn_tree_conv(x, weight, bias, conv_state, state_indices, forest: PackedForest, silu: bool,
+def launch_gdn_tree_conv(x, weight, bias, conv_state, state_indices, forest, silu: bool,
                          parts, x_copy, gating, block_c: int, num_warps: int):
     """Launcher: grid (N, C / BC). ``parts``: 1-3 output buffers of consecutive column ranges;
     ``gating``: None or (a, b, A_log, dt_bias, g, beta)."""
@@ -124,8 +123,7 @@ def _check_conv_args(x, weight, bias, conv_state, state_indices, forest, activat
         check_tensor("bias", bias, 1, _FLOATS, dev)
         if bias.shape[0] != C or bias.stride(0) != 1:
             raise ValueError(f"bias must be a contiguous [{C}], got {tuple(bias.shape)} strides {bias.stride()}")
-    if not isinstance(forest, PackedForest):
-        raise ValueError(f"forest must be a PackedForest, got {type(forest)}")
+    check_forest(forest)
     if forest.num_nodes != N:
         raise ValueError(f"forest has {forest.num_nodes} nodes but x has {N} rows")
     if forest.device != dev or forest.anc.dim() != 2 or forest.anc.shape[1] < 1 or not forest.anc.is_contiguous():
@@ -167,7 +165,7 @@ def _outputs(x, out, x_copy):
     return parts
 
 
-def causal_conv1d_tree(x, weight, bias, conv_state, state_indices, forest: PackedForest, activation="silu",
+def causal_conv1d_tree(x, weight, bias, conv_state, state_indices, forest, activation="silu",
                        out=None, x_copy=None, *, block_c: int = 128, num_warps: int = 4):
     """Depthwise causal conv over a packed forest (each node: its path, then the committed state). Read only.
 
@@ -196,7 +194,7 @@ def causal_conv1d_tree(x, weight, bias, conv_state, state_indices, forest: Packe
     return parts[0] if out is None else out
 
 
-def gdn_tree_conv(x, weight, conv_state, state_indices, forest: PackedForest, a, b, A_log, dt_bias, bias=None,
+def gdn_tree_conv(x, weight, conv_state, state_indices, forest, a, b, A_log, dt_bias, bias=None,
                   activation="silu", out=None, x_copy=None, *, block_c: int = 128, num_warps: int = 4):
     """The GDN layer's verify prologue in one launch: ``causal_conv1d_tree`` plus the gating.
 

@@ -17,8 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bole.ops.gdn import check_gdn_inputs
-from bole.spec.tree import PackedForest
+from kernels._checks import check_forest, check_gdn_inputs
 
 
 @triton.jit
@@ -70,7 +69,7 @@ def gdn_tree_serial_kernel(
             tl.debug_barrier()  # later nodes of this program read the snapshot back
 
 
-def gdn_tree_serial(q, k, v, g, beta, forest: PackedForest, initial_state, state_indices=None, scale=None,
+def gdn_tree_serial(q, k, v, g, beta, forest, initial_state, state_indices=None, scale=None,
                     use_qk_l2norm=False, snapshots_out=None, o_out=None, *, block_v: int = 16):
     """Serial tree verification with per-node snapshots; twin: `bole.ops.gdn.gdn_tree_serial`.
 
@@ -84,6 +83,7 @@ def gdn_tree_serial(q, k, v, g, beta, forest: PackedForest, initial_state, state
         o [1, N, HV, V] in v's dtype and snapshots [N, HV, V, K] fp32 (node i's state Sᵢᵀ).
     """
     N, HK, HV, K, V = check_gdn_inputs(q, k, v, g, beta)
+    check_forest(forest)
     if forest.num_nodes != N:
         raise ValueError(f"forest has {forest.num_nodes} nodes but the inputs have {N} tokens")
     if initial_state is None or tuple(initial_state.shape[1:]) != (HV, V, K) or initial_state.dim() != 4:

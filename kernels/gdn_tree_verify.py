@@ -66,9 +66,8 @@ import torch
 import triton
 import triton.language as tl
 
-from bole.ops.gdn import check_gdn_inputs
-from bole.spec.tree import MAX_TREE_NODES, PackedForest
-from kernels._checks import interpreting
+from kernels._checks import check_forest, check_gdn_inputs, interpreting
+from kernels.limits import MAX_TREE_NODES
 
 MAX_NODES = MAX_TREE_NODES
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
@@ -307,12 +306,9 @@ class VerifyConfig:
     early_loads: bool = False
 
 
-# Every configuration the benchmark may sweep (filtered per shape by `configs_for`).
-CONFIGS = [VerifyConfig(bk, bv, w, s) for bk in (32, 64, 128) for bv in (16, 32, 64, 128)
-           for w in (4, 8) for s in (1, 2, 3)]
-# Defaults keyed by the chunk tile BC: (block_k, widest block_v, num_warps); K and V clamp them.
-_DEFAULTS = {16: (64, 64, 4), 32: (64, 128, 8), 64: (32, 128, 8)}
-_SMEM_BUDGET = 160 * 1024  # bytes of pipelined K-chunk operands per program (H200: 228 KB/SM)
+# Defaults keyed by the chunk tile BC: (block_k, widest block_v, num_warps); K and V clamp them. The
+# sweeps' configurations are in benchmarks/verify_space.py.
+DEFAULT_TILES = {16: (64, 64, 4), 32: (64, 128, 8), 64: (32, 128, 8)}
 
 
 def chunk_tile(max_nodes: int) -> tuple[int, int]:
@@ -322,22 +318,6 @@ def chunk_tile(max_nodes: int) -> tuple[int, int]:
     return BC, BT // BC
 
 
-def configs_for(K: int, V: int, BC: int) -> list[VerifyConfig]:
-    """The configurations worth trying for one shape: BV ≤ V, BK ≤ K (rounded up), a K loop long enough
-    for the stages, q/k/S_pre chunks (fp32 worst case) within shared memory, 8 warps at BC = 64 (a
-    [64, 64] fp32 tile is 32 registers a thread in 4 warps and a program holds several)."""
-    vmax = triton.next_power_of_2(V)
-    kmax = max(16, triton.next_power_of_2(K))
-    smem = lambda c: c.num_stages * (2 * BC * c.block_k + c.block_v * c.block_k) * 4
-    out: list[VerifyConfig] = []
-    for c in CONFIGS:
-        c = dataclasses.replace(c, block_k=min(c.block_k, kmax))
-        if (c.block_v <= vmax and (c.num_stages == 1 or c.num_stages <= kmax // c.block_k)
-                and smem(c) <= _SMEM_BUDGET and c not in out):
-            out.append(c)
-    return out
-
-
 def default_config(K: int, V: int, BC: int, num_heads_x_requests: int | None = None,
                    block_v: int | None = None) -> VerifyConfig:
     """A launch configuration for chunk tile BC: the table's widest value tile, halved down to 16 while
@@ -345,7 +325,7 @@ def default_config(K: int, V: int, BC: int, num_heads_x_requests: int | None = N
     pairs for 132 SMs)."""
     vmax = triton.next_power_of_2(V)
     kmax = max(16, triton.next_power_of_2(K))
-    bk, bv_max, num_warps = _DEFAULTS[BC]
+    bk, bv_max, num_warps = DEFAULT_TILES[BC]
     if block_v is None:
         block_v = max(16, min(vmax, bv_max))
         if num_heads_x_requests is not None and torch.cuda.is_available():
@@ -361,7 +341,7 @@ def default_config(K: int, V: int, BC: int, num_heads_x_requests: int | None = N
 # measured on the H200 at Qwen3.5-9B shapes (HV=32, K=V=128, bf16 q/k, fp32 pool) by
 # benchmarks/gdn_verify.py (results/gdn_verify_h200.json, ``bole_by_method``). tf32 products err by
 # ~2^-11 relative, below the bf16 rounding of q/k/v themselves (2^-9).
-_TUNED_LOWP = {
+TUNED_LOWP = {
     16: [(128, VerifyConfig(64, 32, 4, 2), "horner", "tf32"), (None, VerifyConfig(64, 64, 4, 2), "blocked", "tf32")],
     32: [(128, VerifyConfig(64, 16, 4, 2), "horner", "tf32"), (None, VerifyConfig(64, 64, 8, 2), "blocked", "tf32")],
     64: [(32, VerifyConfig(32, 32, 4, 3, early_loads=True), "blocked", "tf32"),
@@ -374,7 +354,7 @@ _TUNED_LOWP = {
 # The dispatch for fp32 q/k (the embedded model's engine): "tf32x3" products (3xTF32, on tensor cores),
 # fp32-grade (rel_err ~1e-6 against float64), measured at the embedded model's shapes (HK=4, HV=8,
 # K=V=64) by benchmarks/verify_fp32.py (results/verify_fp32_h200.json).
-_TUNED_FP32 = {
+TUNED_FP32 = {
     16: [(None, VerifyConfig(64, 32, 4, 1), "blocked", "tf32x3")],
     32: [(32, VerifyConfig(64, 16, 4, 1), "blocked", "tf32x3"),
          (None, VerifyConfig(64, 64, 4, 1), "blocked", "tf32x3")],
@@ -387,9 +367,9 @@ _TUNED_FP32 = {
 
 def tuned_launch(BT: int, num_heads_x_requests: int, K: int, V: int,
                  table: dict | None = None) -> tuple[VerifyConfig, str, str]:
-    """(config, method, input_precision) from ``table`` (default ``_TUNED_LOWP``, for half-precision q/k;
-    ``_TUNED_FP32`` for fp32); tiles clamped to K and V."""
-    rows = (_TUNED_LOWP if table is None else table)[BT]
+    """(config, method, input_precision) from ``table`` (default ``TUNED_LOWP``, for half-precision q/k;
+    ``TUNED_FP32`` for fp32); tiles clamped to K and V."""
+    rows = (TUNED_LOWP if table is None else table)[BT]
     _, cfg, method, precision = next(row for row in rows if row[0] is None or num_heads_x_requests <= row[0])
     vmax, kmax = max(16, triton.next_power_of_2(V)), max(16, triton.next_power_of_2(K))
     bk = min(cfg.block_k, kmax)
@@ -419,7 +399,7 @@ def solve_plan(method: str, max_depth: int, BC: int) -> tuple[int, int, int]:
     return bs, min(d, bs) - 1, (BC // bs).bit_length() - 1
 
 
-def launch_gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state_indices, scale,
+def launch_gdn_tree_verify(q, k, v, g, beta, forest, initial_state, state_indices, scale,
                            use_qk_l2norm, o, u, logp, config: VerifyConfig, input_precision: str, method: str):
     """Launcher: contiguous [N, H, D] views, grid (B, HV, V / BV). Outputs are preallocated."""
     _, N, HK, K = q.shape
@@ -462,7 +442,7 @@ def _check_out(name, t, shape, dtype, device):
     return t
 
 
-def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state_indices=None,
+def gdn_tree_verify(q, k, v, g, beta, forest, initial_state, state_indices=None,
                     scale=None, use_qk_l2norm=False, u_out=None, logp_out=None, o_out=None, *,
                     block_v: int | None = None, config: VerifyConfig | None = None,
                     input_precision: str = "ieee", method: str = "blocked", tuned: bool = False):
@@ -484,7 +464,7 @@ def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state
         method: "blocked" (W = (I+G)⁻¹ per chunk by blocked substitution, then applied) or "horner"
             (level-scheduled substitution on the value tile); both exact and stable (module docstring).
         tuned: without an explicit config, take config, method and precision from a measured table
-            (`tuned_launch`): `_TUNED_LOWP` for fp16/bf16 q and k, `_TUNED_FP32` for fp32 (3xTF32
+            (`tuned_launch`): `TUNED_LOWP` for fp16/bf16 q and k, `TUNED_FP32` for fp32 (3xTF32
             products, fp32-grade): the engine's setting.
     Returns:
         o [1, N, HV, V] in v's dtype, u [N, HV, V] fp32 and logp [N, HV] fp32 (the commit's factors).
@@ -496,8 +476,7 @@ def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state
     N, HK, HV, K, V = check_gdn_inputs(q, k, v, g, beta)  # the twin's shape rules
     if K > 256 or V > 256:
         raise ValueError(f"head dims K={K}, V={V} exceed 256")
-    if not isinstance(forest, PackedForest):
-        raise ValueError(f"forest must be a PackedForest, got {type(forest)}")
+    check_forest(forest)
     if forest.num_nodes != N:
         raise ValueError(f"forest has {forest.num_nodes} nodes but the inputs have {N} tokens")
     if forest.max_nodes > MAX_NODES:
@@ -533,7 +512,7 @@ def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state
 
     BC, NC = chunk_tile(forest.max_nodes)
     if tuned and config is None and block_v is None:
-        table = _TUNED_LOWP if q.dtype in (torch.float16, torch.bfloat16) else _TUNED_FP32
+        table = TUNED_LOWP if q.dtype in (torch.float16, torch.bfloat16) else TUNED_FP32
         config, method, input_precision = tuned_launch(BC * NC, B * HV, K, V, table)
     if config is None:
         config = default_config(K, V, BC, B * HV, block_v)

@@ -16,7 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from bole.spec.sampling import TreeAcceptance
 from kernels._checks import check_tensor
 
 _INDEX = (torch.int32, torch.int64)
@@ -51,8 +50,10 @@ def greedy_accept_kernel(amax, tokens, parents, path_out, tok_out, node_out, num
 
 
 def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, max_depth: int,
-                  pad_token: int = -1) -> TreeAcceptance:
-    """``greedy_accept_ref`` in two launches; graph-capturable (no host sync)."""
+                  pad_token: int = -1) -> tuple[torch.Tensor, ...]:
+    """``greedy_accept_ref`` in two launches; graph-capturable (no host sync). Returns the fields of
+    ``bole.spec.sampling.TreeAcceptance`` in its order (accepted_path, num_accepted, accepted_node,
+    tokens, num_emitted), which ``bole.backend`` wraps."""
     dev = tokens.device
     check_tensor("tokens", tokens, 2, _INDEX, dev)
     check_tensor("parents", parents, 2, _INDEX, dev)
@@ -79,5 +80,4 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Ten
         greedy_accept_kernel[(B,)](amax, tokens, parents, path, toks, node, num, T,
                                    amax.stride(0), tokens.stride(0), parents.stride(0),
                                    D=D, BT=triton.next_power_of_2(T), PAD=int(pad_token), num_warps=1)
-    return TreeAcceptance(accepted_path=path, num_accepted=num - 1, accepted_node=node, tokens=toks,
-                          num_emitted=num)
+    return path, num - 1, node, toks, num

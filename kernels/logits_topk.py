@@ -8,7 +8,7 @@ draft graph's gatherTopK / softmax kernels). Here one program holds one row in r
 log-sum-exp, and takes the k largest by k arg-max passes (k is small: the drafter's topk), writing
 only [rows, k]. Since log-softmax is x - lse(x) with one lse per row, the top-k of the logits is the
 top-k of the log-probabilities. Ties go to the lowest index (torch leaves their order unspecified).
-Rows wider than ``MAX_V`` go to the twin.
+Rows wider than ``MAX_V`` are refused (``bole.backend`` sends them to the twin).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from bole.ops.topk import log_softmax_topk_ref
 from kernels._checks import check_tensor
 
 MAX_V = 32768
@@ -44,7 +43,8 @@ def log_softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     """(values fp32, indices int64), each [..., k]: the k largest log-probabilities of every row of
     ``logits`` [..., V] (float32/float16/bfloat16, unit last stride) and their token ids, descending.
 
-    Twin: `bole.ops.topk.log_softmax_topk_ref`. V > MAX_V or k > MAX_K runs the twin.
+    Twin: `bole.ops.topk.log_softmax_topk_ref`. V > MAX_V or k > MAX_K is refused: ``bole.backend``
+    sends those rows to the twin.
     """
     if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
         raise ValueError(f"logits must be a tensor [..., V], got {getattr(logits, 'shape', type(logits).__name__)}")
@@ -52,7 +52,7 @@ def log_softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= V:
         raise ValueError(f"k must be an int in [1, V={V}], got {k!r}")
     if V > MAX_V or k > MAX_K:
-        return log_softmax_topk_ref(logits, k)
+        raise ValueError(f"rows of V={V} > {MAX_V} or k={k} > {MAX_K} exceed the kernel's tile")
     x = logits.reshape(-1, V)
     check_tensor("logits", x, 2, (torch.float32, torch.float16, torch.bfloat16), logits.device)
     if x.stride(-1) != 1:

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_attention_inputs, check_tensor
+from kernels._checks import attention_out, check_attention_inputs, check_tensor, interpreting
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX = (torch.int32, torch.int64)
@@ -141,7 +140,7 @@ def launch_paged_decode_attention(q, k_cache, v_cache, kv_index, kv_len, scale: 
     HKV, L = k_cache.shape[1], kv_index.shape[1]
     BD = max(16, triton.next_power_of_2(D))
     S = num_splits
-    dynamic_loop = os.environ.get("TRITON_INTERPRET", "0") != "1"
+    dynamic_loop = not interpreting()
     o_part = lse_part = out  # unused with S == 1
     if S > 1:
         o_part = torch.empty(B, HQ, S, D, dtype=torch.float32, device=q.device)
@@ -208,13 +207,7 @@ def paged_decode_attention(q, k_cache, v_cache, kv_index, kv_len, scale=None, ou
         num_splits = default_num_splits(B, HKV, L, block_n, q.device)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
-    if out is None:
-        out = torch.empty(B, HQ, D, dtype=q.dtype, device=q.device)
-    else:
-        check_tensor("out", out, 3, (q.dtype,), dev)
-        if tuple(out.shape) != (B, HQ, D) or out.stride(2) != 1:
-            raise ValueError(f"out must be [{B}, {HQ}, {D}] with a contiguous last dim, got "
-                             f"{tuple(out.shape)} strides {out.stride()}")
+    out = attention_out(out, q, B, HQ, D)
     if B == 0 or HQ == 0:
         return out
     if L == 0:

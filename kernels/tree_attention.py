@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_attention_inputs, check_tensor, interpreting
+from kernels._checks import attention_out, check_attention_inputs, check_tensor, interpreting
 
 _INDEX = (torch.int32, torch.int64)
 _PRECISIONS = ("ieee", "tf32")
@@ -153,13 +153,7 @@ def tree_attention(q, k_cache, v_cache, kv_index, mask, cu_seqlens, num_cached, 
         raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    if out is None:
-        out = torch.empty(N, HQ, D, dtype=q.dtype, device=q.device)
-    else:
-        check_tensor("out", out, 3, (q.dtype,), dev)
-        if tuple(out.shape) != (N, HQ, D) or out.stride(2) != 1:
-            raise ValueError(f"out must be [{N}, {HQ}, {D}] with a contiguous last dim, got "
-                             f"{tuple(out.shape)} strides {out.stride()}")
+    out = attention_out(out, q, N, HQ, D)
     tq = mask.shape[2] if mask is not None else N       # causal: no request has more rows than N
     if N == 0 or B == 0 or tq == 0:
         return out

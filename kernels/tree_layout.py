@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from bole.ops.tree_layout import LAYOUT_MAX_NODES as _MAX_NODES
 from kernels._checks import check_tensor
+from kernels.limits import LAYOUT_MAX_NODES
 
 _INDEX = (torch.int32, torch.int64)
 
@@ -124,8 +124,8 @@ def tree_layout(parents, num_cached, tables, block_size: int, *, forest, positio
     check_tensor("num_cached", num_cached, 1, _INDEX, dev)
     check_tensor("tables", tables, 2, _INDEX, dev)
     B, T = parents.shape
-    if not 1 <= T <= _MAX_NODES:
-        raise ValueError(f"trees of {T} nodes: the layout kernel takes 1..{_MAX_NODES}")
+    if not 1 <= T <= LAYOUT_MAX_NODES:
+        raise ValueError(f"trees of {T} nodes: the layout kernel takes 1..{LAYOUT_MAX_NODES}")
     if num_cached.shape[0] != B or tables.shape[0] != B:
         raise ValueError(f"num_cached {tuple(num_cached.shape)} and tables {tuple(tables.shape)} must have "
                          f"{B} rows (parents {tuple(parents.shape)})")

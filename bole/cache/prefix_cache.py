@@ -34,30 +34,22 @@ nothing it uses is evicted), leaves without a checkpoint first (nothing restores
 Checkpoints are evicted LRU when their pool is full. KV blocks (``allocator``) and checkpoint slots
 (``checkpoints``) are separate budgets; a cached block stays allocated until evicted.
 
-Routing summary: each node carries the chain hash of ``deployments.routing_policy`` (blake2b of the
-previous digest and the block's ids), so ``summary()`` is the replica's cached-prefix set.
+Routing summary: each node carries the chain hash of ``bole.cache.block_hash`` (blake2b of the
+previous digest and the block's ids; the router hashes prompts with it), so ``summary()`` is the
+replica's cached-prefix set.
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
+from bole.cache.block_hash import CHAIN_SEED, chain_hash, digest_int
 from bole.cache.kv_cache import BlockAllocator
 from bole.cache.state_pool import StatePool
-
-_SEED = b"bole-prefix-v1"
-
-
-def chain_hash(prev: bytes, tokens: Sequence[int]) -> bytes:
-    """Digest of a block given the previous block's digest (the router's scheme, see module doc)."""
-    h = hashlib.blake2b(prev, digest_size=8)
-    h.update(b",".join(str(int(t)).encode() for t in tokens))
-    return h.digest()
 
 
 @dataclass(eq=False)
@@ -76,7 +68,7 @@ class CachedBlock:
 
     @property
     def hash(self) -> int:
-        return int.from_bytes(self.digest, "little", signed=True)
+        return digest_int(self.digest)
 
 
 def boundary_cut(start, n, interval: int):
@@ -100,7 +92,7 @@ class PrefixCache:
         self.scratch_slot = self.checkpoints.allocate(zero=False)
         self.checkpoint_budget = num_checkpoint_slots
         self.track_mtp = track_mtp
-        self.root = CachedBlock((), -1, None, 0, _SEED)
+        self.root = CachedBlock((), -1, None, 0, CHAIN_SEED)
         self._nodes: dict[CachedBlock, None] = {}          # every cached block, least recently used first
         self._by_checkpoint: dict[int, CachedBlock] = {}
         self._clock = 0

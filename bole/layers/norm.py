@@ -21,12 +21,20 @@ from torch import nn
 from bole.ops.norm import gated_rms_norm_ref, rms_norm_ref
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
+class _Norm(nn.Module):
+    """A norm's weight (``dim`` values of ``init``), eps and math (``kernel``: the twin until the model
+    sets its backend's)."""
+
+    def __init__(self, dim: int, eps: float, init: float, kernel: Callable):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.kernel: Callable = rms_norm_ref
+        self.weight = nn.Parameter(torch.full((dim,), init))
+        self.kernel: Callable = kernel
+
+
+class RMSNorm(_Norm):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__(dim, eps, 0.0, rms_norm_ref)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x [..., dim] -> normed x; with ``residual`` (x's shape) -> (norm(x + residual), x + residual)."""
@@ -38,12 +46,9 @@ class RMSNorm(nn.Module):
         return y.view(shape), s.view(shape)
 
 
-class GatedRMSNorm(nn.Module):
+class GatedRMSNorm(_Norm):
     def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.kernel: Callable = gated_rms_norm_ref
+        super().__init__(dim, eps, 1.0, gated_rms_norm_ref)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """x, gate: [..., dim] (one value head per row)."""

@@ -20,11 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from bole.spec.tree import PackedForest
+from kernels._checks import check_gdn_inputs
 
-L2NORM_EPS = 1e-6
 
-
-def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x²) + eps) over the last dim (fla's and transformers' definition)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
@@ -41,24 +40,6 @@ def gdn_gating(a, b, A_log, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
-def check_gdn_inputs(q, k, v, g, beta) -> tuple[int, int, int, int, int]:
-    """Validate shapes; return (N, HK, HV, K, V)."""
-    if q.dim() != 4 or q.shape[0] != 1:
-        raise ValueError(f"q must be [1, N, HK, K], got {tuple(q.shape)}")
-    if k.shape != q.shape:
-        raise ValueError(f"k shape {tuple(k.shape)} != q shape {tuple(q.shape)}")
-    _, N, HK, K = q.shape
-    if v.dim() != 4 or v.shape[:2] != (1, N):
-        raise ValueError(f"v must be [1, {N}, HV, V], got {tuple(v.shape)}")
-    HV, V = v.shape[2], v.shape[3]
-    if HV % HK != 0:
-        raise ValueError(f"value heads HV={HV} must be a multiple of key heads HK={HK}")
-    for name, t in (("g", g), ("beta", beta)):
-        if tuple(t.shape) != (1, N, HV):
-            raise ValueError(f"{name} must be [1, {N}, {HV}], got {tuple(t.shape)}")
-    return N, HK, HV, K, V
 
 
 def _prepare(q, k, v, g, beta, scale, use_qk_l2norm):

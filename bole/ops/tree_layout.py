@@ -25,8 +25,7 @@ from __future__ import annotations
 import torch
 
 from bole.spec.tree import PackedForest
-
-LAYOUT_MAX_NODES = 256  # the kernel keeps a node's ancestor set in up to four 64-bit words
+from kernels.limits import LAYOUT_MAX_NODES as LAYOUT_MAX_NODES  # the largest tree the kernel takes
 
 
 def tree_layout_ref(parents, num_cached, tables, block_size: int, *, forest, positions, kv_positions,

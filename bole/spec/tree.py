@@ -20,11 +20,12 @@ from typing import Sequence
 
 import torch
 
+from kernels.limits import MAX_TREE_NODES
+
 DEFAULT_MAX_DEPTH = 16
-# Nodes of one request's verified tree, root included: the Triton verifier's limit (four 64-row chunks,
-# kernels/gdn_tree_verify.py); every backend and the engine keep to it, so a step's trees (and so its
-# tokens) are the same on every device.
-MAX_TREE_NODES = 256
+# MAX_TREE_NODES, nodes of one request's verified tree, root included, is the Triton verifier's limit;
+# every backend and the engine keep to it, so a step's trees (and so its tokens) are the same on every
+# device.
 
 
 def feasible_capacities(capture_set, batch: int) -> list[int]:

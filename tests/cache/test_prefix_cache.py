@@ -65,6 +65,11 @@ def test_chain_hashes_are_the_routers():
     assert h.cache.summary(limit=2) == prefix_block_hashes(tokens, B)[-2:]
 
 
+def test_chain_hash_wire_values_are_pinned():
+    # the router and every replica must agree across versions: a changed seed or encoding fails here
+    assert prefix_block_hashes(list(range(10)), 4) == [-6131645867168517519, 8319581474130825117]
+
+
 def test_match_restores_the_deepest_checkpoint_and_leaves_a_token():
     h = Harness(interval=2)                      # checkpoints every 8 tokens
     a = h.admit(list(range(14)))

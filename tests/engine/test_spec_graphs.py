@@ -17,6 +17,7 @@ import torch
 from checkpoints import make_checkpoint
 from engine_helpers import default_table, meta_model, run_arrivals
 
+from bole.backend import tree_acceptance
 from bole.cache.kv_cache import blocks_needed
 from bole.calibrate_sweep import synthetic_batch
 from bole.config import EngineConfig
@@ -239,7 +240,7 @@ def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel
         from kernels.tree_layout import tree_layout
 
         eng.model.backend = dataclasses.replace(eng.model.backend, tree_layout=tree_layout,
-                                                greedy_accept=greedy_accept)
+                                                greedy_accept=tree_acceptance(greedy_accept))
     assert eng.runner.verify_graphs is None  # the option is ignored on the CPU
     spec = eng.config.spec
     vg = eng.runner.enable_verify_graphs((1, 2, 4), tree_widths(eng.lookahead), spec.depth + 1,

@@ -1,5 +1,5 @@
 """The triton backend's GDN prefill (flash-linear-attention's chunk_gated_delta_rule behind
-``bole.backend._fla_prefill``) against our chunked twin ``bole.ops.gdn_chunk``: variable-length
+``bole.backend.fla_prefill``) against our chunked twin ``bole.ops.gdn_chunk``: variable-length
 sequences, GQA, initial states read from pool slots. On the GPU only (fla's kernels are Triton)."""
 
 import pytest
@@ -15,9 +15,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                         ([1, 77, 200], torch.bfloat16)])
 def test_fla_prefill_matches_chunk_twin(lens, dtype):
     pytest.importorskip("fla", reason="flash-linear-attention (the gpu extra) is not installed")
-    from bole.backend import _fla_prefill
+    from bole.backend import fla_prefill
 
-    prefill = _fla_prefill()
+    prefill = fla_prefill()
     gen = torch.Generator().manual_seed(0)
     HK, HV, K, V, N = 2, 4, 64, 64, sum(lens)
     r = lambda *s: torch.randn(*s, generator=gen)

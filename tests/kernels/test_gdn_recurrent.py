@@ -77,10 +77,10 @@ def test_bad_inputs_raise():
 def test_backend_sends_short_and_fp32_prefills_here(device):
     # short prefills, and fp32 ones of any length (fla's chunk would take TF32 products), come here;
     # long half-precision ones go to the long path
-    from bole.backend import FLA_MIN_TOKENS, _short_to_recurrent
+    from bole.backend import FLA_MIN_TOKENS, short_to_recurrent
 
     calls = []
-    prefill = _short_to_recurrent(lambda *a, **kw: calls.append(a[0].shape[1]) or "long")
+    prefill = short_to_recurrent(lambda *a, **kw: calls.append(a[0].shape[1]) or "long")
     for lengths, dtype in (([FLA_MIN_TOKENS - 1], torch.float16), ([FLA_MIN_TOKENS - 30, 31], torch.float32)):
         x, pool, idx, cu = make(lengths, 1, 2, 16, 16, dtype, torch.float32, seed=2, device=device)
         o, final = prefill(*x, initial_state=pool, state_indices=idx, cu_seqlens=cu, use_qk_l2norm=True)
@@ -89,6 +89,6 @@ def test_backend_sends_short_and_fp32_prefills_here(device):
     x, pool, idx, cu = make([FLA_MIN_TOKENS], 1, 2, 16, 16, torch.float16, torch.float32, seed=2, device=device)
     assert prefill(*x, initial_state=pool, cu_seqlens=cu) == "long" and calls == [FLA_MIN_TOKENS]
     # a long path that is exact in fp32 (the torch chunk) keeps fp32 prefills
-    exact = _short_to_recurrent(lambda *a, **kw: "long", fp32_to_recurrent=False)
+    exact = short_to_recurrent(lambda *a, **kw: "long", fp32_to_recurrent=False)
     x, pool, idx, cu = make([FLA_MIN_TOKENS], 1, 2, 16, 16, torch.float32, torch.float32, seed=2, device=device)
     assert exact(*x, initial_state=pool, cu_seqlens=cu) == "long"

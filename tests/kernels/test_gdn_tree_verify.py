@@ -10,13 +10,12 @@ import pytest
 import torch
 from numerics import rel_err
 
+from benchmarks.verify_space import CONFIGS, configs_for
 from bole.ops import gdn as ref
 from bole.spec.tree import DraftTree, PackedForest, random_tree
 from kernels.gdn_tree_verify import (
-    CONFIGS,
     VerifyConfig,
     chunk_tile,
-    configs_for,
     default_config,
     gdn_tree_verify,
     solve_plan,
@@ -276,9 +275,9 @@ def test_gpu_all_configs_qwen_shapes(device):
 
 def test_tuned_launch_table():
     # the engine's measured dispatch: every tile up to 256 nodes has a catch-all row, tiles clamp to small heads
-    from kernels.gdn_tree_verify import _TUNED_FP32, _TUNED_LOWP, tuned_launch
+    from kernels.gdn_tree_verify import TUNED_FP32, TUNED_LOWP, tuned_launch
 
-    for table, precisions in ((_TUNED_LOWP, ("tf32",)), (_TUNED_FP32, ("tf32x3",))):
+    for table, precisions in ((TUNED_LOWP, ("tf32",)), (TUNED_FP32, ("tf32x3",))):
         assert set(table) == {16, 32, 64, 128, 256}
         for BT, rows in table.items():
             assert rows[-1][0] is None

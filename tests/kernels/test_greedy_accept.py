@@ -7,8 +7,11 @@ import random
 import pytest
 import torch
 
+from bole.backend import tree_acceptance
 from bole.ops.accept import greedy_accept_ref
-from kernels.greedy_accept import greedy_accept
+from kernels.greedy_accept import greedy_accept as greedy_accept_kernel
+
+greedy_accept = tree_acceptance(greedy_accept_kernel)  # as the triton backend wires it
 
 
 def planted(B, T, V, D, seed, device="cpu", dtype=torch.float32):

@@ -8,8 +8,9 @@ by value (fp32 log-sum-exp, within 1e-5) and index by index.
 import pytest
 import torch
 
+from bole.backend import topk_within
 from bole.ops.topk import log_softmax_topk_ref
-from kernels.logits_topk import MAX_V, log_softmax_topk
+from kernels.logits_topk import MAX_K, MAX_V, log_softmax_topk
 
 
 def check(x, k, exact_ids=True):
@@ -63,7 +64,11 @@ def test_nan_rows_give_ids_in_range(device):
 
 def test_wide_rows_use_the_twin(device):
     x = torch.randn(2, MAX_V + 1, generator=torch.Generator().manual_seed(1)).to(device)
-    check(x, 2)
+    with pytest.raises(ValueError, match="exceed the kernel's tile"):
+        log_softmax_topk(x, 2)
+    vals, idx = topk_within(log_softmax_topk, MAX_V, MAX_K)(x, 2)  # the backend's entry
+    ref_vals, ref_idx = log_softmax_topk_ref(x, 2)
+    assert torch.equal(idx, ref_idx) and torch.equal(vals, ref_vals)
 
 
 @pytest.mark.parametrize("k", [0, 101, 2.0, True])
