@@ -52,6 +52,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from bole.cache.prefix_cache import boundary_cut
 from bole.engine.cuda_graphs import (
     _POS,
     _SLOT,
@@ -63,9 +64,12 @@ from bole.engine.cuda_graphs import (
     sizes_upto,
     smallest_at_least,
 )
+from bole.engine.drafting import empty_factors, grow_draft_tree
 from bole.models.context import ForwardContext, PaddedAttention
 from bole.ops.tree_layout import LAYOUT_MAX_NODES, tree_layout_ref
-from bole.spec.drafter import frontier_sizes
+from bole.spec.budget import select_nodes
+from bole.spec.drafter import DraftBatch, compact, frontier_sizes, tree_size
+from bole.spec.sampling import accept_tree, counter_uniforms
 from bole.spec.tree import PackedForest, path_prefixes
 
 logger = logging.getLogger(__name__)
@@ -313,9 +317,6 @@ class VerifyGraphs:
         ``sampled``: the lossless sampled walk instead (``accept_tree`` over the processed logits, each
         row's parameters from ``load_sampling``), with the uniforms the eager step draws: request b's
         ``counter_uniforms(seed, num_computed + 1, depth + 1)``, target row r taking its depth's."""
-        from bole.cache.prefix_cache import boundary_cut
-        from bole.spec.sampling import accept_tree, counter_uniforms
-
         Bc, Tc, D = g.batch, g.width, self.max_depth
         V = self.out_logits.shape[1]
         logits, hidden = self.out_logits[:Bc * Tc].view(Bc, Tc, V), self.out_hidden[:Bc * Tc]
@@ -421,8 +422,6 @@ class DraftGraphs:
     def __init__(self, runner, batch_sizes: Sequence[int], depth: int, topk: int, beam: int,
                  pad_block: int, capture: bool = True, min_kv: int = 256, pool=None,
                  max_per_request: int | None = None):
-        from bole.spec.drafter import tree_size
-
         sizes = sorted({int(b) for b in batch_sizes})
         if not sizes or sizes[0] < 1:
             raise ValueError(f"batch sizes must be ints >= 1, got {list(batch_sizes)}")
@@ -479,10 +478,6 @@ class DraftGraphs:
     def _make(self, Bc: int, Lc: int) -> Callable[[], None]:
         """The draft of key (Bc, Lc) as a closure over static buffers (captured by ``_build``, or inside
         a whole step by ``StepGraphs``)."""
-        from bole.engine.runner import _empty_factors, grow_draft_tree
-        from bole.spec.budget import select_nodes
-        from bole.spec.drafter import compact
-
         runner, dev, C, bs = self.runner, self.runner.device, self.catch_up, self.block_size
         mtp, cache = self.mtp, runner.mtp_cache
         inp = self.rows.device[:Bc]
@@ -491,11 +486,11 @@ class DraftGraphs:
         hidden_in = self.hidden_in[:Bc]
         chain = (torch.arange(C, device=dev) - 1)[None].expand(Bc, C)
         layout = self.model.backend.tree_layout
-        catch = StaticTree(Bc, C, Lc, C, cache, None, _empty_factors(Bc * C, dev), dev, layout)
+        catch = StaticTree(Bc, C, Lc, C, cache, None, empty_factors(Bc * C, dev), dev, layout)
         levels, trees, S = self._levels(), [], 0
         for M in levels:
             S += M
-            trees.append(StaticTree(Bc, S, Lc, len(trees) + 1, cache, None, _empty_factors(Bc * S, dev), dev,
+            trees.append(StaticTree(Bc, S, Lc, len(trees) + 1, cache, None, empty_factors(Bc * S, dev), dev,
                                     layout))
         out = {k: v[:Bc] for k, v in self.out.items()}
 
@@ -558,8 +553,6 @@ class DraftGraphs:
         """The draft of ``reqs`` (``supports`` must hold) with ``b_ver`` nodes selected for the batch:
         the compacted ``DraftBatch`` [B, T_max], views of the static outputs (valid until the next
         replay); the requests' drafter bookkeeping advanced."""
-        from bole.spec.drafter import DraftBatch
-
         B = len(reqs)
         Bc, Lc = self.key(B, max(r.num_computed for r in reqs) + self.span)
         g = self.graphs.get((Bc, Lc)) or self._build(Bc, Lc)
