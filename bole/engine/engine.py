@@ -23,7 +23,7 @@ stochastic outputs are identical across modes. The logits processing (``bole.eng
 min_tokens, penalties with a tree row's own path, temperature, top-k / top-p) is the same in every
 mode too. A step with min_tokens or penalised requests accepts eagerly (the verify forward may still
 replay its graph; the graphs' tails carry neither); logprobs come from the logits the step holds, on
-every path but the opt-in whole-step graph, which such steps skip.
+every path.
 """
 
 from __future__ import annotations
@@ -105,9 +105,6 @@ class LLMEngine:
                                   if spec_graphs else None,
                                   # the same buckets in every mode: a prefill runs at the same padded shapes
                                   prefill_graph_sizes=spec_sizes if graphs and config.cuda_graph_prefill else None)
-        if config.cuda_graph_whole_step and self.runner.draft_graphs is not None and \
-                self.runner.verify_graphs is not None:
-            self.runner.enable_step_graphs()
         cc = config.cache
         self.prefix_cache = PrefixCache(self.runner.allocator, self.runner.state_pool, cc.block_size,
                                         cc.checkpoint_interval_blocks, cc.num_checkpoint_slots,
@@ -257,13 +254,6 @@ class LLMEngine:
         no_min = not any(r.params.min_tokens for r in reqs)  # min_tokens masks logits: eager acceptance
         pen = self._penalties(reqs)   # penalties too (the tails would need [B, V] counts): eager acceptance
         plain = no_min and pen is None
-        want_lp = any(r.params.logprobs is not None for r in reqs)
-        if greedy and plain and not want_lp and no_sync and self.runner.step_graph_supports(reqs, bound + 1):
-            # the whole step in one graph replay (bole.engine.step_graphs), one device-to-host read
-            done = self._step_in_graph(reqs, stats, lambda slots: self.runner.step_in_graph(
-                reqs, int(b_ver), bound + 1, slots))
-            if done is not None:
-                return done[0], None
         # the root (the pending token) is verified too: drafts <= MAX_TREE_NODES - 1 per request
         batch = self.runner.draft_batch(reqs, spec.depth, spec.topk, spec.beam, b_ver,
                                         max_per_request=MAX_TREE_NODES - 1)
@@ -320,7 +310,7 @@ class LLMEngine:
     def _step_in_graph(self, reqs: list[Request], stats: StepStats, run
                        ) -> tuple[list[list[int]], list[int]] | None:
         """Acceptance, commit and prefix-cache checkpoints in a graph's tail: ``run(checkpoint slots)``
-        (the step graph, or the verify graph's tail) returns the tail's rows (one device-to-host read);
+        (the verify graph's tail) returns the tail's rows (one device-to-host read);
         returns the emitted tokens and accepted nodes. None when the tail cannot take this step's
         checkpoints (the caller goes on eagerly)."""
         slots = self._reserve_checkpoints(reqs)

@@ -37,7 +37,6 @@ from bole.engine.drafting import empty_factors, grow_draft_tree
 from bole.engine.prefill_graphs import PrefillGraphs, prefill_graphs_unsupported
 from bole.engine.sequence import Request
 from bole.engine.spec_graphs import DraftGraphs, VerifyGraphs
-from bole.engine.step_graphs import StepGraphs
 from bole.models.context import ForwardContext, TreeFactors
 from bole.spec.budget import select_nodes
 from bole.spec.drafter import DraftBatch, compact
@@ -82,7 +81,6 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: VerifyGraphs | None = None
         self.draft_graphs: DraftGraphs | None = None
-        self.step_graphs: StepGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self._pad: tuple[int, int] | None = None
         if graphs and cuda_graph_batch_sizes:
@@ -132,13 +130,7 @@ class ModelRunner:
 
     def all_graphs(self) -> list:
         """The runner's graph families (those enabled), for ``capture_all`` before a timed run."""
-        return [g for g in (self.graphs, self.verify_graphs, self.draft_graphs, self.step_graphs, self.prefill_graphs)
-                if g is not None]
-
-    def enable_step_graphs(self, capture: bool = True) -> StepGraphs:
-        """Greedy steps as ONE graph (``bole.engine.step_graphs``) over the draft and verify graphs."""
-        self.step_graphs = StepGraphs(self.draft_graphs, self.verify_graphs, capture=capture)
-        return self.step_graphs
+        return [g for g in (self.graphs, self.verify_graphs, self.draft_graphs, self.prefill_graphs) if g is not None]
 
     def _padding(self) -> tuple[int, int]:
         """The KV block and GDN state slot that graphs' padding rows use (reserved once)."""
@@ -272,31 +264,12 @@ class ModelRunner:
         ``sampling``: per request (temperature, top_k, top_p, seed)); advances num_computed and queues
         the accepted path's hiddens for the drafter. Returns per request [accepted node, emitted count,
         the tokens (the first ``emitted count`` are emitted), verified drafts]."""
-        return self._committed_in_graph(reqs, self.verify_graphs.run_tail(res.graph, len(reqs), checkpoint_slots,
-                                                                          sampling))
-
-    def _committed_in_graph(self, reqs: list[Request], host: list[list[int]]) -> list[list[int]]:
-        """After a graphed tail: queue the accepted paths' hiddens for the drafter, advance num_computed."""
+        host = self.verify_graphs.run_tail(res.graph, len(reqs), checkpoint_slots, sampling)
         path_hidden = self.verify_graphs.out_path_hidden[:len(reqs)].clone()  # [B, D, H]
         for b, r in enumerate(reqs):
             r.queue_hidden(path_hidden[b, :host[b][1]])
             r.num_computed += host[b][1]
         return host
-
-    def step_graph_supports(self, reqs: list[Request], width: int) -> bool:
-        """Whether ``step_in_graph`` applies to ``reqs`` with trees of <= ``width`` nodes (root included);
-        first feeds the drafter eagerly the head of a catch-up longer than the graphs take."""
-        if self.step_graphs is None:
-            return False
-        self._catch_up_head(reqs)
-        return self.step_graphs.supports(reqs, width)
-
-    @torch.inference_mode()
-    def step_in_graph(self, reqs: list[Request], b_ver: int, width: int,
-                      checkpoint_slots: list[int | None] | None = None) -> list[list[int]]:
-        """A whole greedy step (draft, verify, acceptance, commit) in one replay (``StepGraphs.run``);
-        returns ``accept_commit_in_graph``'s rows, with the same bookkeeping done."""
-        return self._committed_in_graph(reqs, self.step_graphs.run(reqs, b_ver, width, checkpoint_slots))
 
     @torch.inference_mode()
     def commit_path_prefix(self, res: VerifyResult, accepted_node: list[int], keep: list[int],

@@ -171,7 +171,7 @@ class VerifyGraphs:
         self.sample_ints = StaticRows(Bm, 2, dev)
         self.graphs: dict[tuple[int, int, int], _VGraph] = {}
         self.pool = pool
-        self.replays = self.tail_replays = self.made = 0
+        self.replays = self.tail_replays = 0
         self.checkpoints = None   # (StatePool, interval, ckpt slot rows): ``enable_checkpoints``
 
     # -- selection -------------------------------------------------------------------------------
@@ -200,10 +200,9 @@ class VerifyGraphs:
     # -- building --------------------------------------------------------------------------------
     def _make(self, Bc: int, Tc: int, Lc: int) -> _VGraph:
         """The forward of key (Bc, Tc, Lc) and its tail as closures over static buffers (not captured;
-        ``_build`` captures them, ``StepGraphs`` captures them inside a whole step)."""
+        ``_build`` captures them)."""
         runner, bs, D = self.runner, self.block_size, self.max_depth
         N = Bc * Tc
-        self.made += 1  # its tail fixes the checkpoint setting now (``enable_checkpoints`` must precede)
         inp = self.rows.device[:Bc]
         tables = inp[:, _TABLE:_TABLE + Lc // bs]
         draft_tok, draft_par = self.draft_tokens[:Bc, :Tc], self.draft_parents[:Bc, :Tc]
@@ -303,8 +302,8 @@ class VerifyGraphs:
         path jumps over a multiple of ``interval`` tokens gets the state at that boundary committed into
         ``pool`` at the slot ``run_tail`` names for it (the host reserved it: ``PrefixCache``). A row
         whose path does not cross writes nothing there; rows without a slot name ``scratch_slot``."""
-        if self.graphs or self.made:
-            raise ValueError("enable_checkpoints must precede the first graph (a step graph's too)")
+        if self.graphs:
+            raise ValueError("enable_checkpoints must precede the first graph")
         self.checkpoints = (pool, int(interval), StaticRows(self.batch_sizes[-1], 1, self.runner.device),
                             int(scratch_slot))
 
@@ -476,8 +475,7 @@ class DraftGraphs:
         return frontier_sizes(self.model.config.vocab_size, self.depth, self.topk, self.beam)
 
     def _make(self, Bc: int, Lc: int) -> Callable[[], None]:
-        """The draft of key (Bc, Lc) as a closure over static buffers (captured by ``_build``, or inside
-        a whole step by ``StepGraphs``)."""
+        """The draft of key (Bc, Lc) as a closure over static buffers (captured by ``_build``)."""
         runner, dev, C, bs = self.runner, self.runner.device, self.catch_up, self.block_size
         mtp, cache = self.mtp, runner.mtp_cache
         inp = self.rows.device[:Bc]
