@@ -351,13 +351,13 @@ class EngineConfig:
     calibration_table: str = DEFAULT_CALIBRATION_TABLE
     eos_token_ids: tuple[int, ...] = ()
     tp_size: int = 1  # tensor-parallel ranks; each runs an identical engine (bole.parallel)
-    # ar-mode decode steps replay CUDA graphs captured per padded batch size (bole.engine.cuda_graphs),
-    # speculative modes their verify forward (bole.engine.spec_graphs: batch, tree width, KV length);
+    # ar-mode decode steps replay CUDA graphs captured per padded batch size (bole.engine.graphs.decode),
+    # speculative modes their verify forward (bole.engine.graphs.verify: batch, tree width, KV length);
     # ignored on the CPU, and for MoE / tensor-parallel models (decode then runs eagerly)
     enable_cuda_graphs: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     # with enable_cuda_graphs, short prefill steps (<= 64 tokens with padding) replay captured graphs in
-    # every mode (bole.engine.prefill_graphs; the "triton" backend only); off: prefills run eagerly
+    # every mode (bole.engine.graphs.prefill; the "triton" backend only); off: prefills run eagerly
     cuda_graph_prefill: bool = True
     spec: SpecConfig = SpecConfig()
     cache: CacheConfig = CacheConfig()

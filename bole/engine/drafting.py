@@ -1,5 +1,5 @@
 """The MTP drafter's tree growth, shared by the eager draft (``ModelRunner.draft``) and the draft graph
-(``bole.engine.spec_graphs.DraftGraphs``): one function over a caller-supplied forest context."""
+(``bole.engine.graphs.draft``): one function over a caller-supplied forest context."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def empty_factors(num_nodes: int, device) -> TreeFactors:
 def grow_draft_tree(mtp, h_root: torch.Tensor, depth: int, topk: int, beam: int,
                     tree_ctx: Callable[[torch.Tensor, int], ForwardContext]):
     """``expand_tree`` driven by the MTP head from its catch-up outputs ``h_root`` [B, H]: the eager
-    draft and the draft graph (``bole.engine.spec_graphs``) both run this, with their own ``tree_ctx``.
+    draft and the draft graph (``bole.engine.graphs.draft``) both run this, with their own ``tree_ctx``.
 
     ``tree_ctx(parents, d)`` returns the verify-mode context of the frontier forest so far (local
     parents [B, S], depth <= d) over the drafter's KV cache. A node's input hidden is its parent's MTP

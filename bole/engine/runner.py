@@ -5,10 +5,10 @@ Three kinds of forward per step (DESIGN.md §2), all batched over requests:
 * ``prefill(chunks)``: runs known tokens (chunked), returns the last logits of requests whose
   prefill completed. Target hiddens are kept for the MTP drafter.
 * ``decode(reqs)``: autoregressive mode: one forward over every request's pending root token; on a
-  GPU with ``cuda_graph_batch_sizes`` it replays a captured CUDA graph (``bole.engine.cuda_graphs``:
+  GPU with ``cuda_graph_batch_sizes`` it replays a captured CUDA graph (``bole.engine.graphs.decode``:
   the runner then reserves one extra KV block and one GDN state slot for the graphs' padding rows).
   Short prefills (<= 64 tokens with the padding) replay captured graphs too (``prefill_graph_sizes``:
-  ``bole.engine.prefill_graphs``), in every mode.
+  ``bole.engine.graphs.prefill``), in every mode.
 * ``draft(reqs)`` + ``verify(reqs, batch)``: speculative modes. The MTP drafter first catches up
   on the committed positions it has not seen, then grows each request's candidate tree
   (``bole.spec.drafter.expand_tree``); the budget (``select_nodes``) keeps at most B_ver nodes for
@@ -32,11 +32,13 @@ import torch
 
 from bole.cache.kv_cache import PagedKVCache
 from bole.cache.state_pool import StatePool
-from bole.engine.cuda_graphs import DecodeGraphs, graphs_unsupported
 from bole.engine.drafting import empty_factors, grow_draft_tree
-from bole.engine.prefill_graphs import PrefillGraphs, prefill_graphs_unsupported
+from bole.engine.graphs.base import graphs_unsupported
+from bole.engine.graphs.decode import DecodeGraphs
+from bole.engine.graphs.draft import DraftGraphs
+from bole.engine.graphs.prefill import PrefillGraphs, prefill_graphs_unsupported
+from bole.engine.graphs.verify import VerifyGraphs
 from bole.engine.sequence import Request
-from bole.engine.spec_graphs import DraftGraphs, VerifyGraphs
 from bole.models.context import ForwardContext, TreeFactors
 from bole.spec.budget import select_nodes
 from bole.spec.drafter import DraftBatch, compact

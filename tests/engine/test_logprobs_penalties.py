@@ -10,7 +10,7 @@ from engine_helpers import default_table, reference_penalty
 
 from bole.config import EngineConfig
 from bole.engine.engine import LLMEngine
-from bole.engine.spec_graphs import tree_widths
+from bole.engine.graphs.tree import tree_widths
 from bole.models.loader import load_model
 from bole.sampling_params import SamplingParams
 from bole.spec.tree import MAX_TREE_NODES

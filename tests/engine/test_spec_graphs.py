@@ -1,4 +1,4 @@
-"""CUDA graphs of the speculative step (bole.engine.spec_graphs): verification and the MTP draft.
+"""CUDA graphs of the speculative step (bole.engine.graphs.verify and .draft): verification and the MTP draft.
 
 CPU: the static verify forward the graphs capture (batch padded to Bc rows, trees padded to Tc nodes
 with extra root children, KV length bucketed, the forest laid out on the device) run uncaptured gives
@@ -21,9 +21,9 @@ from bole.cache.kv_cache import blocks_needed
 from bole.calibrate import synthetic_batch
 from bole.config import EngineConfig
 from bole.engine.engine import LLMEngine
+from bole.engine.graphs.tree import tree_widths
 from bole.engine.runner import ModelRunner
 from bole.engine.sequence import Request
-from bole.engine.spec_graphs import tree_widths
 from bole.layers.attention import GatedAttention
 from bole.models.loader import load_model
 from bole.sampling_params import SamplingParams
@@ -403,7 +403,7 @@ def test_checkpoints_must_precede_graphs(ckpt):
     eng = _engine(ckpt, "cpu", "bole", False, enable_prefix_cache=True)
     s = eng.config.spec
     vg = eng.runner.enable_verify_graphs((1, 2, 4), tree_widths(eng.lookahead), s.depth + 1, capture=False, min_kv=8)
-    vg._build(1, vg.widths[0], vg.kv_lengths[-1])
+    vg.capture((1, vg.widths[0], vg.kv_lengths[-1]))
     with pytest.raises(ValueError, match="enable_checkpoints must precede"):
         vg.enable_checkpoints(eng.prefix_cache.checkpoints, eng.config.cache.checkpoint_interval,
                               eng.prefix_cache.scratch_slot)
