@@ -264,7 +264,7 @@ class LLMEngine:
         if plain and self.runner.can_accept_in_graph(res, sampled=not greedy):
             # acceptance (greedy, or sampled with each request's parameters and seed), commit and
             # checkpoints inside the verify graph's captured tail
-            sampling = None if greedy else sampler.sampling_rows(reqs)
+            sampling = None if greedy else sampler.SamplingTensors.of(reqs, "cpu")
             done = self._step_in_graph(reqs, stats, lambda slots: self.runner.accept_commit_in_graph(
                 reqs, res, slots, sampling))
             if done is not None:  # the tail leaves the verify logits in place: logprobs read them
@@ -274,10 +274,11 @@ class LLMEngine:
             temp = top_k = top_p = 0.0
             uniforms = torch.zeros(B, T1, device=res.logits.device)
         else:
-            temp, top_k, top_p, seed = sampler.param_tensors(reqs, self.runner.device)
+            st = sampler.SamplingTensors.of(reqs, self.runner.device)
+            temp, top_k, top_p = st.temperature, st.top_k, st.top_p
             # Row 0 draws token index n+1 (n = num_computed), row i+1 draws index n+1+depth(i).
-            n = torch.tensor([r.num_computed for r in reqs], device=seed.device)
-            u_by_depth = counter_uniforms(seed, n + 1, D + 1)  # [B, D+1]
+            n = torch.tensor([r.num_computed for r in reqs], device=st.seed.device)
+            u_by_depth = counter_uniforms(st.seed, n + 1, D + 1)  # [B, D+1]
             uniforms = u_by_depth.gather(1, row_depth)
         logits = res.logits
         if not no_min:

@@ -38,6 +38,7 @@ from bole.engine.graphs.decode import DecodeGraphs
 from bole.engine.graphs.draft import DraftGraphs
 from bole.engine.graphs.prefill import PrefillGraphs, prefill_graphs_unsupported
 from bole.engine.graphs.verify import VerifyGraphs
+from bole.engine.sampler import SamplingTensors
 from bole.engine.sequence import Request
 from bole.models.context import ForwardContext, TreeFactors
 from bole.spec.budget import select_nodes
@@ -260,10 +261,10 @@ class ModelRunner:
     @torch.inference_mode()
     def accept_commit_in_graph(self, reqs: list[Request], res: VerifyResult,
                                checkpoint_slots: list[int | None] | None = None,
-                               sampling: list[tuple[float, int, float, int]] | None = None) -> list[list[int]]:
+                               sampling: SamplingTensors | None = None) -> list[list[int]]:
         """Acceptance + commit of every request from the verify graph's captured tail
         (``VerifyGraphs.run_tail``, with its prefix-cache checkpoint slots; greedy, or sampled with
-        ``sampling``: per request (temperature, top_k, top_p, seed)); advances num_computed and queues
+        ``sampling``: the requests' ``SamplingTensors``, on the host); advances num_computed and queues
         the accepted path's hiddens for the drafter. Returns per request [accepted node, emitted count,
         the tokens (the first ``emitted count`` are emitted), verified drafts]."""
         host = self.verify_graphs.run_tail(res.graph, len(reqs), checkpoint_slots, sampling)

@@ -57,6 +57,7 @@ from bole.engine.graphs.base import (
     smallest_at_least,
 )
 from bole.engine.graphs.tree import StaticTree
+from bole.engine.sampler import SamplingTensors
 from bole.spec.sampling import accept_tree, counter_uniforms
 from bole.spec.tree import path_prefixes
 
@@ -99,7 +100,7 @@ class VerifyGraphs(GraphFamily):
         # and the target hiddens along the accepted path (the drafter's next catch-up inputs)
         self.out_accept = torch.zeros(Bm, 3 + self.max_depth, dtype=torch.long, device=dev)
         self.out_path_hidden = torch.zeros(Bm, self.max_depth, H, dtype=dtype, device=dev)
-        # the sampled tail's per-row parameters: (temperature, top_p) and (top_k, seed)
+        # the sampled tail's per-row parameters (``SamplingTensors``): (temperature, top_p) and (top_k, seed)
         self.sample_floats = StaticRows(Bm, 2, dev, dtype=torch.float32)
         self.sample_ints = StaticRows(Bm, 2, dev)
         self.tail_replays = 0
@@ -231,15 +232,15 @@ class VerifyGraphs(GraphFamily):
         model, forest, ctx = self.model, g.ctx.forest, g.ctx
         accept = model.backend.greedy_accept   # accept_tree's greedy walk (kernels.greedy_accept on the GPU)
         if sampled:
-            fl, it = self.sample_floats.device[:Bc], self.sample_ints.device[:Bc]
+            st = self._sampling(Bc)
 
             def accept(drafts, parents, logits, max_depth):
                 row_depth = (forest.depth.view(Bc, Tc).long() - 1).clamp(0, max_depth)  # the root 0, drafts theirs
-                u = counter_uniforms(it[:, 1], inp[:, _POS] + 1, max_depth + 1).gather(1, row_depth)
+                u = counter_uniforms(st.seed, inp[:, _POS] + 1, max_depth + 1).gather(1, row_depth)
                 # the native logits: process_logits upcasts only the rows the walk visits, to the values the
                 # eager step's fp32 copy holds (no [Bc, Tc, V] fp32 copy kept in the graph's pool)
-                return accept_tree(drafts, parents, u, logits=logits, temperature=fl[:, 0], top_k=it[:, 0],
-                                   top_p=fl[:, 1], max_depth=max_depth)
+                return accept_tree(drafts, parents, u, logits=logits, temperature=st.temperature, top_k=st.top_k,
+                                   top_p=st.top_p, max_depth=max_depth)
 
         ckpt = self.checkpoints
 
@@ -275,25 +276,31 @@ class VerifyGraphs(GraphFamily):
                     h[b, 0] = slot
             rows.upload(Bc)
 
-    def load_sampling(self, Bc: int, params: Sequence[tuple[float, int, float, int]] | None) -> None:
-        """The sampled tail's per-row (temperature, top_k, top_p, seed); padding rows greedy."""
+    def _sampling(self, Bc: int) -> SamplingTensors:
+        """The sampled tail's parameters: views of its first ``Bc`` static rows."""
+        fl, it = self.sample_floats.device[:Bc], self.sample_ints.device[:Bc]
+        return SamplingTensors(temperature=fl[:, 0], top_k=it[:, 0], top_p=fl[:, 1], seed=it[:, 1])
+
+    def load_sampling(self, Bc: int, params: SamplingTensors | None) -> None:
+        """The sampled tail's per-row parameters (``params`` on the host); padding rows greedy."""
         fl, it = self.sample_floats.begin(), self.sample_ints.begin()
         fl[:Bc, 0], fl[:Bc, 1], it[:Bc] = 0.0, 1.0, 0
-        for b, (temp, top_k, top_p, seed) in enumerate(params or ()):
-            fl[b] = temp, top_p
-            it[b] = top_k, seed
+        if params is not None:
+            B = len(params)
+            fl[:B, 0], fl[:B, 1] = params.temperature.numpy(), params.top_p.numpy()
+            it[:B, 0], it[:B, 1] = params.top_k.numpy(), params.seed.numpy()
         self.sample_floats.upload(Bc)
         self.sample_ints.upload(Bc)
 
     @torch.inference_mode()
     def run_tail(self, g: VerifyGraph, batch: int, checkpoint_slots: Sequence[int | None] | None = None,
-                 sampling: Sequence[tuple[float, int, float, int]] | None = None) -> list[list[int]]:
+                 sampling: SamplingTensors | None = None) -> list[list[int]]:
         """After ``run`` returned ``g``: accept and commit in the captured tail; per request [accepted
         node, emitted count, D tokens (padded), verified drafts] (the step's one device-to-host read).
         ``out_path_hidden`` then holds each request's accepted-path hiddens, valid until the next tail.
         ``checkpoint_slots`` (with ``enable_checkpoints``): per request the checkpoint slot its path's
         boundary state goes to, None for a request whose path cannot cross a boundary this step.
-        ``sampling``: per request (temperature, top_k, top_p, seed) for the sampled tail (``sampled_tail``);
+        ``sampling``: the requests' ``SamplingTensors`` (on the host) for the sampled tail (``sampled_tail``);
         None: every request greedy, the greedy tail."""
         tail = g.tail if sampling is None else g.sampled_tail
         if tail is None:
