@@ -51,6 +51,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -60,7 +61,6 @@ sys.path.insert(0, str(REPO_ROOT))
 from bole import calibrate_sweep  # noqa: E402
 from bole.cache.kv_cache import blocks_needed  # noqa: E402
 from bole.config import ModelConfig  # noqa: E402
-from bole.engine.cuda_graphs import decode_step_fn  # noqa: E402
 from bole.engine.runner import ModelRunner  # noqa: E402
 from bole.engine.sequence import Request  # noqa: E402
 from bole.layers.gdn import GatedDeltaNet  # noqa: E402
@@ -135,6 +135,29 @@ def parse_args(argv=None):
 def time_ms(fn, warmup: int, reps: int, device: torch.device) -> float:
     """Median time of fn() in ms (``bole.calibrate_sweep.time_ms``: CUDA events around each synchronised call)."""
     return statistics.median(calibrate_sweep.time_ms({0: fn}, warmup, reps, device)[0])
+
+
+def decode_step_fn(runner, reqs, graphed: bool = True) -> Callable[[], torch.Tensor]:
+    """A callable running one decode forward of ``reqs`` and returning its logits [B, V].
+
+    The requests are not advanced: every call rewrites the new token's K/V at ``num_computed`` and
+    applies one GDN step to their state slots (values drift, costs do not). ``graphed``: replay the
+    captured graph (inputs loaded once, so a call is the replay alone), which needs ``runner.graphs``
+    (``ModelRunner(..., cuda_graph_batch_sizes=...)`` or ``runner.enable_cuda_graphs``); else the
+    runner's eager decode forward, host-side context building included.
+    """
+    if not graphed:
+        return lambda: runner.decode_forward(reqs, use_graphs=False)[0]
+    graphs = runner.graphs
+    if graphs is None or not graphs.supports(reqs):
+        raise ValueError("the runner has no decode graph for this batch (enable_cuda_graphs first)")
+    g = graphs.prepare(reqs)
+    B = len(reqs)
+
+    def step():
+        graphs.replay(g)
+        return graphs.out_logits[:B]
+    return step
 
 
 def copy_bandwidth(device: torch.device, smoke: bool) -> dict:
@@ -390,9 +413,9 @@ def _patched(objs, name: str, value):
 
 
 def _graph_verify_ms(runner, reqs, batch, args, dev) -> float:
-    """Median time of the verify forward replayed from a CUDA graph (``bole.engine.spec_graphs``:
+    """Median time of the verify forward replayed from a CUDA graph (``bole.engine.graphs.verify``:
     the host's launch cost removed, so shares are of GPU time); the uncaptured static forward on a CPU."""
-    from bole.engine.spec_graphs import VerifyGraphs
+    from bole.engine.graphs.verify import VerifyGraphs
 
     T = batch.tokens.shape[1]
     vg = VerifyGraphs(runner, [len(reqs)], [T + 1], TREE_DEPTH, *runner._padding(), capture=dev.type == "cuda",

@@ -80,7 +80,7 @@ def _label(owner, name: str, label: str, phase: list[str]) -> None:
 def count(mode: str = "bole", batch: int = 1, depth: int = 4, topk: int = 4, beam: int = 4,
           backend: str = "torch") -> dict:
     from bole import LLM, SamplingParams
-    from bole.engine.spec_graphs import StaticTree, tree_widths
+    from bole.engine.graphs.tree import StaticTree, tree_widths
     from bole.models import qwen3_5
     from bole.spec.tree import MAX_TREE_NODES
 

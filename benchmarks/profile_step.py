@@ -13,8 +13,8 @@ Cases (``--cases``):
   decode9b_graph, verify9b_graph     the 9B forwards replayed from CUDA graphs (their kernels listed)
   {ar,serial_tree,bole}_tiny_graphs_b16   engine steps at batch 16 with graphs
   {bole,serial_tree}_tiny_phases   a graphed step at batch 1 split into its graph replays (draft, verify
-                     forward, tail; with --step-graphs the one step graph): per graph the GPU kernels and
-                     the replay time, and the host time beside them
+                     forward, tail): per graph the GPU kernels and the replay time, and the host time
+                     beside them
   {ar,serial_tree,bole}_tiny_generate   one timed ``generate`` as e2e.py runs it: per-step wall times,
                      then a cProfile of a second call
   {ar,serial_tree,bole}_tiny_prefill    one warm prefill step of the held-out prompt (a fresh one-token request)
@@ -121,8 +121,6 @@ def _engine(mode: str, args, device, graphs: bool, batch: int):
                         SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True))
     while any(not r.prefilled for r in eng.requests.values()):
         eng.step()  # prefill (and the first steps)
-    if args.step_graphs and eng.runner.draft_graphs is not None:
-        eng.runner.enable_step_graphs()
     for g in eng.runner.all_graphs():
         g.capture_all(batch, 1024)
     return eng
@@ -291,8 +289,6 @@ def main(argv=None):
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--beam", type=int, default=4)
-    ap.add_argument("--step-graphs", action="store_true",
-                    help="greedy speculative steps as one graph (EngineConfig.cuda_graph_whole_step)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")

@@ -290,6 +290,13 @@ class CacheConfig:
         return self.checkpoint_interval_blocks * self.block_size
 
 
+# options that existed once, and why they went (docs/performance-notes.md)
+REMOVED_OPTIONS = {
+    "cuda_graph_whole_step": "the whole greedy step as one CUDA graph measured no faster than the draft and "
+                             "verify graphs (docs/performance-notes.md)",
+}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     mode: str = "bole"
@@ -300,17 +307,13 @@ class EngineConfig:
     calibration_table: str = DEFAULT_CALIBRATION_TABLE
     eos_token_ids: tuple[int, ...] = ()
     tp_size: int = 1  # tensor-parallel ranks; each runs an identical engine (bole.parallel)
-    # ar-mode decode steps replay CUDA graphs captured per padded batch size (bole.engine.cuda_graphs),
-    # speculative modes their verify forward (bole.engine.spec_graphs: batch, tree width, KV length);
+    # ar-mode decode steps replay CUDA graphs captured per padded batch size (bole.engine.graphs.decode),
+    # speculative modes their verify forward (bole.engine.graphs.verify: batch, tree width, KV length);
     # ignored on the CPU, and for MoE / tensor-parallel models (decode then runs eagerly)
     enable_cuda_graphs: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-    # greedy speculative steps as ONE graph (bole.engine.step_graphs) instead of a draft graph and a
-    # verify graph with its tail. Off by default: on the H200 at batch 1 it measured slower (the host's
-    # input copies for the verify no longer overlap the draft's GPU time)
-    cuda_graph_whole_step: bool = False
     # with enable_cuda_graphs, short prefill steps (<= 64 tokens with padding) replay captured graphs in
-    # every mode (bole.engine.prefill_graphs; the "triton" backend only); off: prefills run eagerly
+    # every mode (bole.engine.graphs.prefill; the "triton" backend only); off: prefills run eagerly
     cuda_graph_prefill: bool = True
     spec: SpecConfig = SpecConfig()
     cache: CacheConfig = CacheConfig()
@@ -331,7 +334,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
             raise ValueError(f"tp_size must be an int >= 1, got {self.tp_size!r}")
-        for name in ("enable_cuda_graphs", "cuda_graph_whole_step", "cuda_graph_prefill"):
+        for name in ("enable_cuda_graphs", "cuda_graph_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         sizes = self.cuda_graph_batch_sizes
@@ -351,10 +354,13 @@ class EngineConfig:
     def from_options(**options) -> "EngineConfig":
         """Build from flat keyword options (``LLM(path, mode=..., depth=..., num_blocks=...)``).
 
-        Unknown keys raise ``ValueError`` naming them.
+        Unknown keys raise ``ValueError`` naming them; removed ones say why.
         """
         from dataclasses import fields
 
+        removed = sorted(set(options) & set(REMOVED_OPTIONS))
+        if removed:
+            raise ValueError("; ".join(f"engine option {k!r} was removed: {REMOVED_OPTIONS[k]}" for k in removed))
         spec_keys = {f.name for f in fields(SpecConfig)}
         cache_keys = {f.name for f in fields(CacheConfig)}
         top_keys = {f.name for f in fields(EngineConfig)} - {"spec", "cache"}

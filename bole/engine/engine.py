@@ -23,7 +23,7 @@ stochastic outputs are identical across modes. The logits processing (``bole.eng
 min_tokens, penalties with a tree row's own path, temperature, top-k / top-p) is the same in every
 mode too. A step with min_tokens or penalised requests accepts eagerly (the verify forward may still
 replay its graph; the graphs' tails carry neither); logprobs come from the logits the step holds, on
-every path but the opt-in whole-step graph, which such steps skip.
+every path.
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ import torch
 from bole.cache.prefix_cache import PrefixCache
 from bole.config import EngineConfig
 from bole.engine import sampler
+from bole.engine.graphs.tree import tree_widths
 from bole.engine.metrics import EngineMetrics, StepStats
 from bole.engine.runner import ModelRunner
 from bole.engine.scheduler import Scheduler
 from bole.engine.sequence import Request, RequestStatus
-from bole.engine.spec_graphs import tree_widths
 from bole.hardware import resolve_calibration
 from bole.sampling_params import SamplingParams
 from bole.spec.budget import CalibrationTable
@@ -105,9 +105,6 @@ class LLMEngine:
                                   if spec_graphs else None,
                                   # the same buckets in every mode: a prefill runs at the same padded shapes
                                   prefill_graph_sizes=spec_sizes if graphs and config.cuda_graph_prefill else None)
-        if config.cuda_graph_whole_step and self.runner.draft_graphs is not None and \
-                self.runner.verify_graphs is not None:
-            self.runner.enable_step_graphs()
         cc = config.cache
         self.prefix_cache = PrefixCache(self.runner.allocator, self.runner.state_pool, cc.block_size,
                                         cc.checkpoint_interval_blocks, cc.num_checkpoint_slots,
@@ -257,13 +254,6 @@ class LLMEngine:
         no_min = not any(r.params.min_tokens for r in reqs)  # min_tokens masks logits: eager acceptance
         pen = self._penalties(reqs)   # penalties too (the tails would need [B, V] counts): eager acceptance
         plain = no_min and pen is None
-        want_lp = any(r.params.logprobs is not None for r in reqs)
-        if greedy and plain and not want_lp and no_sync and self.runner.step_graph_supports(reqs, bound + 1):
-            # the whole step in one graph replay (bole.engine.step_graphs), one device-to-host read
-            done = self._step_in_graph(reqs, stats, lambda slots: self.runner.step_in_graph(
-                reqs, int(b_ver), bound + 1, slots))
-            if done is not None:
-                return done[0], None
         # the root (the pending token) is verified too: drafts <= MAX_TREE_NODES - 1 per request
         batch = self.runner.draft_batch(reqs, spec.depth, spec.topk, spec.beam, b_ver,
                                         max_per_request=MAX_TREE_NODES - 1)
@@ -274,7 +264,7 @@ class LLMEngine:
         if plain and self.runner.can_accept_in_graph(res, sampled=not greedy):
             # acceptance (greedy, or sampled with each request's parameters and seed), commit and
             # checkpoints inside the verify graph's captured tail
-            sampling = None if greedy else sampler.sampling_rows(reqs)
+            sampling = None if greedy else sampler.SamplingTensors.of(reqs, "cpu")
             done = self._step_in_graph(reqs, stats, lambda slots: self.runner.accept_commit_in_graph(
                 reqs, res, slots, sampling))
             if done is not None:  # the tail leaves the verify logits in place: logprobs read them
@@ -284,10 +274,11 @@ class LLMEngine:
             temp = top_k = top_p = 0.0
             uniforms = torch.zeros(B, T1, device=res.logits.device)
         else:
-            temp, top_k, top_p, seed = sampler.param_tensors(reqs, self.runner.device)
+            st = sampler.SamplingTensors.of(reqs, self.runner.device)
+            temp, top_k, top_p = st.temperature, st.top_k, st.top_p
             # Row 0 draws token index n+1 (n = num_computed), row i+1 draws index n+1+depth(i).
-            n = torch.tensor([r.num_computed for r in reqs], device=seed.device)
-            u_by_depth = counter_uniforms(seed, n + 1, D + 1)  # [B, D+1]
+            n = torch.tensor([r.num_computed for r in reqs], device=st.seed.device)
+            u_by_depth = counter_uniforms(st.seed, n + 1, D + 1)  # [B, D+1]
             uniforms = u_by_depth.gather(1, row_depth)
         logits = res.logits
         if not no_min:
@@ -320,7 +311,7 @@ class LLMEngine:
     def _step_in_graph(self, reqs: list[Request], stats: StepStats, run
                        ) -> tuple[list[list[int]], list[int]] | None:
         """Acceptance, commit and prefix-cache checkpoints in a graph's tail: ``run(checkpoint slots)``
-        (the step graph, or the verify graph's tail) returns the tail's rows (one device-to-host read);
+        (the verify graph's tail) returns the tail's rows (one device-to-host read);
         returns the emitted tokens and accepted nodes. None when the tail cannot take this step's
         checkpoints (the caller goes on eagerly)."""
         slots = self._reserve_checkpoints(reqs)

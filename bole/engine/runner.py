@@ -5,10 +5,10 @@ Three kinds of forward per step (DESIGN.md §2), all batched over requests:
 * ``prefill(chunks)``: runs known tokens (chunked), returns the last logits of requests whose
   prefill completed. Target hiddens are kept for the MTP drafter.
 * ``decode(reqs)``: autoregressive mode: one forward over every request's pending root token; on a
-  GPU with ``cuda_graph_batch_sizes`` it replays a captured CUDA graph (``bole.engine.cuda_graphs``:
+  GPU with ``cuda_graph_batch_sizes`` it replays a captured CUDA graph (``bole.engine.graphs.decode``:
   the runner then reserves one extra KV block and one GDN state slot for the graphs' padding rows).
   Short prefills (<= 64 tokens with the padding) replay captured graphs too (``prefill_graph_sizes``:
-  ``bole.engine.prefill_graphs``), in every mode.
+  ``bole.engine.graphs.prefill``), in every mode.
 * ``draft(reqs)`` + ``verify(reqs, batch)``: speculative modes. The MTP drafter first catches up
   on the committed positions it has not seen, then grows each request's candidate tree
   (``bole.spec.drafter.expand_tree``); the budget (``select_nodes``) keeps at most B_ver nodes for
@@ -26,20 +26,23 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from bole.cache.kv_cache import PagedKVCache
 from bole.cache.state_pool import StatePool
-from bole.engine.cuda_graphs import DecodeGraphs, graphs_unsupported
-from bole.engine.prefill_graphs import PrefillGraphs, prefill_graphs_unsupported
+from bole.engine.drafting import empty_factors, grow_draft_tree
+from bole.engine.graphs.base import graphs_unsupported
+from bole.engine.graphs.decode import DecodeGraphs
+from bole.engine.graphs.draft import DraftGraphs
+from bole.engine.graphs.prefill import PrefillGraphs, prefill_graphs_unsupported
+from bole.engine.graphs.verify import VerifyGraphs
+from bole.engine.sampler import SamplingTensors
 from bole.engine.sequence import Request
-from bole.engine.spec_graphs import DraftGraphs, VerifyGraphs
-from bole.engine.step_graphs import StepGraphs
 from bole.models.context import ForwardContext, TreeFactors
 from bole.spec.budget import select_nodes
-from bole.spec.drafter import DraftBatch, Frontier, compact, expand_tree, frontier_sizes
+from bole.spec.drafter import DraftBatch, compact
 from bole.spec.tree import PackedForest, path_prefixes
 
 logger = logging.getLogger(__name__)
@@ -51,12 +54,6 @@ class VerifyResult:
     hidden: torch.Tensor          # [N, H] flat over the forest
     forest: PackedForest
     graph: object = None          # the verify graph replayed (``VerifyGraphs``), None when eager
-
-
-def _empty_factors(num_nodes: int, device) -> TreeFactors:
-    """A factor buffer for a model without GDN layers (the MTP drafter)."""
-    z = torch.empty(0, num_nodes, 1, 1, device=device)
-    return TreeFactors(k=z, u=z, logp=z[..., 0], conv_x=z[..., 0])
 
 
 class ModelRunner:
@@ -87,7 +84,6 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: VerifyGraphs | None = None
         self.draft_graphs: DraftGraphs | None = None
-        self.step_graphs: StepGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self._pad: tuple[int, int] | None = None
         if graphs and cuda_graph_batch_sizes:
@@ -137,13 +133,7 @@ class ModelRunner:
 
     def all_graphs(self) -> list:
         """The runner's graph families (those enabled), for ``capture_all`` before a timed run."""
-        return [g for g in (self.graphs, self.verify_graphs, self.draft_graphs, self.step_graphs, self.prefill_graphs)
-                if g is not None]
-
-    def enable_step_graphs(self, capture: bool = True) -> StepGraphs:
-        """Greedy steps as ONE graph (``bole.engine.step_graphs``) over the draft and verify graphs."""
-        self.step_graphs = StepGraphs(self.draft_graphs, self.verify_graphs, capture=capture)
-        return self.step_graphs
+        return [g for g in (self.graphs, self.verify_graphs, self.draft_graphs, self.prefill_graphs) if g is not None]
 
     def _padding(self) -> tuple[int, int]:
         """The KV block and GDN state slot that graphs' padding rows use (reserved once)."""
@@ -271,37 +261,18 @@ class ModelRunner:
     @torch.inference_mode()
     def accept_commit_in_graph(self, reqs: list[Request], res: VerifyResult,
                                checkpoint_slots: list[int | None] | None = None,
-                               sampling: list[tuple[float, int, float, int]] | None = None) -> list[list[int]]:
+                               sampling: SamplingTensors | None = None) -> list[list[int]]:
         """Acceptance + commit of every request from the verify graph's captured tail
         (``VerifyGraphs.run_tail``, with its prefix-cache checkpoint slots; greedy, or sampled with
-        ``sampling``: per request (temperature, top_k, top_p, seed)); advances num_computed and queues
+        ``sampling``: the requests' ``SamplingTensors``, on the host); advances num_computed and queues
         the accepted path's hiddens for the drafter. Returns per request [accepted node, emitted count,
         the tokens (the first ``emitted count`` are emitted), verified drafts]."""
-        return self._committed_in_graph(reqs, self.verify_graphs.run_tail(res.graph, len(reqs), checkpoint_slots,
-                                                                          sampling))
-
-    def _committed_in_graph(self, reqs: list[Request], host: list[list[int]]) -> list[list[int]]:
-        """After a graphed tail: queue the accepted paths' hiddens for the drafter, advance num_computed."""
+        host = self.verify_graphs.run_tail(res.graph, len(reqs), checkpoint_slots, sampling)
         path_hidden = self.verify_graphs.out_path_hidden[:len(reqs)].clone()  # [B, D, H]
         for b, r in enumerate(reqs):
             r.queue_hidden(path_hidden[b, :host[b][1]])
             r.num_computed += host[b][1]
         return host
-
-    def step_graph_supports(self, reqs: list[Request], width: int) -> bool:
-        """Whether ``step_in_graph`` applies to ``reqs`` with trees of <= ``width`` nodes (root included);
-        first feeds the drafter eagerly the head of a catch-up longer than the graphs take."""
-        if self.step_graphs is None:
-            return False
-        self._catch_up_head(reqs)
-        return self.step_graphs.supports(reqs, width)
-
-    @torch.inference_mode()
-    def step_in_graph(self, reqs: list[Request], b_ver: int, width: int,
-                      checkpoint_slots: list[int | None] | None = None) -> list[list[int]]:
-        """A whole greedy step (draft, verify, acceptance, commit) in one replay (``StepGraphs.run``);
-        returns ``accept_commit_in_graph``'s rows, with the same bookkeeping done."""
-        return self._committed_in_graph(reqs, self.step_graphs.run(reqs, b_ver, width, checkpoint_slots))
 
     @torch.inference_mode()
     def commit_path_prefix(self, res: VerifyResult, accepted_node: list[int], keep: list[int],
@@ -392,48 +363,6 @@ class ModelRunner:
             forest = PackedForest.from_padded(par, torch.full((B,), par.shape[1], device=dev), d)
             return ForwardContext.build("verify", None, [r.num_computed for r in reqs], [0] * B,
                                         [r.block_table for r in reqs], self.mtp_cache, None, forest=forest,
-                                        factors=_empty_factors(forest.num_nodes, dev), device=dev)
+                                        factors=empty_factors(forest.num_nodes, dev), device=dev)
 
         return grow_draft_tree(self.model.mtp, h_root, depth, topk, beam, tree_ctx)
-
-
-def grow_draft_tree(mtp, h_root: torch.Tensor, depth: int, topk: int, beam: int,
-                    tree_ctx: Callable[[torch.Tensor, int], ForwardContext]):
-    """``expand_tree`` driven by the MTP head from its catch-up outputs ``h_root`` [B, H]: the eager
-    draft and the draft graph (``bole.engine.spec_graphs``) both run this, with their own ``tree_ctx``.
-
-    ``tree_ctx(parents, d)`` returns the verify-mode context of the frontier forest so far (local
-    parents [B, S], depth <= d) over the drafter's KV cache. A node's input hidden is its parent's MTP
-    output (``h_root`` for first-level nodes); fixed-shape device ops only.
-    """
-    root_logits = mtp.compute_logits(h_root)
-    B, H = h_root.shape
-    # The forest evaluated at level d is every frontier so far, in call order: frontier nodes at forest
-    # positions S0..S0+M (static buffers, appended per call). A node's parent is a node of the previous
-    # frontier (``Frontier.parent_slots``), whose MTP output that call returned; first-level nodes take
-    # ``h_root``. Fixed-shape device ops only, a handful per level (the launch count is the cost here).
-    s_max = sum(frontier_sizes(root_logits.shape[-1], depth, topk, beam))
-    tok_buf = torch.empty(B, s_max, dtype=torch.long, device=h_root.device)
-    par_buf = torch.empty(B, s_max, dtype=torch.long, device=h_root.device)
-    hid_buf = h_root.new_empty(B, s_max, H)             # each forest node's input hidden
-    prev = {}                                            # the previous call: its S0 and outputs [B, S, H]
-
-    def step(fr: Frontier) -> torch.Tensor:
-        M = fr.node_ids.shape[1]
-        S0 = prev["s0"] + prev["m"] if prev else 0
-        S = S0 + M
-        tok_buf[:, S0:S].copy_(fr.tokens)
-        if fr.parent_slots is None:                      # children of the root
-            par_buf[:, S0:S].fill_(-1)
-            hid_buf[:, S0:S].copy_(h_root[:, None, :].expand(B, M, H))
-        else:
-            par = fr.parent_slots + prev["s0"]
-            par_buf[:, S0:S].copy_(par)
-            hid_buf[:, S0:S].copy_(prev["h"].gather(1, par[..., None].expand(B, M, H)))
-        h = mtp(tok_buf[:, :S].reshape(-1), hid_buf[:, :S].reshape(-1, H), tree_ctx(par_buf[:, :S], fr.depth),
-                step=fr.depth).view(B, S, H)
-        prev.update(s0=S0, m=M, h=h)
-        return mtp.compute_logits(h[:, S0:])
-
-    # the steps return raw logits: the backend's fused log-softmax top-k forms the children's log-probs
-    return expand_tree(root_logits, step, depth, topk, beam, topk_fn=mtp.backend.log_softmax_topk)

@@ -15,6 +15,8 @@ the step already holds (``bole.spec.logprobs``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from bole.engine.sequence import Request
@@ -22,15 +24,25 @@ from bole.spec.logprobs import TokenLogprob, emitted_logprobs, prompt_logprobs, 
 from bole.spec.sampling import Penalties, apply_penalties, counter_uniforms, process_logits, sample_from_probs
 
 
-def sampling_rows(reqs: list[Request]) -> list[tuple[float, int, float, int]]:
-    """Per request (temperature, top_k, top_p, seed): the eager step's tensors and the sampled tail's rows."""
-    return [(r.params.temperature, r.params.top_k, r.params.top_p, r.seed) for r in reqs]
+@dataclass(frozen=True)
+class SamplingTensors:
+    """A batch's sampling parameters, one [B] tensor each: what the eager step's processing and
+    uniforms take, and what the verify graph's sampled tail loads into its static rows."""
+    temperature: torch.Tensor   # float32; <= 0: greedy
+    top_k: torch.Tensor         # int64; 0: off
+    top_p: torch.Tensor         # float32; 1: off
+    seed: torch.Tensor          # int64: the request's key of its counter-based uniforms
 
+    @staticmethod
+    def of(reqs: list[Request], device) -> "SamplingTensors":
+        return SamplingTensors(
+            temperature=torch.tensor([r.params.temperature for r in reqs], device=device),
+            top_k=torch.tensor([r.params.top_k for r in reqs], device=device),
+            top_p=torch.tensor([r.params.top_p for r in reqs], device=device),
+            seed=torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=device))
 
-def param_tensors(reqs: list[Request], device):
-    temp, top_k, top_p, seed = zip(*sampling_rows(reqs))
-    return (torch.tensor(temp, device=device), torch.tensor(top_k, device=device),
-            torch.tensor(top_p, device=device), torch.tensor(seed, dtype=torch.int64, device=device))
+    def __len__(self) -> int:
+        return self.temperature.shape[0]
 
 
 def mask_early_stops(reqs: list[Request], logits: torch.Tensor, out_index: torch.Tensor) -> torch.Tensor:
@@ -87,10 +99,10 @@ def sample_next(reqs: list[Request], logits: torch.Tensor, pen: Penalties | None
         scores = logits if pen is None else apply_penalties(logits, pen)
         tokens = scores.argmax(-1)
     else:
-        temp, top_k, top_p, seed = param_tensors(reqs, logits.device)
-        offset = torch.tensor([r.num_tokens for r in reqs], device=seed.device)
-        u = counter_uniforms(seed, offset, 1)[:, 0]
-        tokens = sample_from_probs(process_logits(logits.float(), temp, top_k, top_p, pen), u)
+        st = SamplingTensors.of(reqs, logits.device)
+        offset = torch.tensor([r.num_tokens for r in reqs], device=st.seed.device)
+        u = counter_uniforms(st.seed, offset, 1)[:, 0]
+        tokens = sample_from_probs(process_logits(logits.float(), st.temperature, st.top_k, st.top_p, pen), u)
     toks = tokens.tolist()
     return toks, step_logprobs(reqs, logits[:, None], [[t] for t in toks], pen)
 
@@ -105,9 +117,9 @@ def step_logprobs(reqs: list[Request], rows: torch.Tensor, emitted: list[list[in
         return None
     J = rows.shape[1]
     tokens = torch.tensor([e + [-1] * (J - len(e)) for e in emitted], device=rows.device)
-    temp, top_k, top_p, _ = param_tensors(reqs, rows.device)
+    st = SamplingTensors.of(reqs, rows.device)
     k = max(k for k in want if k is not None)
-    entries = to_entries(*emitted_logprobs(rows, tokens, k, temp, top_k, top_p, pen), emitted,
+    entries = to_entries(*emitted_logprobs(rows, tokens, k, st.temperature, st.top_k, st.top_p, pen), emitted,
                          [k or 0 for k in want])
     return [e if k is not None else None for e, k in zip(entries, want, strict=True)]
 

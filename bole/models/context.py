@@ -16,7 +16,7 @@ list of N tokens (``cu_seqlens``):
              path (GDN ssm for all layers in one call, conv windows, K/V moved into place).
 
 ``static`` (decode only) marks a context built over fixed-shape device buffers for CUDA-graph capture
-(``bole.engine.cuda_graphs``): the host lists (``cu_host`` aside) are empty, attention reads the keys
+(``bole.engine.graphs.decode``): the host lists (``cu_host`` aside) are empty, attention reads the keys
 through ``static.kv_index`` / ``static.kv_valid`` (padded to a fixed KV length) and the GDN layers use
 the batched one-token conv and recurrence, so nothing in the forward reads a device value on the host.
 

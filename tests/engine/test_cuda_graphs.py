@@ -1,4 +1,4 @@
-"""CUDA-graph decode (bole.engine.cuda_graphs).
+"""CUDA-graph decode (bole.engine.graphs.decode).
 
 CPU: the static decode forward the graphs capture (padded batch, bucketed KV length, batched conv and
 GDN step, one SDPA call) run uncaptured equals the eager decode, and the engine emits the same greedy
@@ -13,10 +13,11 @@ import torch
 from checkpoints import make_checkpoint
 from engine_helpers import default_table, meta_model, run_arrivals
 
+from benchmarks.e2e import decode_step_fn
 from bole.cache.kv_cache import blocks_needed
 from bole.config import EngineConfig
-from bole.engine.cuda_graphs import decode_step_fn, kv_buckets
 from bole.engine.engine import LLMEngine
+from bole.engine.graphs.base import kv_buckets
 from bole.engine.runner import ModelRunner
 from bole.engine.sequence import Request
 from bole.models.loader import load_model

@@ -10,7 +10,8 @@ import torch
 from checkpoints import make_checkpoint
 
 from bole.cache.kv_cache import blocks_needed
-from bole.engine.runner import ModelRunner, _empty_factors
+from bole.engine.drafting import empty_factors
+from bole.engine.runner import ModelRunner
 from bole.engine.sequence import Request
 from bole.models.context import ForwardContext
 from bole.models.loader import load_model
@@ -72,7 +73,7 @@ def reference_draft(runner, reqs, depth, topk, beam):
             forest = PackedForest.from_padded(par, torch.full((B,), n), n)
             ctx = ForwardContext.build("verify", None, [r.num_computed for r in reqs], [0] * B,
                                        [r.block_table for r in reqs], runner.mtp_cache, None, forest=forest,
-                                       factors=_empty_factors(forest.num_nodes, "cpu"), device="cpu")
+                                       factors=empty_factors(forest.num_nodes, "cpu"), device="cpu")
             h = mtp(tok.reshape(-1), hid.reshape(B * n, -1), ctx, step=fr.depth).view(B, n, -1)[:, -1]
             for b in range(B):
                 out[b, ids[b]] = h[b]

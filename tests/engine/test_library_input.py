@@ -104,6 +104,16 @@ def test_engine_options_are_type_checked(option, value, message):
     assert EngineConfig.from_options(eos_token_ids=[np.int64(3)]).eos_token_ids == (3,)
 
 
+@pytest.mark.parametrize("value", [True, False])
+def test_removed_whole_step_graph_option_is_refused(ckpt, value):
+    # the whole-step CUDA graph is gone (docs/performance-notes.md): its option says so, by name
+    message = r"engine option 'cuda_graph_whole_step' was removed: .*measured no faster"
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_options(cuda_graph_whole_step=value)
+    with pytest.raises(ValueError, match=message):
+        LLM(ckpt, **OPTS, cuda_graph_whole_step=value)
+
+
 def test_corrupt_safetensors_names_the_file(ckpt, tmp_path):
     path = copy_ckpt(ckpt, tmp_path / "corrupt")
     file = os.path.join(path, "model.safetensors")

@@ -1,4 +1,4 @@
-"""CUDA-graph short prefill (bole.engine.prefill_graphs).
+"""CUDA-graph short prefill (bole.engine.graphs.prefill).
 
 CPU: the static prefill forward the graphs capture (chunks packed with padding rows, bucketed tokens
 and KV length, offsets and slots derived on the device) run uncaptured equals the eager prefill: the
@@ -17,7 +17,7 @@ from engine_helpers import default_table, run_arrivals
 from bole.cache.kv_cache import blocks_needed
 from bole.config import EngineConfig
 from bole.engine.engine import LLMEngine
-from bole.engine.prefill_graphs import prefill_graphs_unsupported
+from bole.engine.graphs.prefill import prefill_graphs_unsupported
 from bole.engine.runner import ModelRunner
 from bole.engine.sequence import Request
 from bole.models.loader import load_model

@@ -1,4 +1,4 @@
-"""CUDA graphs of the speculative step (bole.engine.spec_graphs): verification and the MTP draft.
+"""CUDA graphs of the speculative step (bole.engine.graphs.verify and .draft): verification and the MTP draft.
 
 CPU: the static verify forward the graphs capture (batch padded to Bc rows, trees padded to Tc nodes
 with extra root children, KV length bucketed, the forest laid out on the device) run uncaptured gives
@@ -22,9 +22,9 @@ from bole.cache.kv_cache import blocks_needed
 from bole.calibrate_sweep import synthetic_batch
 from bole.config import EngineConfig
 from bole.engine.engine import LLMEngine
+from bole.engine.graphs.tree import tree_widths
 from bole.engine.runner import ModelRunner
 from bole.engine.sequence import Request
-from bole.engine.spec_graphs import tree_widths
 from bole.layers.attention import GatedAttention
 from bole.models.loader import load_model
 from bole.sampling_params import SamplingParams
@@ -228,10 +228,9 @@ def _engine(path, device, mode, graphs: bool, **opts):
     return LLMEngine(load_model(path, dtype="float32", device=device), cfg)
 
 
-@pytest.mark.parametrize("mode,prefix_cache,layout_kernel,step", [
-    ("bole", True, False, False), ("bole", False, False, False), ("serial_tree", True, False, False),
-    ("bole", True, True, True), ("bole", False, False, True), ("serial_tree", True, False, True)])
-def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel, step):
+@pytest.mark.parametrize("mode,prefix_cache,layout_kernel", [
+    ("bole", True, False), ("bole", False, False), ("serial_tree", True, False), ("bole", True, True)])
+def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel):
     max_tokens = [12, 5, 20, 9]
     ref = run_arrivals(_engine(ckpt, "cpu", "ar", False, enable_prefix_cache=False), PROMPTS, max_tokens)
     eng = _engine(ckpt, "cpu", mode, False, enable_prefix_cache=prefix_cache)
@@ -250,14 +249,10 @@ def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel
     if prefix_cache:  # as the engine wires them when it builds the graphs itself
         vg.enable_checkpoints(eng.prefix_cache.checkpoints, eng.config.cache.checkpoint_interval,
                               eng.prefix_cache.scratch_slot)
-    sg = eng.runner.enable_step_graphs(capture=False) if step else None
     assert run_arrivals(eng, PROMPTS, max_tokens) == ref
-    if step:  # every step ran as one (uncaptured) step graph: draft, verify, tail
-        assert sg.replays > 0 and vg.replays == dg.replays == vg.tail_replays == 0
-    else:
-        assert vg.replays > 0 and dg.replays > 0
-        # every greedy step accepts, commits and checkpoints in the verify graph's tail
-        assert vg.tail_replays == vg.replays
+    assert vg.replays > 0 and dg.replays > 0
+    # every greedy step accepts, commits and checkpoints in the verify graph's tail
+    assert vg.tail_replays == vg.replays
     if prefix_cache:  # paths jumped over checkpoint boundaries, and the tail took those checkpoints
         assert eng.prefix_cache.num_checkpoints > 0
 
@@ -404,15 +399,12 @@ def test_tail_checkpoints_under_pool_pressure_cpu(ckpt):
     assert results[0] == results[1] and results[0][0] > 0
 
 
-def test_checkpoints_must_precede_step_graphs(ckpt):
-    # a step graph's tail fixes the checkpoint setting when it is built (review finding)
+def test_checkpoints_must_precede_graphs(ckpt):
+    # a graph's tail fixes the checkpoint setting when it is built
     eng = _engine(ckpt, "cpu", "bole", False, enable_prefix_cache=True)
     s = eng.config.spec
     vg = eng.runner.enable_verify_graphs((1, 2, 4), tree_widths(eng.lookahead), s.depth + 1, capture=False, min_kv=8)
-    eng.runner.enable_draft_graphs((1, 2, 4), s.depth, s.topk, s.beam, capture=False, min_kv=8,
-                                   max_per_request=MAX_TREE_NODES - 1)
-    sg = eng.runner.enable_step_graphs(capture=False)
-    sg._build(1, vg.widths[0], vg.kv_lengths[-1])
+    vg.capture((1, vg.widths[0], vg.kv_lengths[-1]))
     with pytest.raises(ValueError, match="enable_checkpoints must precede"):
         vg.enable_checkpoints(eng.prefix_cache.checkpoints, eng.config.cache.checkpoint_interval,
                               eng.prefix_cache.scratch_slot)
@@ -486,16 +478,13 @@ def test_graphed_draft_matches_eager_cuda(ckpt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode,step", [("bole", True), ("serial_tree", True), ("bole", False), ("serial_tree", False)])
-def test_engine_verify_graph_tokens_cuda(ckpt, mode, step):
+@pytest.mark.parametrize("mode", ["bole", "serial_tree"])
+def test_engine_verify_graph_tokens_cuda(ckpt, mode):
     max_tokens = [12, 5, 20, 9]
     ref = run_arrivals(_engine(ckpt, "cuda", "ar", False), PROMPTS, max_tokens)
-    eng = _engine(ckpt, "cuda", mode, True, cuda_graph_whole_step=step)
-    vg, dg, sg = eng.runner.verify_graphs, eng.runner.draft_graphs, eng.runner.step_graphs
-    assert vg is not None and dg is not None and (sg is not None) == step and eng.runner.graphs is None
+    eng = _engine(ckpt, "cuda", mode, True)
+    vg, dg = eng.runner.verify_graphs, eng.runner.draft_graphs
+    assert vg is not None and dg is not None and eng.runner.graphs is None
     assert run_arrivals(eng, PROMPTS, max_tokens) == ref
-    if step:
-        assert sg.replays > 0 and sg.num_captured > 0
-    else:
-        assert vg.replays > 0 and vg.num_captured > 0 and dg.replays > 0 and dg.num_captured > 0
-        assert vg.tail_replays > 0
+    assert vg.replays > 0 and vg.num_captured > 0 and dg.replays > 0 and dg.num_captured > 0
+    assert vg.tail_replays > 0

@@ -32,26 +32,22 @@ the step's real layout (CPU tests of the padding and bucketing).
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from bole.backend import FLA_MIN_TOKENS
-from bole.engine.cuda_graphs import (
+from bole.engine.graphs.base import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_MIN_KV,
+    Graph,
+    GraphFamily,
     StaticRows,
-    capture_graph,
     graphs_unsupported,
-    kv_layout,
     sizes_upto,
     smallest_at_least,
 )
 from bole.models.context import ForwardContext
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_TOKEN_SIZES = (16, 32, 64)
 _CNT, _POS, _SLOT, _TABLE = 0, 1, 2, 3  # columns of the per-row input buffer
@@ -68,40 +64,26 @@ def prefill_graphs_unsupported(model) -> str | None:
     return None
 
 
-@dataclass
-class _PGraph:
-    batch: int
-    tokens: int
-    kv_len: int
-    ctx: ForwardContext
-    run: Callable[[], None]
-    graph: "torch.cuda.CUDAGraph | None" = None
-
-
-class PrefillGraphs:
+class PrefillGraphs(GraphFamily):
     """Captured short prefill forwards of one ``ModelRunner``; see the module docstring."""
+
+    kind = "prefill"
 
     def __init__(self, runner, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, pad_block: int = 0,
                  pad_slot: int = 0, capture: bool = True, min_kv: int = DEFAULT_MIN_KV,
                  token_sizes: Sequence[int] = DEFAULT_TOKEN_SIZES, pool=None):
-        sizes = sorted({int(b) for b in batch_sizes})
-        if not sizes or sizes[0] < 1:
-            raise ValueError(f"batch sizes must be ints >= 1, got {list(batch_sizes)}")
+        super().__init__(runner, batch_sizes, runner.kv_cache, min_kv, capture, pool)
         tokens = sorted({int(n) for n in token_sizes})
         if not tokens or tokens[0] < 2 or tokens[-1] >= FLA_MIN_TOKENS:
             raise ValueError(f"token sizes must be ints in [2, {FLA_MIN_TOKENS}), got {list(token_sizes)}")
-        sizes = [b for b in sizes if b < tokens[-1]]  # Bc + 1 rows of >= 1 token each fit the largest bucket
+        sizes = [b for b in self.batch_sizes if b < tokens[-1]]  # Bc + 1 rows of >= 1 token each fit the largest bucket
         if not sizes:
             raise ValueError(f"no batch size in {list(batch_sizes)} fits {tokens[-1]} tokens with its padding row")
-        if capture and runner.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, the runner is on {runner.device}")
         why = prefill_graphs_unsupported(runner.model) if capture else graphs_unsupported(runner.model)
         if why:
             raise ValueError(f"prefill cannot be captured for this model: {why}")
-        self.runner, self.model = runner, runner.model
-        self.batch_sizes, self.token_sizes, self.capture = sizes, tokens, capture
+        self.batch_sizes, self.token_sizes = sizes, tokens
         self.pad_block, self.pad_slot = int(pad_block), int(pad_slot)
-        self.block_size, self.kv_lengths, self.max_blocks = kv_layout(runner.kv_cache, min_kv)
         dev = runner.device
         self.rows = StaticRows(sizes[-1] + 1, _TABLE + self.max_blocks, dev)
         self.ids = StaticRows(1, tokens[-1], dev)
@@ -109,13 +91,6 @@ class PrefillGraphs:
         dtype = self.model.lm_head.weight.dtype
         self.out_hidden = torch.zeros(tokens[-1], H, dtype=dtype, device=dev)
         self.out_logits = torch.zeros(sizes[-1] + 1, V, dtype=dtype, device=dev)
-        self.graphs: dict[tuple[int, int, int], _PGraph] = {}
-        self.pool = pool
-        self.replays = 0
-
-    @property
-    def num_captured(self) -> int:
-        return sum(g.graph is not None for g in self.graphs.values())
 
     # -- selection -------------------------------------------------------------------------------
     def key(self, chunks) -> tuple[int, int, int] | None:
@@ -137,8 +112,8 @@ class PrefillGraphs:
         return self.key(chunks) is not None
 
     # -- building --------------------------------------------------------------------------------
-    def _build(self, Bc: int, Nc: int, Lc: int) -> _PGraph:
-        dev, bs, runner = self.runner.device, self.block_size, self.runner
+    def _make(self, key: tuple[int, int, int]) -> Graph:
+        (Bc, Nc, Lc), dev, bs, runner = key, self.runner.device, self.block_size, self.runner
         R = Bc + 1
         inp, tok = self.rows.device[:R], self.ids.device[0, :Nc]
         tables = inp[:, _TABLE:_TABLE + Lc // bs]
@@ -172,20 +147,15 @@ class PrefillGraphs:
             out_h[:Nc].copy_(hidden)
             out_l[:R].copy_(model.compute_logits(hidden[end - 1]))
 
-        g = _PGraph(Bc, Nc, Lc, ctx, run)
-        if self.capture:
-            self._load([], g)  # capture-time warm-up: padding rows only (the pad block and pad slot)
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            g.graph = capture_graph(run, self.pool, dev)
-            logger.info("captured prefill graph batch=%d tokens=%d kv_len=%d", Bc, Nc, Lc)
-        self.graphs[Bc, Nc, Lc] = g
-        return g
+        return Graph(key, run, ctx)
 
-    def _load(self, chunks, g: _PGraph) -> None:
+    def _load_padding(self, g: Graph) -> None:
+        self._load([], g)
+
+    def _load(self, chunks, g: Graph) -> None:
         """The step's rows, then the padding rows, into the static inputs (and, uncaptured, the
         context's host lists)."""
-        Bc, Nc, Lc = g.batch, g.tokens, g.kv_len
+        Bc, Nc, Lc = g.key
         R, nb = Bc + 1, Lc // self.block_size
         h, ids = self.rows.begin(), self.ids.begin()
         h[:R, _CNT] = 1
@@ -204,7 +174,7 @@ class PrefillGraphs:
         ids[0, at:Nc] = 0
         self.rows.upload(R)
         self.ids.upload(1)
-        if not self.capture:
+        if not self.capturing:
             self._host_lists(g.ctx, h[:R], Lc)
 
     def _host_lists(self, ctx: ForwardContext, h, Lc: int) -> None:
@@ -220,33 +190,18 @@ class PrefillGraphs:
         ctx.kv_slots[:] = [cache.slots_for(tbl, torch.arange(c + n)).to(dev)
                            for tbl, c, n in zip(tables, nc, cnt, strict=True)]
 
-    @torch.inference_mode()
-    def capture_all(self, max_batch: int | None = None, max_len: int | None = None) -> int:
-        """Build every graph a prefill step of <= max_batch chunks with <= max_len keys can need
-        (all when None), so none is captured inside a timed run; returns how many were built."""
-        built = 0
-        for Bc in sizes_upto(self.batch_sizes, max_batch):
-            for Nc in self.token_sizes:
-                if Nc < Bc + 1:
-                    continue
-                for Lc in sizes_upto(self.kv_lengths, None if max_len is None else max(Nc, max_len)):
-                    if Lc >= Nc and (Bc, Nc, Lc) not in self.graphs:
-                        self._build(Bc, Nc, Lc)
-                        built += 1
-        return built
+    def _keys_upto(self, max_batch: int | None, max_len: int | None) -> list[tuple[int, int, int]]:
+        return [(Bc, Nc, Lc) for Bc in sizes_upto(self.batch_sizes, max_batch) for Nc in self.token_sizes
+                if Nc >= Bc + 1
+                for Lc in sizes_upto(self.kv_lengths, None if max_len is None else max(Nc, max_len)) if Lc >= Nc]
 
     @torch.inference_mode()
     def run(self, chunks) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefill forward of ``chunks`` (``supports(chunks)`` must hold): K/V written, GDN states
         and conv windows advanced as in the eager prefill (num_computed is not advanced). Returns
         (hidden [N, H] of the chunks' packed tokens, logits [B, V] of each chunk's last token), copies."""
-        Bc, Nc, Lc = self.key(chunks)
-        g = self.graphs.get((Bc, Nc, Lc)) or self._build(Bc, Nc, Lc)
+        g = self.graph(self.key(chunks))
         self._load(chunks, g)
-        if g.graph is not None:
-            g.graph.replay()
-        else:
-            g.run()
-        self.replays += 1
+        self.replay(g)
         N = sum(n for _, n in chunks)
         return self.out_hidden[:N].clone(), self.out_logits[:len(chunks)].clone()

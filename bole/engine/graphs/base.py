@@ -1,0 +1,208 @@
+"""What every graph family shares: the ``GraphFamily`` protocol (supports / key / capture / run), the
+capture itself, the static per-row inputs (``StaticRows``) and the size buckets.
+
+A family captures one static forward per *graph key* (its padded batch, KV-length bucket and, per
+family, tree width or token bucket), lazily the first time a key is needed or ahead of a timed run
+(``capture_all``), into one memory pool the runner's families share. A family's ``_make(key)``
+returns the forward as a closure over static buffers (``Graph.run``); ``capture(key)`` captures it
+after loading padding-only inputs (the capture's warm-up then touches the runner's pad KV block and
+pad GDN slot only). With ``capture=False`` the same static forwards run without graphs (any device:
+the CPU tests of the padding and bucketing).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from bole.models.context import ForwardContext
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+DEFAULT_MIN_KV = 256
+_TOK, _POS, _SLOT, _TABLE = 0, 1, 2, 3  # columns of the decode / verify static input rows
+
+
+def graphs_unsupported(model) -> str | None:
+    """Why the model's forwards cannot be captured (None: they can)."""
+    cfg = model.config
+    if any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        return "MoE expert dispatch reads routed experts on the host"
+    if getattr(model, "tp_size", 1) != 1:
+        return "tensor parallelism is not captured"
+    return None
+
+
+def kv_buckets(min_kv: int, capacity: int, block_size: int) -> list[int]:
+    """KV lengths graphs are captured for: min_kv doubling (block multiples) up to >= capacity."""
+    up = lambda n: -(-n // block_size) * block_size
+    out, L = [], up(max(1, min(min_kv, capacity)))
+    while L < capacity:
+        out.append(L)
+        L = up(2 * L)
+    out.append(up(capacity))
+    return out
+
+
+def smallest_at_least(values: Sequence[int], n: int) -> int:
+    """The first of the ascending captured sizes ``values`` that is >= n (the caller checked one is)."""
+    return next(v for v in values if v >= n)
+
+
+def sizes_upto(values: Sequence[int], limit: int | None) -> list[int]:
+    """The captured sizes a step of size <= ``limit`` can use: those below it and the first >= it
+    (the largest when none is; all when ``limit`` is None). For ``capture_all``."""
+    if limit is None:
+        return list(values)
+    return [v for v in values if v < limit] + [next((v for v in values if v >= limit), values[-1])]
+
+
+def capture_graph(run: Callable[[], None], pool, device) -> "torch.cuda.CUDAGraph":
+    """Warm ``run`` up twice on a side stream (allocator, Triton autotuning), then capture it into ``pool``."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        run()
+    return graph
+
+
+class StaticRows:
+    """A graph's per-row inputs (int64 unless ``dtype``): the host writes a pinned mirror (``begin``
+    returns it as a numpy array) and ``upload`` moves its first rows to ``device`` (the buffer the graph
+    reads) in ONE non-blocking copy; an event keeps the next ``begin`` from overwriting a copy still in
+    flight."""
+
+    def __init__(self, rows: int, width: int, device, dtype=torch.long):
+        dev = torch.device(device)
+        self.device = torch.zeros(rows, width, dtype=dtype, device=dev)
+        self.host = torch.zeros(rows, width, dtype=dtype, pin_memory=dev.type == "cuda")
+        self._np = self.host.numpy()
+        self._copied = torch.cuda.Event() if dev.type == "cuda" else None
+
+    def begin(self):
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the host buffer
+        return self._np
+
+    def upload(self, rows: int) -> None:
+        self.device[:rows].copy_(self.host[:rows], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    def fill_roots(self, reqs, rows: int, num_blocks: int, pad_slot: int, pad_block: int) -> None:
+        """The decode / verify layout (``_TOK``, ``_POS``, ``_SLOT``, ``_TABLE``...): per request its pending
+        root token, num_computed, GDN state slot and first ``num_blocks`` block ids; rows past the
+        requests (padding) token 0 at position 0 with the pad slot and pad block."""
+        h = self.begin()
+        h[:rows, _TOK] = 0
+        h[:rows, _POS] = 0
+        h[:rows, _SLOT] = pad_slot
+        h[:rows, _TABLE:] = pad_block
+        for b, r in enumerate(reqs):
+            h[b, _TOK] = r.all_token_ids[r.num_computed]
+            h[b, _POS] = r.num_computed
+            h[b, _SLOT] = r.state_slot
+            t = r.block_table[:num_blocks]
+            h[b, _TABLE:_TABLE + len(t)] = t
+
+
+@dataclass
+class Graph:
+    """One key's static forward: ``run`` (a closure over the family's static buffers, what is captured),
+    its context when the family keeps one, and its CUDA graph once captured."""
+    key: tuple[int, ...]
+    run: Callable[[], None]
+    ctx: ForwardContext | None = None
+    graph: "torch.cuda.CUDAGraph | None" = None
+
+    def replay(self) -> None:
+        """The captured graph, or the static forward itself when uncaptured."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.run()
+
+
+class GraphFamily:
+    """One kind of captured forward of a ``ModelRunner``, keyed by padded shapes; see the module docstring.
+
+    Subclasses define ``supports`` (whether a step has a graph), ``key`` (its graph key), ``_make``
+    (the key's ``Graph``), ``_load_padding`` (padding-only inputs for the capture's warm-up),
+    ``_keys_upto`` (the keys ``capture_all`` builds) and ``run`` (a step: load its inputs, ``replay``,
+    return views of the static outputs)."""
+
+    kind = "?"   # the capture log's name of the family
+
+    def __init__(self, runner, batch_sizes: Sequence[int], kv_cache, min_kv: int, capture: bool, pool=None):
+        sizes = sorted({int(b) for b in batch_sizes})
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"batch sizes must be ints >= 1, got {list(batch_sizes)}")
+        if capture and runner.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the runner is on {runner.device}")
+        self.runner, self.model = runner, runner.model
+        self.batch_sizes, self.capturing = sizes, capture
+        # the paged cache's KV-length buckets, and the block-table width of the largest
+        self.block_size = kv_cache.block_size
+        self.kv_lengths = kv_buckets(min_kv, kv_cache.num_blocks * self.block_size, self.block_size)
+        self.max_blocks = self.kv_lengths[-1] // self.block_size
+        self.graphs: dict[tuple[int, ...], Graph] = {}
+        self.pool = pool
+        self.replays = 0
+
+    @property
+    def num_captured(self) -> int:
+        return sum(g.graph is not None for g in self.graphs.values())
+
+    def _make(self, key: tuple[int, ...]) -> Graph:
+        raise NotImplementedError
+
+    def _load_padding(self, g: Graph) -> None:
+        raise NotImplementedError
+
+    def _capture_more(self, g: Graph) -> None:
+        """Graphs captured after ``g``'s, over its outputs (the verify tails)."""
+
+    def capture(self, key: tuple[int, ...]) -> Graph:
+        """Make the forward of ``key``, capture it (when capturing) into the shared pool, keep it."""
+        g = self._make(key)
+        if self.capturing:
+            self._load_padding(g)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            g.graph = capture_graph(g.run, self.pool, self.runner.device)
+            self._capture_more(g)
+            logger.info("captured %s graph %s", self.kind, key)
+        self.graphs[key] = g
+        return g
+
+    def graph(self, key: tuple[int, ...]) -> Graph:
+        """The graph of ``key``, captured now if new."""
+        return self.graphs.get(key) or self.capture(key)
+
+    @torch.inference_mode()
+    def replay(self, g: Graph) -> None:
+        g.replay()
+        self.replays += 1
+
+    def _keys_upto(self, max_batch: int | None, max_len: int | None, **limits) -> list[tuple[int, ...]]:
+        """Every key a step of <= max_batch requests with <= max_len committed keys (and the family's
+        ``limits``) can need; all when None."""
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def capture_all(self, max_batch: int | None = None, max_len: int | None = None, **limits) -> int:
+        """Build ahead of time every graph ``_keys_upto`` names, so no capture happens inside a timed
+        run; returns how many were built."""
+        new = list(dict.fromkeys(k for k in self._keys_upto(max_batch, max_len, **limits) if k not in self.graphs))
+        for k in new:
+            self.capture(k)
+        return len(new)

@@ -1,0 +1,168 @@
+"""CUDA-graph capture of the speculative step's MTP draft.
+
+``DraftGraphs`` captures the whole MTP draft of a step (key (Bc, Lc)): the drafter's catch-up over the
+positions the last step committed (at most depth + 1 per request: a chain forest of C = depth + 1
+nodes, its padding positions written past everything committed), the root log-probabilities, and
+every ``expand_tree`` level over a static forest of the frontier nodes so far, then the budget's
+batch-shared selection (Algorithm 3, ``select_nodes``, with the step's B_ver from the calibration
+table passed in the input row) and the compaction; its output is the step's ``DraftBatch``. A draft
+whose catch-up is longer (the first one after a prefill) runs eagerly.
+
+The forests are ``bole.engine.graphs.tree.StaticTree``'s; the tree growth is the eager draft's
+(``bole.engine.drafting.grow_draft_tree``). ``capture=False`` runs the same static forward without
+graphs (any device: CPU tests).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from bole.engine.drafting import empty_factors, grow_draft_tree
+from bole.engine.graphs.base import Graph, GraphFamily, StaticRows, sizes_upto, smallest_at_least
+from bole.engine.graphs.tree import StaticTree
+from bole.spec.budget import select_nodes
+from bole.spec.drafter import DraftBatch, compact, frontier_sizes, tree_size
+
+_MC, _NC, _NEW, _BVER, _DTABLE = 0, 1, 2, 3, 4  # columns of the draft graphs' host row: mtp_computed,
+# num_computed, catch-up length, the step's budget B_ver (row 0), then the catch-up ids (C) and the block table
+
+
+class DraftGraphs(GraphFamily):
+    """Captured MTP drafts (catch-up + tree expansion) of one ``ModelRunner``; see the module docstring."""
+
+    kind = "draft"
+
+    def __init__(self, runner, batch_sizes: Sequence[int], depth: int, topk: int, beam: int,
+                 pad_block: int, capture: bool = True, min_kv: int = 256, pool=None,
+                 max_per_request: int | None = None):
+        if runner.model.mtp is None:
+            raise ValueError("draft graphs need a model with an MTP drafter")
+        super().__init__(runner, batch_sizes, runner.mtp_cache, min_kv, capture, pool)
+        self.mtp = runner.model.mtp
+        self.depth, self.topk, self.beam = int(depth), int(topk), int(beam)
+        self.pad_block = int(pad_block)
+        V, H = self.model.config.vocab_size, self.model.config.hidden_size
+        self.t_max = tree_size(V, self.depth, self.topk, self.beam)
+        self.catch_up = C = self.depth + 1   # the most positions a verify step commits
+        dev = runner.device
+        Bm = self.batch_sizes[-1]
+        self.table_col = _DTABLE + C
+        self.rows = StaticRows(Bm, self.table_col + self.max_blocks, dev)
+        dtype = self.model.lm_head.weight.dtype
+        self.hidden_in = torch.zeros(Bm, C, H, dtype=dtype, device=dev)   # target hiddens to catch up on
+        T = self.t_max
+        z = lambda dtype: torch.zeros(Bm, T, dtype=dtype, device=dev)
+        # the selected, compacted drafts (``DraftBatch`` fields)
+        self.out = dict(tokens=z(torch.long), parents=z(torch.long), depth=z(torch.long), rho=z(torch.float32),
+                        source_index=z(torch.long), num_nodes=torch.zeros(Bm, dtype=torch.long, device=dev))
+        self.max_per_request = max_per_request
+
+    def supports(self, reqs) -> bool:
+        """A graph exists for this draft: batch within the captured sizes, every request's catch-up
+        within depth + 1 positions (with its target hiddens pending), keys within the cache."""
+        if not 0 < len(reqs) <= self.batch_sizes[-1]:
+            return False
+        for r in reqs:
+            n = r.num_computed - r.mtp_computed
+            if not 1 <= n <= self.catch_up or r.pending_hidden is None or r.pending_hidden.shape[0] < n:
+                return False
+        return max(r.num_computed for r in reqs) + self.span <= self.kv_lengths[-1]
+
+    def key(self, batch: int, max_len: int) -> tuple[int, int]:
+        return smallest_at_least(self.batch_sizes, batch), smallest_at_least(self.kv_lengths, max_len)
+
+    def _levels(self) -> list[int]:
+        """Frontier size evaluated at each expansion level (depth 2..D), as ``expand_tree`` forms them."""
+        return frontier_sizes(self.model.config.vocab_size, self.depth, self.topk, self.beam)
+
+    def _make(self, key: tuple[int, int]) -> Graph:
+        """The draft of key (Bc, Lc) as a closure over static buffers (captured by ``capture``)."""
+        Bc, Lc = key
+        runner, dev, C, bs = self.runner, self.runner.device, self.catch_up, self.block_size
+        mtp, cache = self.mtp, runner.mtp_cache
+        inp = self.rows.device[:Bc]
+        tables = inp[:, self.table_col:self.table_col + Lc // bs]
+        H = self.hidden_in.shape[-1]
+        hidden_in = self.hidden_in[:Bc]
+        chain = (torch.arange(C, device=dev) - 1)[None].expand(Bc, C)
+        layout = self.model.backend.tree_layout
+        catch = StaticTree(Bc, C, Lc, C, cache, None, empty_factors(Bc * C, dev), dev, layout)
+        levels, trees, S = self._levels(), [], 0
+        for M in levels:
+            S += M
+            trees.append(StaticTree(Bc, S, Lc, len(trees) + 1, cache, None, empty_factors(Bc * S, dev), dev,
+                                    layout))
+        out = {k: v[:Bc] for k, v in self.out.items()}
+
+        def run():
+            nc, n = inp[:, _NC], inp[:, _NEW]
+            ctx = catch.fill(inp[:, _MC], chain, tables)
+            h = mtp(inp[:, _DTABLE:_DTABLE + C].reshape(-1), hidden_in.reshape(-1, H), ctx).view(Bc, C, H)
+            h_root = h[torch.arange(Bc, device=dev), n - 1]                       # [Bc, H]
+            cand = grow_draft_tree(mtp, h_root, self.depth, self.topk, self.beam,
+                                   lambda par, d: trees[d - 1].fill(nc, par, tables))
+            # padding rows (num_computed 0) draft too, but take none of the batch's budget
+            valid = cand.valid & (nc > 0)[:, None]
+            keep = select_nodes(cand.rho, cand.parents, valid, cand.depth, inp[0, _BVER],
+                                max_per_request=self.max_per_request)
+            batch = compact(cand, keep)
+            for k, v in out.items():
+                v.copy_(getattr(batch, k))
+
+        return Graph(key, run)
+
+    def _load_padding(self, g: Graph) -> None:
+        self._load([], *g.key, 0)
+
+    def _load(self, reqs, Bc: int, Lc: int, b_ver: int) -> None:
+        """Per row: mtp_computed, num_computed, catch-up length and ids, block table (padding rows: one
+        catch-up position at 0 with the pad block); the step's budget in row 0."""
+        h, nblk = self.rows.begin(), Lc // self.block_size
+        h[:Bc, :self.table_col] = 0
+        h[:Bc, _NEW] = 1
+        h[:Bc, self.table_col:] = self.pad_block
+        h[0, _BVER] = int(b_ver)
+        for b, r in enumerate(reqs):
+            n = r.num_computed - r.mtp_computed
+            h[b, _MC], h[b, _NC], h[b, _NEW] = r.mtp_computed, r.num_computed, n
+            h[b, _DTABLE:_DTABLE + n] = r.all_token_ids[r.mtp_computed + 1:r.num_computed + 1]
+            t = r.block_table[:nblk]
+            h[b, self.table_col:self.table_col + len(t)] = t
+        self.rows.upload(Bc)
+
+    def _keys_upto(self, max_batch: int | None, max_len: int | None) -> list[tuple[int, int]]:
+        return [(Bc, Lc) for Bc in sizes_upto(self.batch_sizes, max_batch)
+                for Lc in sizes_upto(self.kv_lengths, None if max_len is None else max_len + self.span)]
+
+    @torch.inference_mode()
+    def run(self, reqs, b_ver: int):
+        """The draft of ``reqs`` (``supports`` must hold) with ``b_ver`` nodes selected for the batch:
+        the compacted ``DraftBatch`` [B, T_max], views of the static outputs (valid until the next
+        replay); the requests' drafter bookkeeping advanced."""
+        B = len(reqs)
+        g = self.graph(self.key(B, max(r.num_computed for r in reqs) + self.span))
+        self.stage(reqs, *g.key, b_ver)
+        self.replay(g)
+        self.advance(reqs)
+        return DraftBatch(**{k: v[:B] for k, v in self.out.items()})
+
+    def stage(self, reqs, Bc: int, Lc: int, b_ver: int) -> None:
+        """A step's inputs into the static buffers: the host row (one copy) and the catch-up hiddens."""
+        self._load(reqs, Bc, Lc, b_ver)
+        for b, r in enumerate(reqs):
+            n = r.num_computed - r.mtp_computed
+            self.hidden_in[b, :n] = r.pending_hidden[-n:]
+
+    @staticmethod
+    def advance(reqs) -> None:
+        """After a replay: the drafter has seen every committed position of ``reqs``."""
+        for r in reqs:
+            r.mtp_computed = r.num_computed
+            r.pending_hidden = None
+
+    @property
+    def span(self) -> int:
+        """Keys past the longest committed prefix a draft writes (its catch-up or its widest tree)."""
+        return max(self.t_max, self.catch_up)
