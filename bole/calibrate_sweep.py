@@ -30,7 +30,7 @@ from bole.calibrate_model import split_nodes
 from bole.config import ModelConfig
 from bole.engine.runner import ModelRunner
 from bole.engine.sequence import Request
-from bole.engine.spec_graphs import tree_widths
+from bole.engine.graphs.tree import tree_widths
 from bole.models.qwen3_5 import HybridForCausalLM
 from bole.sampling_params import SamplingParams
 from bole.spec.drafter import DraftBatch
