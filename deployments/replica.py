@@ -57,7 +57,6 @@ from deployments.engine_client import (
     EngineUnavailable,
     LocalEngineClient,
     SubRequest,
-    engine_limits,
     hardware_class,
     unwrap_remote_error,
     warn_if_mismatched,
@@ -80,10 +79,12 @@ class BoleReplica:
             engine.tokenizer = model_tokenizer(model_path)
         else:
             engine = build_engine(model_path, **options)
-        self.hardware_class = hardware_class(engine.config.device) if hardware == "auto" else hardware
+        limits = engine.limits()
+        self.hardware_class = hardware_class(limits.device) if hardware == "auto" else hardware
         self.replica_id = _replica_id()
-        self.client = LocalEngineClient(AsyncEngine(engine), max_pending, self.hardware_class, self.replica_id)
-        self.block_size = engine.config.cache.block_size
+        self.engine = AsyncEngine(engine)
+        self.client = LocalEngineClient(self.engine, max_pending, self.hardware_class, self.replica_id)
+        self.block_size = limits.block_size
         self.prefix = PrefixSummary(prefix_summary_blocks)
         self.model_path, self.drain_timeout_s, self.tp_size = model_path, drain_timeout_s, tp_size
         self.model_name = os.path.basename(os.path.normpath(model_path))  # the id recalibrated tables carry
@@ -102,8 +103,9 @@ class BoleReplica:
             yield item
 
     def info(self) -> dict:
-        max_model_len, vocab_size = engine_limits(self.client.async_engine.engine)
-        return {"max_model_len": max_model_len, "vocab_size": vocab_size, "block_size": self.block_size,
+        limits = self.engine.limits()
+        return {"max_model_len": limits.max_model_len, "vocab_size": limits.vocab_size,
+                "block_size": self.block_size,
                 "max_choices": self.client.max_choices,
                 "hardware_class": self.hardware_class, "model_path": self.model_path,
                 "replica_id": self.replica_id, "tp_size": self.tp_size}
@@ -114,10 +116,7 @@ class BoleReplica:
     def _cached_prefix_blocks(self) -> list[int]:
         """The engine prefix cache's block chain hashes (same hashing as the router), read between
         steps; [] when the engine has no prefix cache (or is a TP driver, which does not expose it)."""
-        aeng = self.client.async_engine
-        if not hasattr(aeng.engine, "cached_prefix_hashes"):
-            return []
-        return aeng.run_exclusive(lambda e: e.cached_prefix_hashes(self.prefix.capacity))
+        return self.engine.cached_prefix_hashes(self.prefix.capacity)
 
     def record_routing_stats(self) -> dict:
         stats = self.client.stats()
@@ -137,13 +136,13 @@ class BoleReplica:
         table = (user_config or {}).get("calibration_table")
         if table is None:
             return
-        engine = self.client.async_engine.engine
         if isinstance(table, dict):
             loaded = CalibrationTable.from_dict(table)
         else:  # a path, or "auto": by hardware class and model shapes (bole.hardware)
             hw = self.hardware_class if self.hardware_class != "cpu" else None
-            loaded = resolve_calibration(resolve_repo_path(str(table)), engine.model.config,
-                                         engine.config.device, engine.config.dtype, hardware=hw)
+            limits = self.engine.limits()
+            loaded = resolve_calibration(resolve_repo_path(str(table)), self.engine.model_config,
+                                         limits.device, limits.dtype, hardware=hw)
         self._install(loaded)
 
     async def drain(self, timeout_s: float | None = None, target_replica: str | None = None) -> bool:
@@ -161,24 +160,16 @@ class BoleReplica:
         return {"replica_id": self.replica_id, "table_id": stats["table_id"], "accepting": self.client.accepting,
                 "pending": self.client.num_pending, "hardware_class": self.hardware_class,
                 "finished": int(stats.get("finished", 0)), "mismatch": stats["calibration_mismatch"],
-                "table": self.client.async_engine.engine.calibration.to_dict()}
+                "table": self.engine.calibration.to_dict()}
 
     async def recalibrate(self, quick: bool = True, checks=None, target_replica: str | None = None) -> dict:
         """Re-sweep this replica's table between engine steps (``bole.recalibration.recalibrate``:
         two sweeps, validated with ``checks``, a ``TableChecks``) without installing it; returns the
         new and the old table (mappings). Raises ``RecalibrationError`` if a check refuses it."""
-        from bole.recalibration import recalibrate
-
         self._check_target(target_replica)
-        old = self.client.async_engine.engine.calibration
-        kw = dict(checks=checks, hardware=self.hardware_class, model_name=self.model_name)
-
-        def run(engine):
-            if self.tp_size > 1:  # every rank sweeps at once (the forwards all-reduce)
-                return engine.recalibrate(quick, **kw)
-            return recalibrate(engine, quick=quick, install=False, **kw)
-
-        new = await asyncio.to_thread(self.client.async_engine.run_exclusive, run)
+        old = self.engine.calibration
+        new = await asyncio.to_thread(self.engine.recalibrate, quick, checks=checks, hardware=self.hardware_class,
+                                      model_name=self.model_name)
         logger.info("recalibrated %s: %s -> %s (not installed yet)", self.replica_id, old.table_id, new.table_id)
         return {"replica_id": self.replica_id, "old_table_id": old.table_id, "table_id": new.table_id,
                 "table": new.to_dict(), "old_table": old.to_dict()}
@@ -189,9 +180,9 @@ class BoleReplica:
 
     def _install(self, table: CalibrationTable) -> str:
         """Swap the table between engine steps; warn loudly if it does not describe this replica."""
-        self.client.async_engine.set_calibration(table)
+        self.engine.set_calibration(table)
         logger.info("replica %s: calibration table %s installed", self.replica_id, table.table_id)
-        warn_if_mismatched(self.client.async_engine.engine, self.hardware_class, f"replica {self.replica_id}")
+        warn_if_mismatched(self.engine, self.hardware_class, f"replica {self.replica_id}")
         return table.table_id
 
     async def check_health(self) -> None:
@@ -200,10 +191,7 @@ class BoleReplica:
 
     async def __del__(self):
         await self.client.drain(self.drain_timeout_s)
-        self.client.async_engine.shutdown()
-        engine = self.client.async_engine.engine
-        if hasattr(engine, "shutdown"):  # TP workers and their placement group
-            engine.shutdown()
+        self.engine.shutdown()   # the step loop, then the engine (TP workers and their placement group)
 
 
 def _replica_id() -> str:

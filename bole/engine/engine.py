@@ -37,8 +37,10 @@ from dataclasses import dataclass, field
 import torch
 
 from bole.cache.prefix_cache import PrefixCache
+from bole import recalibration
 from bole.config import EngineConfig
 from bole.engine import sampler
+from bole.engine.core import EngineLimits, EngineStats, budget_stats
 from bole.engine.metrics import EngineMetrics, StepStats
 from bole.engine.runner import ModelRunner
 from bole.engine.scheduler import Scheduler
@@ -483,3 +485,42 @@ class LLMEngine:
         if req is not None and req.status == RequestStatus.FINISHED:
             return self.requests.pop(request_id)
         return None
+
+    # -- the engine contract (bole.engine.core.EngineCore) ---------------------------------------
+    @property
+    def model_config(self):
+        return self.model.config
+
+    def stats(self) -> EngineStats:
+        """Metrics, queue and budget state as of the last step (between steps)."""
+        running = [(r.request_id, r.num_computed) for r in self.scheduler.running]
+        return budget_stats(self.metrics.snapshot(), self.calibration, self.config.spec.depth, running,
+                            len(self.scheduler.waiting))
+
+    def limits(self) -> EngineLimits:
+        """The model's positions or the KV capacity less one step's lookahead, whichever is smaller,
+        bound a request (RoPE past the trained positions is not served)."""
+        cfg = self.config
+        kv = self.capacity_tokens - self.lookahead
+        max_len = min(kv, int(getattr(self.model.config, "max_position_embeddings", kv)))
+        return EngineLimits(cfg.max_num_seqs, max_len, self.model.config.vocab_size, cfg.cache.block_size,
+                            cfg.device, cfg.dtype, cfg.tp_size)
+
+    def request_timings(self, request_id: str) -> dict:
+        """A request's engine clock at its first token: ``prefill_s`` (scheduled to first token) and
+        ``engine_queue_s`` (arrival to scheduled); {} before it. These floats are written once, so
+        they may be read while a step runs; the request stays until ``pop_finished``."""
+        req = self.requests.get(request_id)
+        m = None if req is None else req.metrics
+        if m is None or m.scheduled_time is None or m.first_token_time is None:
+            return {}
+        return {"prefill_s": m.first_token_time - m.scheduled_time,
+                "engine_queue_s": m.scheduled_time - m.arrival_time}
+
+    def recalibrate(self, quick: bool = True, **kw) -> CalibrationTable:
+        """Two validated sweeps (``bole.recalibration.recalibrate``'s keywords); the new table, not
+        installed (set ``calibration`` to install it)."""
+        return recalibration.recalibrate(self, quick=quick, install=False, **kw)
+
+    def shutdown(self) -> None:
+        """Nothing to release: the caches go with the engine object (TP drivers stop their ranks)."""

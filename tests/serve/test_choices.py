@@ -23,11 +23,11 @@ MODEL = "tiny"
 
 
 def idle(client, timeout=10.0) -> bool:
-    eng = client.async_engine.engine
+    eng = client.async_engine
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if not eng.requests and not eng.scheduler.running and not eng.scheduler.waiting \
-                and not client.num_pending:
+        stats = eng.stats()
+        if not eng.engine.requests and not stats.running and not stats.waiting and not client.num_pending:
             return True
         time.sleep(0.05)
     return False

@@ -49,11 +49,11 @@ def greedy(n, **extra):
 
 
 def wait_idle(client, timeout=10.0):
-    eng = client.async_engine.engine
+    eng = client.async_engine
     deadline = time.time() + timeout
     while time.time() < deadline:
-        sched = eng.scheduler
-        if not eng.requests and not sched.running and not sched.waiting and not client.num_pending:
+        stats = eng.stats()
+        if not eng.engine.requests and not stats.running and not stats.waiting and not client.num_pending:
             return True
         time.sleep(0.05)
     return False
@@ -179,12 +179,13 @@ def test_concurrent_requests_with_bad_ones_mixed_in(server, oai):
 
 
 def test_client_disconnect_aborts_the_request(server):
-    eng = server.engine_client.async_engine.engine
+    eng = server.engine_client.async_engine
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
-        assert len(eng.scheduler.running) + len(eng.scheduler.waiting) == 1
+        stats = eng.stats()
+        assert stats.running + stats.waiting == 1
     assert wait_idle(server.engine_client), "the abandoned stream kept running"
     # a non-streaming request abandoned by its client is aborted too (400 tokens take the CPU engine
     # longer than the client's 0.25 s; 1 s stopped being enough once decode became batched)

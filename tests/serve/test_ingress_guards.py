@@ -121,8 +121,7 @@ def test_ttft_counts_the_wait_behind_a_full_batch_and_aborts_are_counted(tiny_mo
                 # wait could fall under the 0.25 s bucket below)
                 long = {"model": MODEL, "prompt": "x", "max_tokens": 240, "ignore_eos": True}
                 batch = [asyncio.ensure_future(c.post("/v1/completions", json=long)) for _ in range(4)]
-                eng = client.async_engine.engine
-                while len(eng.scheduler.running) < 4:   # the batch is full
+                while client.async_engine.stats().running < 4:   # the batch is full
                     await asyncio.sleep(0.01)
                 held = await c.post("/v1/completions", json={**long, "max_tokens": 1})
                 return [r.status_code for r in await asyncio.gather(*batch)], held

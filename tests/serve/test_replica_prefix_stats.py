@@ -28,4 +28,4 @@ def test_routing_stats_carry_the_engine_prefix_cache(tiny_model):
         assert prefix_block_hashes(prompt, replica.block_size)[0] in cached
         assert stats["num_prefix_blocks"] == len(stats["prefix_blocks"]) >= 4
     finally:
-        replica.client.async_engine.shutdown()
+        replica.engine.shutdown()
