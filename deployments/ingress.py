@@ -12,8 +12,9 @@ include_usage``; GET /health (engine loop alive), GET /ready (accepting requests
 
 Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``:
   400 invalid_request_error   bad JSON / fields / unsupported options (``param`` names the field),
-                              and a prompt + max_tokens over ``max_model_len`` (code
-                              ``context_length_exceeded``, as OpenAI and vLLM do)
+                              a prompt + max_tokens over ``max_model_len`` (code
+                              ``context_length_exceeded``, as OpenAI and vLLM do), and whatever the
+                              library refuses as ``bole.errors.InvalidRequest``
   401 authentication_error    missing / wrong ``Authorization: Bearer`` key (when a key is set),
                               checked before the body is read
   404 not_found_error         unknown model or route
@@ -21,6 +22,8 @@ Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``:
   429 overloaded_error        too many requests in flight (``Retry-After`` set; clients retry)
   503 unavailable_error       draining / not ready (``Retry-After`` set)
   504 timeout_error           the request passed its deadline (``request_timeout_s``)
+  500 internal_error          anything else: logged with its traceback under a request id, which
+                              the message carries (never a 400: the client did nothing wrong)
 A failing request never disturbs the others: validation happens before anything reaches the
 engine, and a request's stream ending (finished, error, deadline or client disconnect) aborts only
 its own engine requests. ``n`` choices (and a batch of prompts) are independent engine requests,
@@ -43,8 +46,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from bole.errors import InvalidRequest
 from bole.sampling_params import SamplingParams
 from deployments.engine_client import (
     EngineClient,
@@ -71,9 +76,10 @@ DEFAULT_REQUEST_TIMEOUT_S = 600.0
 __all__ = ["APIError", "build_app", "main"]
 
 
-def _engine_error(e: BaseException) -> APIError:
+def _engine_error(e: BaseException, request_id: str) -> APIError:
     """Map what the engine (or a replica) raised to an HTTP error. A replica's exception arrives
-    wrapped by Ray, whose text is a remote traceback: only the original message reaches a client."""
+    wrapped by Ray, whose text is a remote traceback: only the original message reaches a client.
+    Only a client's mistake is a 400; an unknown exception is the server's fault: a logged 500."""
     e = unwrap_remote_error(e)
     if isinstance(e, APIError):
         return e
@@ -88,10 +94,17 @@ def _engine_error(e: BaseException) -> APIError:
                         "unavailable_error", code="replica_unavailable", headers={"Retry-After": "1"})
     if isinstance(e, RequestTimeout):
         return APIError(504, str(e), "timeout_error", code="request_timeout")
-    if isinstance(e, ValueError):
+    if isinstance(e, (InvalidRequest, ValidationError)):
         return APIError(400, str(e))
-    logger.error("request failed: %s: %s", type(e).__name__, e)
-    return APIError(500, f"internal error: {type(e).__name__}", "internal_error", code="internal_error")
+    return internal_error(e, request_id)
+
+
+def internal_error(e: BaseException, request_id: str) -> APIError:
+    """The 500 of a server fault, logged with its traceback under ``request_id``, which the client
+    sees (to quote in a report) with the exception's type and nothing else of it."""
+    logger.error("request %s failed", request_id, exc_info=(type(e), e, e.__traceback__))
+    return APIError(500, f"internal error ({type(e).__name__}); request id {request_id}", "internal_error",
+                    code="internal_error")
 
 
 @dataclass
@@ -187,6 +200,14 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return APIError(e.status_code, str(e.detail), kind).response()
 
+    @app.exception_handler(InvalidRequest)
+    async def _invalid_request(request, e: InvalidRequest):
+        return APIError(400, str(e)).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request, e: Exception):  # a bug: never a 400
+        return internal_error(e, new_id("req")).response()
+
     def check_model(name: str) -> None:
         if name != model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
@@ -237,7 +258,7 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
                         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                         repetition_penalty=req.repetition_penalty, logprobs=logprobs,
                         prompt_logprobs=prompt_logprobs)
-                except ValueError as e:
+                except InvalidRequest as e:
                     raise APIError(400, str(e)) from None
                 choices.append(Choice(p_index * req.n + j, ids, params, new_id(kind), counts_prompt=j == 0))
         return choices
@@ -325,7 +346,7 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
             except APIError:
                 raise
             except Exception as e:
-                raise _engine_error(e) from None
+                raise _engine_error(e, rid) from None
             if kind == "chat":
                 body = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                          "logprobs": render_logprobs(c, c.logprobs, False, kind), "finish_reason": c.finish_reason}
@@ -346,7 +367,7 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
             first = None
         except Exception as e:
             await stream.aclose()
-            raise _engine_error(e) from None
+            raise _engine_error(e, rid) from None
 
         def chunk(c: Choice, text: str, finish: str | None, role: bool = False, logprobs: dict | None = None) -> str:
             if kind == "chat":
@@ -384,7 +405,7 @@ def build_app(engine_client: EngineClient, model_name: str, *, api_key: str | No
                 metrics.aborted.labels(model_name, "stream_closed").inc()
                 raise
             except Exception as e:  # mid-stream failure or deadline: an error event, then the stream ends
-                yield _sse(_engine_error(e).body())
+                yield _sse(_engine_error(e, rid).body())
             finally:
                 await stream.aclose()
             yield "data: [DONE]\n\n"

@@ -190,7 +190,7 @@ class TPEngine:
             request_id, self._ids = f"tp-req-{self._ids}", self._ids + 1
         refs = [w.add_request.remote(prompt_token_ids, params, request_id) for w in self.workers]
         try:
-            ray.get(refs[0])  # validation errors (ValueError) come from rank 0 ...
+            ray.get(refs[0])  # validation errors (InvalidRequest) come from rank 0 ...
         except ray.exceptions.RayTaskError as e:
             ray.wait(refs[1:], num_returns=len(refs) - 1)  # ... and every rank raised the same one
             raise e.as_instanceof_cause() from None

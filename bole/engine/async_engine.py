@@ -64,7 +64,7 @@ class AsyncEngine:
         self._send("add", rid, list(prompt_token_ids), params, loop, queue, added)
         finished = False
         try:
-            await added  # ValueError on bad input, raised by the engine's add_request
+            await added  # InvalidRequest on bad input, raised by the engine's add_request
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):

@@ -46,6 +46,7 @@ from bole.engine.runner import ModelRunner
 from bole.engine.scheduler import Scheduler
 from bole.engine.sequence import Request, RequestStatus
 from bole.engine.spec_graphs import tree_widths
+from bole.errors import InvalidRequest
 from bole.hardware import resolve_calibration
 from bole.sampling_params import SamplingParams
 from bole.spec.budget import CalibrationTable
@@ -130,35 +131,35 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
                       request_id: str | None = None) -> None:
-        """Raise ``ValueError`` naming the problem if ``add_request`` would refuse this request; queues
+        """Raise ``InvalidRequest`` naming the problem if ``add_request`` would refuse this request; queues
         nothing (``bole.LLM.generate`` checks a whole batch before adding any of it)."""
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequest(f"params must be a SamplingParams, got {type(params).__name__}")
         if not isinstance(prompt_token_ids, (list, tuple)):
-            raise ValueError(f"prompt_token_ids must be a list of ints, got {type(prompt_token_ids).__name__}")
+            raise InvalidRequest(f"prompt_token_ids must be a list of ints, got {type(prompt_token_ids).__name__}")
         if not prompt_token_ids:
-            raise ValueError("prompt is empty: at least one token is needed")
+            raise InvalidRequest("prompt is empty: at least one token is needed")
         not_int = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool)]
         if not_int:
-            raise ValueError(f"prompt token ids must be ints, got {not_int[:5]!r} "
+            raise InvalidRequest(f"prompt token ids must be ints, got {not_int[:5]!r} "
                              f"({', '.join(sorted({type(t).__name__ for t in not_int}))})")
         V = self.model.config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < V]
         if bad:
-            raise ValueError(f"prompt token ids out of range [0, {V}): {bad[:5]}")
+            raise InvalidRequest(f"prompt token ids out of range [0, {V}): {bad[:5]}")
         P, M, L, C = len(prompt_token_ids), params.max_tokens, self.lookahead, self.capacity_tokens
         if P + M > C:
-            raise ValueError(f"prompt ({P} tokens) + max_tokens ({M}) does not fit the KV cache ({C} tokens = "
+            raise InvalidRequest(f"prompt ({P} tokens) + max_tokens ({M}) does not fit the KV cache ({C} tokens = "
                              f"num_blocks {self.config.cache.num_blocks} x block_size {self.config.cache.block_size})")
         if P + M + L > C:
             # the request fits, but not with the draft tree each speculative step reserves past it
             spec = self.config.spec
-            raise ValueError(f"prompt ({P} tokens) + max_tokens ({M}) + the tree lookahead reserved per request "
+            raise InvalidRequest(f"prompt ({P} tokens) + max_tokens ({M}) + the tree lookahead reserved per request "
                              f"({L} tokens: 1 + {self.max_draft_nodes} draft nodes for depth {spec.depth}, topk "
                              f"{spec.topk}, beam {spec.beam}) = {P + M + L} does not fit the KV cache ({C} tokens); "
                              "use a narrower tree (depth / topk / beam) or more num_blocks")
         if request_id is not None and request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -166,7 +167,7 @@ class LLMEngine:
         self.check_request(prompt_token_ids, params, request_id)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
-            raise ValueError(f"request id {rid!r} is already in use")
+            raise InvalidRequest(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         req = Request(rid, list(prompt_token_ids), params, seed, self.eos_token_ids)
         self.requests[rid] = req
