@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bole.cache.prefix_cache import PrefixCache
 from bole import recalibration
+from bole.cache.prefix_cache import PrefixCache
 from bole.config import EngineConfig
 from bole.engine import sampler
 from bole.engine.core import EngineLimits, EngineStats, budget_stats
