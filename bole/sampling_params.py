@@ -105,7 +105,8 @@ class SamplingParams:
                 raise InvalidRequest(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {v!r}")
         least = 0 if self.prompt_logprobs is not None else 1
         if not _is_int(self.max_tokens) or self.max_tokens < least:
-            raise InvalidRequest(f"max_tokens must be an int >= 1 (0 only with prompt_logprobs), got {self.max_tokens!r}")
+            raise InvalidRequest(f"max_tokens must be an int >= 1 (0 only with prompt_logprobs), "
+                                 f"got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise InvalidRequest(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:

@@ -216,13 +216,12 @@ def _ingress_class():
             self.client = ServeEngineClient(replicas, model_tokenizer(cfg.model), policy, retry)
 
         def __serve_build_asgi_app__(self):
-            from deployments.ingress import build_app as build_http_app
+            from deployments.ingress import openai_app
 
             cfg = self.config
-            return build_http_app(self.client, served_name(cfg), api_key=os.environ.get(cfg.api_key_env, ""),
-                                  max_body_bytes=cfg.max_body_bytes, default_max_tokens=cfg.default_max_tokens,
-                                  request_timeout_s=cfg.request_timeout_s,
-                                  protect_metrics=cfg.protect_metrics or None)
+            return openai_app(self.client, served_name(cfg), api_key=os.environ.get(cfg.api_key_env, ""),
+                              max_body_bytes=cfg.max_body_bytes, default_max_tokens=cfg.default_max_tokens,
+                              request_timeout_s=cfg.request_timeout_s, protect_metrics=cfg.protect_metrics or None)
 
     return OpenAIIngress
 

@@ -11,6 +11,8 @@ The ingress never touches ``LLMEngine``; it holds an ``EngineClient``:
     is_alive()         whether the engine loop runs (GET /health)
     is_ready()         whether new requests are accepted (GET /ready; False while draining)
     fleet_stats()      one dict per replica for /metrics (hardware class, MAT, budget, queue, ...)
+    start() / drain(timeout) / close()   the app's lifespan: before the first request, then
+                       finish what is in flight, then stop
 
 One HTTP request (``n`` choices, or a batch of prompts) is a list of ``SubRequest``: each is its own
 engine request with its own id (and seed), and they travel together as one call, so they are
@@ -106,6 +108,12 @@ class EngineClient(Protocol):
     async def is_alive(self) -> bool: ...
 
     async def fleet_stats(self) -> list[dict]: ...
+
+    async def start(self) -> None: ...
+
+    async def drain(self, timeout: float | None = None) -> bool: ...
+
+    async def close(self) -> None: ...
 
 
 def hardware_class(device: str = "cpu") -> str:
@@ -226,6 +234,9 @@ class LocalEngineClient:
 
     async def is_ready(self) -> bool:
         return self.accepting and await self.is_alive()
+
+    async def start(self) -> None:
+        """Nothing to learn: the engine's limits were read at construction."""
 
     async def close(self) -> None:
         self.async_engine.shutdown()

@@ -302,6 +302,13 @@ class ServeEngineClient:
                         replica or name, type(refusal).__name__, wait)
             await asyncio.sleep(wait)
 
+    async def drain(self, timeout: float | None = None) -> bool:
+        """Nothing in flight here to wait for: each replica drains its own requests (``BoleReplica``)."""
+        return True
+
+    async def close(self) -> None:
+        """The replicas outlive this ingress; nothing to stop."""
+
     async def is_alive(self) -> bool:
         return bool(self.max_model_len)
 

@@ -5,8 +5,9 @@
         TPWorker rank 0 ... rank n-1   Ray actors, one per placement-group bundle, each holding one
                                        rank's LLMEngine (its weight slice, caches of its local heads)
 
-``TPEngine`` implements ``bole.engine.core.EngineCore``, as ``LLMEngine`` does. ``add_request`` / ``abort`` / ``step`` go to every worker (``bole.parallel`` explains why
-identical calls give identical tokens); ``step`` returns rank 0's outputs after checking that every
+``TPEngine`` implements ``bole.engine.core.EngineCore``, as ``LLMEngine`` does. ``add_request`` /
+``abort`` / ``step`` go to every worker (``bole.parallel`` explains why identical calls give
+identical tokens); ``step`` returns rank 0's outputs after checking that every
 rank emitted the same tokens (a divergence would mean a bug, and fails loudly). Unseeded requests
 get their seed here, before fan-out, so stochastic sampling agrees across ranks too. Rank 0 also
 returns its ``EngineStats`` (running / waiting requests, metrics, budget state) with every step.

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
-import dataclasses
 import threading
 from typing import AsyncIterator
 

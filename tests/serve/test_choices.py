@@ -17,7 +17,7 @@ from conftest import ENGINE_OPTIONS
 from bole.engine.async_engine import AsyncEngine
 from bole.llm import build_engine
 from deployments.engine_client import LocalEngineClient
-from deployments.ingress import build_app
+from deployments.ingress import openai_app
 
 MODEL = "tiny"
 
@@ -36,7 +36,7 @@ def idle(client, timeout=10.0) -> bool:
 @pytest.fixture(scope="module")
 def server(tiny_model, serve_app):
     client = LocalEngineClient(AsyncEngine(build_engine(tiny_model, **ENGINE_OPTIONS)))
-    app = build_app(client, MODEL, api_key="", request_timeout_s=2.0)
+    app = openai_app(client, MODEL, api_key="", request_timeout_s=2.0)
     with serve_app(app) as srv:
         srv.engine_client = client
         srv.oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=30)

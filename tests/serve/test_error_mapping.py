@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from bole.errors import InvalidRequest
-from deployments.ingress import build_app
+from deployments.ingress import openai_app
 
 MODEL = "stub"
 
@@ -40,11 +40,20 @@ class RaisingClient:
     async def fleet_stats(self):
         return []
 
+    async def start(self):
+        pass
+
+    async def drain(self, timeout=None):
+        return True
+
+    async def close(self):
+        pass
+
 
 @pytest.fixture(scope="module")
 def server(serve_app):
     client = RaisingClient()
-    with serve_app(build_app(client, MODEL, api_key="")) as srv:
+    with serve_app(openai_app(client, MODEL, api_key="")) as srv:
         srv.client = client
         yield srv
 
@@ -71,7 +80,7 @@ def test_pydantic_validation_is_a_400(server):
 @pytest.mark.parametrize("error", [RuntimeError("CUDA error: an illegal memory access"),
                                    ValueError("a bug, not the client's"), KeyError("slot")])
 def test_any_other_error_is_a_logged_500_with_a_request_id(server, error, caplog):
-    with caplog.at_level(logging.ERROR, logger="deployments.ingress"):
+    with caplog.at_level(logging.ERROR, logger="deployments.http_errors"):
         r = post(server, error)
     assert r.status_code == 500
     err = r.json()["error"]
@@ -91,7 +100,7 @@ def test_a_streamed_request_gets_the_same_statuses(server):
 
 
 def test_an_error_outside_the_engine_call_is_a_500_too(server, caplog):
-    with caplog.at_level(logging.ERROR, logger="deployments.ingress"):
+    with caplog.at_level(logging.ERROR, logger="deployments.http_errors"):
         r = post(server, RuntimeError("not reached"), prompt="text goes through the broken tokenizer")
     assert r.status_code == 500
     err = r.json()["error"]

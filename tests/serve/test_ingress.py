@@ -16,7 +16,7 @@ from bole.engine.async_engine import AsyncEngine
 from bole.llm import LLM, build_engine
 from bole.sampling_params import SamplingParams
 from deployments.engine_client import LocalEngineClient
-from deployments.ingress import build_app
+from deployments.ingress import openai_app
 
 MODEL = "tiny"
 PROMPTS = ["def add(a, b):", "import os\n", "class Point:", "for i in range(10):", "Hello world", "print("]
@@ -29,7 +29,7 @@ def make_client(path, **kw):
 @pytest.fixture(scope="module")
 def server(tiny_model, serve_app):
     client = make_client(tiny_model)
-    with serve_app(build_app(client, MODEL, api_key="")) as srv:
+    with serve_app(openai_app(client, MODEL, api_key="")) as srv:
         srv.engine_client = client
         yield srv
 
@@ -211,7 +211,7 @@ def test_metrics_health_ready(server, oai):
 
 def test_auth_overload_and_drain(tiny_model, serve_app):
     client = make_client(tiny_model, max_pending=1)
-    with serve_app(build_app(client, MODEL, api_key="sekret")) as srv:
+    with serve_app(openai_app(client, MODEL, api_key="sekret")) as srv:
         body = {"model": MODEL, "prompt": "hello", "max_tokens": 3}
         _error(httpx.post(srv.url + "/v1/completions", json=body), 401, "authentication_error")
         wrong = {"Authorization": "Bearer nope"}
@@ -235,7 +235,7 @@ def test_auth_overload_and_drain(tiny_model, serve_app):
 def test_bole_mode_is_served_token_identically(tiny_model, serve_app, offline):
     """Tree speculative decoding behind the server: greedy text equals autoregressive decoding."""
     client = LocalEngineClient(AsyncEngine(build_engine(tiny_model, **{**ENGINE_OPTIONS, "mode": "bole"})))
-    with serve_app(build_app(client, MODEL, api_key="")) as srv:
+    with serve_app(openai_app(client, MODEL, api_key="")) as srv:
         oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
         chunks = oai.completions.create(model=MODEL, prompt=PROMPTS[0], stream=True, **greedy(6))
         text = "".join(c.choices[0].text for c in chunks if c.choices)
