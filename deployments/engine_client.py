@@ -22,7 +22,7 @@ request router keeps one pending entry per internal id, so the second of two cal
 replica at the same moment was never assigned (the ``n > 1`` hang of issue 22).
 
 ``LocalEngineClient`` wraps an ``AsyncEngine`` in this process (tests, single-process serving, and
-inside each replica); ``deployments.replica.ServeEngineClient`` forwards to Ray Serve replicas.
+inside each replica); ``deployments.serve_client.ServeEngineClient`` forwards to Ray Serve replicas.
 Admission control lives here: beyond ``max_pending`` engine requests in flight new ones fail fast
 with ``EngineOverloaded`` (HTTP 429) instead of queueing without bound.
 """
@@ -32,12 +32,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol, Sequence
 
 from bole.engine.async_engine import AsyncEngine
 from bole.engine.engine import RequestOutput
 from bole.hardware import detect_hardware, table_mismatch
+from bole.llm import resolve_repo_path
 from bole.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -268,3 +270,13 @@ class LocalEngineClient:
 def default_max_pending(max_num_seqs: int) -> int:
     """Engine requests a replica admits by default: its running batch and three batches queued."""
     return 4 * max_num_seqs
+
+
+def model_tokenizer(model_path: str):
+    """The checkpoint folder's tokenizer (None when it has none)."""
+    path = resolve_repo_path(model_path)
+    if not os.path.exists(os.path.join(path, "tokenizer.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

@@ -1,9 +1,9 @@
 """Retrying a request that a replica refused before producing anything (draining, or gone).
 
 Nothing was generated, so sending it again loses and repeats nothing. The ingress
-(``deployments.replica.ServeEngineClient``) waits between attempts with jittered exponential
+(``deployments.serve_client.ServeEngineClient``) waits between attempts with jittered exponential
 backoff and gives up after ``max_attempts`` or ``budget_s``, whichever comes first, with a clean 503
-and ``Retry-After``. The refusing replica is also marked in ``routing_policy.FLEET`` so the routers
+and ``Retry-After``. The refusing replica is also marked in the fleet view (``routing_policy.FleetView``) so the routers
 skip it until its own stats catch up (``refused_ttl_s``): the retry goes to another replica instead
 of the same one again.
 """

@@ -205,4 +205,13 @@ class FleetView:
             return {d: dict(r) for d, r in self._stats.items()}
 
 
-FLEET = FleetView()
+# Serve constructs each RequestRouter itself, from serialisable ``request_router_kwargs`` only, so a
+# FleetView object cannot be handed to it: this per-process registry is the one way in. Routers take
+# it once, at construction (``BoleRequestRouter.initialize_state``); everything else (the ingress's
+# ``ServeEngineClient``) is given it as a constructor argument.
+_PROCESS_FLEET = FleetView()
+
+
+def process_fleet() -> FleetView:
+    """This process's fleet view: the one its routers publish into and its ingress reads."""
+    return _PROCESS_FLEET
