@@ -99,7 +99,7 @@ class ServeEngineClient:
                     stream.cancel()   # the replica's generator is cancelled and aborts the engine requests
             replica = getattr(refusal, "replica_id", None)
             if replica:
-                self.fleet.mark_refused(replica, self.retry.refused_ttl_s)
+                self.fleet.mark_refused(replica)
             wait = next(waits, None)
             if wait is None:
                 raise EngineUnavailable(

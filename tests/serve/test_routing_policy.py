@@ -120,8 +120,8 @@ def test_refused_replicas_are_skipped_until_their_mark_expires():
 
     from deployments.routing_policy import FleetView
 
-    fleet = FleetView()
-    fleet.mark_refused("r1", ttl_s=0.2)
+    fleet = FleetView(refused_ttl_s=0.2)
+    fleet.mark_refused("r1")
     assert fleet.refused() == {"r1"}
     time.sleep(0.25)
     assert fleet.refused() == set()
