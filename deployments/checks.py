@@ -1,4 +1,5 @@
-"""Range checks of the frozen policy dataclasses (retry, routing): each error names the field and its value."""
+"""Range checks of the frozen policy dataclasses (retry, routing, recalibration): each error names the
+field and its value."""
 
 from __future__ import annotations
 

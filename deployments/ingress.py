@@ -114,17 +114,17 @@ class OpenAIServer:
                 c = choices[i]
                 if out.new_token_ids and c.first_token_time is None:
                     c.first_token_time = time.monotonic()
-                    c.hardware_class = getattr(out, "hardware_class", "unknown")
+                    c.hardware_class = out.hardware_class
                     if first:
                         metrics.observe_first_token(c.hardware_class, c.first_token_time - arrival,
-                                                    getattr(out, "prefill_s", None))
+                                                    out.prefill_s)
                         first = False
                 c.num_tokens += len(out.new_token_ids)
                 c.text += out.new_text
-                c.logprobs += getattr(out, "logprobs", None) or []
-                if getattr(out, "prompt_logprobs", None) is not None:
+                c.logprobs += out.logprobs or []
+                if out.prompt_logprobs is not None:
                     c.prompt_logprobs = out.prompt_logprobs
-                c.num_steps = getattr(out, "num_steps", 0)
+                c.num_steps = out.num_steps
                 if out.finished:
                     c.finish_reason = out.finish_reason
                     metrics.observe_choice(c.hardware_class, len(c.prompt_token_ids) if c.counts_prompt else 0,

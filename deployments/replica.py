@@ -19,7 +19,7 @@ options of its hardware group (resources, autoscaling, ``request_router_config``
                              any token and the ingress retries it elsewhere with backoff,
                              ``deployments.retry``), wait for in-flight ones; resume admits again
   recalibrate(quick, checks)  re-sweep the calibration table on this replica's engine between steps
-                          (``AsyncEngine.run_exclusive``; two sweeps, validated by
+                          (``AsyncEngine.recalibrate``; two sweeps, validated by
                           ``bole.recalibration``) and return it without installing it; the rolling
                           job (deployments.recalibrate) calls it on a drained replica
   set_calibration(table)  install a table (mapping) without a redeploy

@@ -71,7 +71,7 @@ class ResponseWriter:
     def delta(self, c: Choice, out) -> str | None:
         """The SSE event of an engine output of ``c`` (the echoed prompt once, first); None when
         there is nothing to send."""
-        entries, echo, c.echo = getattr(out, "logprobs", None) or [], c.echo, None
+        entries, echo, c.echo = out.logprobs or [], c.echo, None
         if out.new_text or out.finished or entries or echo is not None:
             return self.chunk(c, (echo or "") + out.new_text, c.finish_reason if out.finished else None,
                               logprobs=self.logprobs(c, entries, echo is not None))
