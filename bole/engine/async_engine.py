@@ -177,9 +177,9 @@ class AsyncEngine:
         while True:
             self._wake.clear()   # before reading the inbox: a later _send wakes the wait below
             with self._lock:
+                self._apply_inbox()   # before stopping too: streams that ended before shutdown free their requests
                 if self._stopped:
                     return
-                self._apply_inbox()
                 busy = self.engine.has_unfinished()
                 outputs = []
                 if busy:
