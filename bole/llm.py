@@ -8,6 +8,7 @@ from typing import Sequence
 
 from bole.config import EngineConfig
 from bole.engine.engine import LLMEngine
+from bole.errors import InvalidRequest
 from bole.option_checks import is_integral
 from bole.sampling_params import SamplingParams
 from bole.spec.logprobs import TokenLogprob
@@ -73,7 +74,7 @@ class LLM:
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer in the model folder; pass token ids")
+                raise InvalidRequest("a text prompt needs a tokenizer in the model folder; pass token ids")
             return self.tokenizer.encode(prompt)
         return token_ids(prompt)
 
@@ -91,14 +92,14 @@ class LLM:
         params = SamplingParams() if params is None else params
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
-            raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+            raise InvalidRequest(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
         encoded = []
         for i, (p, sp) in enumerate(zip(prompts, plist)):
             try:
                 ids = self._encode(p)
                 self.engine.check_request(ids, sp)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
+            except InvalidRequest as e:
+                raise InvalidRequest(f"prompt {i}: {e}") from None
             encoded.append(ids)
         ids = []
         try:
@@ -141,18 +142,18 @@ class LLM:
 
 def token_ids(prompt) -> list[int]:
     """One prompt's token ids as Python ints: a sequence of ints (numpy / torch integer scalars
-    allowed) or a 1-D integer array / tensor; floats and bools raise ``ValueError`` naming them."""
+    allowed) or a 1-D integer array / tensor; floats and bools raise ``InvalidRequest`` naming them."""
     if _is_array(prompt):
         if prompt.ndim != 1:
-            raise ValueError(f"a prompt array must be 1-D, got shape {tuple(prompt.shape)}")
+            raise InvalidRequest(f"a prompt array must be 1-D, got shape {tuple(prompt.shape)}")
         if not _integer_dtype(prompt.dtype):
-            raise ValueError(f"prompt token ids must be integers, got an array of dtype {prompt.dtype}")
+            raise InvalidRequest(f"prompt token ids must be integers, got an array of dtype {prompt.dtype}")
         return [int(t) for t in prompt.tolist()]
     if not isinstance(prompt, (list, tuple)):
-        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        raise InvalidRequest(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
     bad = [t for t in prompt if not is_integral(t)]
     if bad:
-        raise ValueError(f"prompt token ids must be ints, got {bad[:5]!r} "
+        raise InvalidRequest(f"prompt token ids must be ints, got {bad[:5]!r} "
                          f"({', '.join(sorted({type(t).__name__ for t in bad}))})")
     return [int(t) for t in prompt]
 
@@ -176,13 +177,13 @@ def _prompt_list(prompts) -> list:
             return [prompts]
         if prompts.ndim == 2:
             return list(prompts)
-        raise ValueError(f"a prompt array must be 1-D (one prompt) or 2-D (a batch), got shape "
+        raise InvalidRequest(f"a prompt array must be 1-D (one prompt) or 2-D (a batch), got shape "
                          f"{tuple(prompts.shape)}")
     if not isinstance(prompts, (list, tuple)):
-        raise ValueError(f"prompts must be a string, a list of token ids or a list of prompts, got "
+        raise InvalidRequest(f"prompts must be a string, a list of token ids or a list of prompts, got "
                          f"{type(prompts).__name__}")
     if not prompts:
-        raise ValueError("prompts is empty")
+        raise InvalidRequest("prompts is empty")
     if not isinstance(prompts[0], (str, list, tuple)) and not _is_array(prompts[0]):
         return [prompts]  # one prompt given as a flat list of token ids (floats are refused later)
     return list(prompts)

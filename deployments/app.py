@@ -8,7 +8,7 @@ A *group* is one hardware class: its own resources (accelerator type or custom r
 count or autoscaling, calibration table (pushed through ``user_config`` so it can be swapped with
 ``reconfigure`` / ``serve deploy`` without restarts), and the ``BoleRequestRouter`` with the group's
 routing thresholds. The ingress is shared; with several groups it picks the group with the same
-policy over the whole fleet view (``deployments.replica.ServeEngineClient``).
+policy over the whole fleet view (``deployments.serve_client.ServeEngineClient``).
 
 Capacity comes from the engines: a replica admits ``max_pending`` engine requests (its running batch
 and queue; default 4 x max_num_seqs) and Serve's ``max_ongoing_requests`` defaults to that, and the
@@ -25,10 +25,10 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from bole.config import CacheConfig, EngineConfig
-from deployments.engine_client import default_max_pending
+from deployments.engine_client import default_max_pending, model_tokenizer
 from deployments.ingress import DEFAULT_REQUEST_TIMEOUT_S
 from deployments.retry import RetryPolicy
-from deployments.routing_policy import RouterPolicyConfig
+from deployments.routing_policy import RouterPolicyConfig, process_fleet
 
 ROUTER_CLASS = "deployments.router:BoleRequestRouter"
 INGRESS_NAME = "openai-ingress"
@@ -206,23 +206,23 @@ def _ingress_class():
     @serve.ingress()
     class OpenAIIngress:
         def __init__(self, replicas: dict, config: dict):
-            from deployments.replica import ServeEngineClient, model_tokenizer
+            from deployments.serve_client import ServeEngineClient
 
             self.config = cfg = AppConfig(**config)
             g = cfg.groups[0]
             thresholds = g.router.model_dump(exclude={"stats_period_s", "routed_memory_blocks"})
             policy = RouterPolicyConfig(block_size=g.block_size, **thresholds)
             retry = RetryPolicy(budget_s=cfg.retry_budget_s)
-            self.client = ServeEngineClient(replicas, model_tokenizer(cfg.model), policy, retry)
+            # the view this process's routers publish into (routing_policy.process_fleet says why)
+            self.client = ServeEngineClient(replicas, model_tokenizer(cfg.model), process_fleet(), policy, retry)
 
         def __serve_build_asgi_app__(self):
-            from deployments.ingress import build_app as build_http_app
+            from deployments.ingress import openai_app
 
             cfg = self.config
-            return build_http_app(self.client, served_name(cfg), api_key=os.environ.get(cfg.api_key_env, ""),
-                                  max_body_bytes=cfg.max_body_bytes, default_max_tokens=cfg.default_max_tokens,
-                                  request_timeout_s=cfg.request_timeout_s,
-                                  protect_metrics=cfg.protect_metrics or None)
+            return openai_app(self.client, served_name(cfg), api_key=os.environ.get(cfg.api_key_env, ""),
+                              max_body_bytes=cfg.max_body_bytes, default_max_tokens=cfg.default_max_tokens,
+                              request_timeout_s=cfg.request_timeout_s, protect_metrics=cfg.protect_metrics or None)
 
     return OpenAIIngress
 

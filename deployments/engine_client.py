@@ -11,6 +11,8 @@ The ingress never touches ``LLMEngine``; it holds an ``EngineClient``:
     is_alive()         whether the engine loop runs (GET /health)
     is_ready()         whether new requests are accepted (GET /ready; False while draining)
     fleet_stats()      one dict per replica for /metrics (hardware class, MAT, budget, queue, ...)
+    start() / drain(timeout) / close()   the app's lifespan: before the first request, then
+                       finish what is in flight, then stop
 
 One HTTP request (``n`` choices, or a batch of prompts) is a list of ``SubRequest``: each is its own
 engine request with its own id (and seed), and they travel together as one call, so they are
@@ -20,7 +22,7 @@ request router keeps one pending entry per internal id, so the second of two cal
 replica at the same moment was never assigned (the ``n > 1`` hang of issue 22).
 
 ``LocalEngineClient`` wraps an ``AsyncEngine`` in this process (tests, single-process serving, and
-inside each replica); ``deployments.replica.ServeEngineClient`` forwards to Ray Serve replicas.
+inside each replica); ``deployments.serve_client.ServeEngineClient`` forwards to Ray Serve replicas.
 Admission control lives here: beyond ``max_pending`` engine requests in flight new ones fail fast
 with ``EngineOverloaded`` (HTTP 429) instead of queueing without bound.
 """
@@ -30,10 +32,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol, Sequence
 
+from bole.engine.async_engine import AsyncEngine
 from bole.engine.engine import RequestOutput
+from bole.hardware import detect_hardware, table_mismatch
+from bole.llm import resolve_repo_path
 from bole.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -105,24 +111,26 @@ class EngineClient(Protocol):
 
     async def fleet_stats(self) -> list[dict]: ...
 
+    async def start(self) -> None: ...
+
+    async def drain(self, timeout: float | None = None) -> bool: ...
+
+    async def close(self) -> None: ...
+
 
 def hardware_class(device: str = "cpu") -> str:
     """The hardware class of this process's device (``bole.hardware``: a100, gb10, h200, cpu, ...)."""
-    from bole.hardware import detect_hardware
-
     return detect_hardware(device)
 
 
-def calibration_mismatch(engine, hardware: str) -> dict[str, tuple]:
+def calibration_mismatch(engine: AsyncEngine, hardware: str) -> dict[str, tuple]:
     """Where the engine's calibration table was not measured for how it runs (``bole.hardware.
     table_mismatch``: model shapes, dtype, tp_size, hardware class); {} when it matches."""
-    from bole.hardware import table_mismatch
-
-    cfg = engine.config
-    return table_mismatch(engine.calibration, engine.model.config, cfg.dtype, cfg.tp_size, hardware)
+    limits = engine.limits()
+    return table_mismatch(engine.calibration, engine.model_config, limits.dtype, limits.tp_size, hardware)
 
 
-def warn_if_mismatched(engine, hardware: str, where: str) -> dict[str, tuple]:
+def warn_if_mismatched(engine: AsyncEngine, hardware: str, where: str) -> dict[str, tuple]:
     """Log loudly (WARNING) when the calibration table does not describe this engine; the mismatch."""
     mismatch = calibration_mismatch(engine, hardware)
     if mismatch:
@@ -131,14 +139,6 @@ def warn_if_mismatched(engine, hardware: str, where: str) -> dict[str, tuple]:
                        "budgets do not describe this replica. Recalibrate it (python -m deployments.recalibrate) "
                        "or name a matching calibration_table.", where, engine.calibration.table_id, detail)
     return mismatch
-
-
-def engine_limits(engine) -> tuple[int, int]:
-    """(max_model_len, vocab_size) of an ``LLMEngine``: the model's positions or the KV capacity less
-    one step's lookahead, whichever is smaller (RoPE past the trained positions is not served)."""
-    cfg = engine.model.config
-    kv = engine.capacity_tokens - engine.lookahead
-    return min(kv, int(getattr(cfg, "max_position_embeddings", kv))), cfg.vocab_size
 
 
 async def merge_streams(streams: Sequence[AsyncIterator], deadline: float | None = None
@@ -187,22 +187,21 @@ async def merge_streams(streams: Sequence[AsyncIterator], deadline: float | None
 class LocalEngineClient:
     """An ``AsyncEngine`` in this process, with admission control and a drain switch."""
 
-    def __init__(self, async_engine, max_pending: int | None = None, hardware: str | None = None,
+    def __init__(self, async_engine: AsyncEngine, max_pending: int | None = None, hardware: str | None = None,
                  replica_id: str = "local"):
         self.async_engine = async_engine
-        engine = async_engine.engine
-        self.tokenizer = engine.tokenizer
-        self.max_model_len, self.vocab_size = engine_limits(engine)
-        self.max_pending = max_pending if max_pending is not None else default_max_pending(
-            engine.config.max_num_seqs)
+        limits = async_engine.limits()
+        self.tokenizer = async_engine.tokenizer
+        self.max_model_len, self.vocab_size = limits.max_model_len, limits.vocab_size
+        self.max_pending = max_pending if max_pending is not None else default_max_pending(limits.max_num_seqs)
         self.max_choices = self.max_pending
-        self.hardware_class = hardware or hardware_class(engine.config.device)
+        self.hardware_class = hardware or hardware_class(limits.device)
         self.replica_id = replica_id
         self.num_pending = 0
         self.num_refused = 0        # requests refused while draining (the ingress retries them elsewhere)
         self.accepting = True
         self._checked_table, self._mismatch = None, ""
-        warn_if_mismatched(engine, self.hardware_class, f"the {self.hardware_class} engine")
+        warn_if_mismatched(async_engine, self.hardware_class, f"the {self.hardware_class} engine")
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -227,25 +226,19 @@ class LocalEngineClient:
     async def _one(self, sub: SubRequest) -> AsyncIterator[ServedOutput]:
         first = True
         async for out in self.async_engine.generate(sub.prompt_token_ids, sub.params, sub.request_id):
-            timings = self._timings(sub.request_id) if first and out.new_token_ids else {}
+            # the request stays in the engine until its stream ends
+            timings = self.async_engine.request_timings(sub.request_id) if first and out.new_token_ids else {}
             first = first and not out.new_token_ids
             yield ServedOutput.wrap(out, self.hardware_class, **timings)
 
-    def _timings(self, request_id: str) -> dict:
-        """The engine's clock of a request at its first token (``RequestMetrics``); the request stays
-        in ``engine.requests`` until its stream ends, and these floats are written once."""
-        req = getattr(self.async_engine.engine, "requests", {}).get(request_id)
-        m = getattr(req, "metrics", None)
-        if m is None or m.scheduled_time is None or m.first_token_time is None:
-            return {}
-        return {"prefill_s": m.first_token_time - m.scheduled_time,
-                "engine_queue_s": m.scheduled_time - m.arrival_time}
-
     async def is_alive(self) -> bool:
-        return self.async_engine._thread.is_alive()
+        return self.async_engine.is_alive()
 
     async def is_ready(self) -> bool:
         return self.accepting and await self.is_alive()
+
+    async def start(self) -> None:
+        """Nothing to learn: the engine's limits were read at construction."""
 
     async def close(self) -> None:
         self.async_engine.shutdown()
@@ -260,14 +253,13 @@ class LocalEngineClient:
             return False
 
     def stats(self) -> dict:
-        snap = self.async_engine.metrics()
-        snap.update(self.async_engine.budget_state())
+        snap = self.async_engine.stats().to_dict()
         snap.update(hardware_class=self.hardware_class, pending=self.num_pending, accepting=self.accepting,
                     refused=self.num_refused, max_pending=self.max_pending)
-        table = self.async_engine.engine.calibration
+        table = self.async_engine.calibration
         if self._checked_table is not table:  # recomputed only when the table object changes
             self._checked_table = table
-            self._mismatch = ",".join(calibration_mismatch(self.async_engine.engine, self.hardware_class))
+            self._mismatch = ",".join(calibration_mismatch(self.async_engine, self.hardware_class))
         snap["calibration_mismatch"] = self._mismatch   # e.g. "dtype,tp_size"; "" when the table matches
         return snap
 
@@ -278,3 +270,13 @@ class LocalEngineClient:
 def default_max_pending(max_num_seqs: int) -> int:
     """Engine requests a replica admits by default: its running batch and three batches queued."""
     return 4 * max_num_seqs
+
+
+def model_tokenizer(model_path: str):
+    """The checkpoint folder's tokenizer (None when it has none)."""
+    path = resolve_repo_path(model_path)
+    if not os.path.exists(os.path.join(path, "tokenizer.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

@@ -1,7 +1,7 @@
 """The OpenAI app's error type and the pure-ASGI middlewares that run before any route.
 
 Pure ASGI (not ``BaseHTTPMiddleware``), so streaming responses and disconnects pass through untouched.
-Outermost first, as ``deployments.ingress.build_app`` stacks them:
+Outermost first, as ``deployments.ingress.openai_app`` stacks them:
 
   RequestClock   stamps the request's arrival (``scope["state"][ARRIVAL_KEY]``, ``time.monotonic()``)
                  before anything else runs, and counts /v1 responses by status

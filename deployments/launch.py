@@ -179,12 +179,12 @@ def _serve_without_ray(cfg, host: str, port: int, url: str, name: str) -> int:
     from bole.engine.async_engine import AsyncEngine
     from bole.llm import build_engine
     from deployments.engine_client import LocalEngineClient
-    from deployments.ingress import build_app
+    from deployments.ingress import openai_app
 
     group = cfg.groups[0]
     engine = build_engine(cfg.model, **{**group.engine_options, "calibration_table": group.calibration_table})
     client = LocalEngineClient(AsyncEngine(engine), group.max_pending)
-    app = build_app(client, name, api_key=os.environ.get(cfg.api_key_env, ""),
+    app = openai_app(client, name, api_key=os.environ.get(cfg.api_key_env, ""),
                     max_body_bytes=cfg.max_body_bytes, default_max_tokens=cfg.default_max_tokens,
                     request_timeout_s=cfg.request_timeout_s, protect_metrics=cfg.protect_metrics or None)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",

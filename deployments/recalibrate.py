@@ -50,6 +50,7 @@ from dataclasses import asdict, dataclass
 
 from bole.recalibration import TableChecks
 from deployments import surge
+from deployments.checks import require_at_least
 from deployments.recalibrate_report import ClassReport, ReplicaEvent, RollingReport, bucket_rows, format_report
 
 logger = logging.getLogger(__name__)
@@ -73,9 +74,8 @@ class RollingOptions:
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        for name in ("drain_timeout_s", "sweep_timeout_s", "control_timeout_s", "surge_timeout_s", "settle_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        require_at_least(self, 0, "drain_timeout_s", "sweep_timeout_s", "control_timeout_s", "surge_timeout_s",
+                         "settle_s")
 
 
 def _write_table(table: dict, table_dir: str, deployment: str, replica_id: str) -> str:

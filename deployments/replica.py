@@ -1,4 +1,5 @@
-"""The Bole replica deployment (one engine per replica) and the ingress-side client that reaches it.
+"""The Bole replica deployment: one engine per replica (the ingress reaches it through
+``deployments.serve_client.ServeEngineClient``).
 
 ``BoleReplica`` is a plain class; ``deployments.app`` turns it into a Serve deployment with the
 options of its hardware group (resources, autoscaling, ``request_router_config``). It offers:
@@ -18,7 +19,7 @@ options of its hardware group (resources, autoscaling, ``request_router_config``
                              any token and the ingress retries it elsewhere with backoff,
                              ``deployments.retry``), wait for in-flight ones; resume admits again
   recalibrate(quick, checks)  re-sweep the calibration table on this replica's engine between steps
-                          (``AsyncEngine.run_exclusive``; two sweeps, validated by
+                          (``AsyncEngine.recalibrate``; two sweeps, validated by
                           ``bole.recalibration``) and return it without installing it; the rolling
                           job (deployments.recalibrate) calls it on a drained replica
   set_calibration(table)  install a table (mapping) without a redeploy
@@ -47,23 +48,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 
+from bole.cache.block_hash import prefix_block_hashes
 from bole.engine.async_engine import AsyncEngine
 from bole.hardware import resolve_calibration
 from bole.llm import build_engine, resolve_repo_path
 from bole.spec.budget import CalibrationTable
 from deployments.engine_client import (
-    EngineUnavailable,
     LocalEngineClient,
     SubRequest,
-    engine_limits,
     hardware_class,
-    unwrap_remote_error,
+    model_tokenizer,
     warn_if_mismatched,
 )
-from deployments.retry import RetryPolicy, retryable
-from deployments.routing_policy import PrefixSummary, prefix_block_hashes
+from deployments.routing_policy import PrefixSummary
 
 logger = logging.getLogger(__name__)
 
@@ -80,10 +78,12 @@ class BoleReplica:
             engine.tokenizer = model_tokenizer(model_path)
         else:
             engine = build_engine(model_path, **options)
-        self.hardware_class = hardware_class(engine.config.device) if hardware == "auto" else hardware
+        limits = engine.limits()
+        self.hardware_class = hardware_class(limits.device) if hardware == "auto" else hardware
         self.replica_id = _replica_id()
-        self.client = LocalEngineClient(AsyncEngine(engine), max_pending, self.hardware_class, self.replica_id)
-        self.block_size = engine.config.cache.block_size
+        self.engine = AsyncEngine(engine)
+        self.client = LocalEngineClient(self.engine, max_pending, self.hardware_class, self.replica_id)
+        self.block_size = limits.block_size
         self.prefix = PrefixSummary(prefix_summary_blocks)
         self.model_path, self.drain_timeout_s, self.tp_size = model_path, drain_timeout_s, tp_size
         self.model_name = os.path.basename(os.path.normpath(model_path))  # the id recalibrated tables carry
@@ -102,8 +102,9 @@ class BoleReplica:
             yield item
 
     def info(self) -> dict:
-        max_model_len, vocab_size = engine_limits(self.client.async_engine.engine)
-        return {"max_model_len": max_model_len, "vocab_size": vocab_size, "block_size": self.block_size,
+        limits = self.engine.limits()
+        return {"max_model_len": limits.max_model_len, "vocab_size": limits.vocab_size,
+                "block_size": self.block_size,
                 "max_choices": self.client.max_choices,
                 "hardware_class": self.hardware_class, "model_path": self.model_path,
                 "replica_id": self.replica_id, "tp_size": self.tp_size}
@@ -114,10 +115,7 @@ class BoleReplica:
     def _cached_prefix_blocks(self) -> list[int]:
         """The engine prefix cache's block chain hashes (same hashing as the router), read between
         steps; [] when the engine has no prefix cache (or is a TP driver, which does not expose it)."""
-        aeng = self.client.async_engine
-        if not hasattr(aeng.engine, "cached_prefix_hashes"):
-            return []
-        return aeng.run_exclusive(lambda e: e.cached_prefix_hashes(self.prefix.capacity))
+        return self.engine.cached_prefix_hashes(self.prefix.capacity)
 
     def record_routing_stats(self) -> dict:
         stats = self.client.stats()
@@ -137,13 +135,13 @@ class BoleReplica:
         table = (user_config or {}).get("calibration_table")
         if table is None:
             return
-        engine = self.client.async_engine.engine
         if isinstance(table, dict):
             loaded = CalibrationTable.from_dict(table)
         else:  # a path, or "auto": by hardware class and model shapes (bole.hardware)
             hw = self.hardware_class if self.hardware_class != "cpu" else None
-            loaded = resolve_calibration(resolve_repo_path(str(table)), engine.model.config,
-                                         engine.config.device, engine.config.dtype, hardware=hw)
+            limits = self.engine.limits()
+            loaded = resolve_calibration(resolve_repo_path(str(table)), self.engine.model_config,
+                                         limits.device, limits.dtype, hardware=hw)
         self._install(loaded)
 
     async def drain(self, timeout_s: float | None = None, target_replica: str | None = None) -> bool:
@@ -161,24 +159,16 @@ class BoleReplica:
         return {"replica_id": self.replica_id, "table_id": stats["table_id"], "accepting": self.client.accepting,
                 "pending": self.client.num_pending, "hardware_class": self.hardware_class,
                 "finished": int(stats.get("finished", 0)), "mismatch": stats["calibration_mismatch"],
-                "table": self.client.async_engine.engine.calibration.to_dict()}
+                "table": self.engine.calibration.to_dict()}
 
     async def recalibrate(self, quick: bool = True, checks=None, target_replica: str | None = None) -> dict:
         """Re-sweep this replica's table between engine steps (``bole.recalibration.recalibrate``:
         two sweeps, validated with ``checks``, a ``TableChecks``) without installing it; returns the
         new and the old table (mappings). Raises ``RecalibrationError`` if a check refuses it."""
-        from bole.recalibration import recalibrate
-
         self._check_target(target_replica)
-        old = self.client.async_engine.engine.calibration
-        kw = dict(checks=checks, hardware=self.hardware_class, model_name=self.model_name)
-
-        def run(engine):
-            if self.tp_size > 1:  # every rank sweeps at once (the forwards all-reduce)
-                return engine.recalibrate(quick, **kw)
-            return recalibrate(engine, quick=quick, install=False, **kw)
-
-        new = await asyncio.to_thread(self.client.async_engine.run_exclusive, run)
+        old = self.engine.calibration
+        new = await asyncio.to_thread(self.engine.recalibrate, quick, checks=checks, hardware=self.hardware_class,
+                                      model_name=self.model_name)
         logger.info("recalibrated %s: %s -> %s (not installed yet)", self.replica_id, old.table_id, new.table_id)
         return {"replica_id": self.replica_id, "old_table_id": old.table_id, "table_id": new.table_id,
                 "table": new.to_dict(), "old_table": old.to_dict()}
@@ -189,9 +179,9 @@ class BoleReplica:
 
     def _install(self, table: CalibrationTable) -> str:
         """Swap the table between engine steps; warn loudly if it does not describe this replica."""
-        self.client.async_engine.set_calibration(table)
+        self.engine.set_calibration(table)
         logger.info("replica %s: calibration table %s installed", self.replica_id, table.table_id)
-        warn_if_mismatched(self.client.async_engine.engine, self.hardware_class, f"replica {self.replica_id}")
+        warn_if_mismatched(self.engine, self.hardware_class, f"replica {self.replica_id}")
         return table.table_id
 
     async def check_health(self) -> None:
@@ -200,10 +190,7 @@ class BoleReplica:
 
     async def __del__(self):
         await self.client.drain(self.drain_timeout_s)
-        self.client.async_engine.shutdown()
-        engine = self.client.async_engine.engine
-        if hasattr(engine, "shutdown"):  # TP workers and their placement group
-            engine.shutdown()
+        self.engine.shutdown()   # the step loop, then the engine (TP workers and their placement group)
 
 
 def _replica_id() -> str:
@@ -214,140 +201,3 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # noqa: BLE001 - not running inside a Serve replica
         return "local"
-
-
-class ServeEngineClient:
-    """``EngineClient`` over Serve handles to one replica deployment per hardware group.
-
-    With several groups, the group is chosen with the routing policy over the whole fleet view
-    (``routing_policy.FLEET``, every replica's stats as the deployments' routers see them); the group's
-    ``BoleRequestRouter`` then picks the replica with the same policy. Before any stats exist the
-    group with the fewest requests in flight from here is used.
-
-    One HTTP request is one ``generate_many`` call (see ``deployments.engine_client``). A call that
-    a replica refuses before any output (draining, or the replica is gone) is sent again after a
-    jittered exponential backoff (``retry``: ``deployments.retry.RetryPolicy``), the refusing
-    replica marked so the routers skip it; past the policy's attempts or budget the client gets a
-    clean 503 with ``Retry-After``.
-    """
-
-    def __init__(self, handles: dict, tokenizer, policy=None, retry: RetryPolicy | None = None):
-        from deployments.routing_policy import RouterPolicyConfig
-
-        self.retry = retry or RetryPolicy()
-        self.handles = handles
-        self.tokenizer = tokenizer
-        self.policy = policy or RouterPolicyConfig()
-        self.max_model_len = 0
-        self.vocab_size = 0
-        self.max_choices = 1
-        self.in_flight = {name: 0 for name in handles}
-
-    async def start(self) -> None:
-        infos = await asyncio.gather(*(h.info.remote() for h in self.handles.values()))
-        # the fleet serves one model; the smallest capacity bounds what every group can take
-        self.max_model_len = min(i["max_model_len"] for i in infos)
-        self.vocab_size = min(i["vocab_size"] for i in infos)
-        self.max_choices = min(i["max_choices"] for i in infos)
-
-    def _pick(self, prompt_token_ids: list[int]) -> str:
-        from deployments.router import view_from_stats
-        from deployments.routing_policy import FLEET, choose_replicas
-
-        if len(self.handles) == 1:
-            return next(iter(self.handles))
-        fleet = {d: r for d, r in FLEET.stats().items() if d in self.handles}
-        owner, views = {}, []
-        for dep, replicas in fleet.items():
-            for rid, stats in replicas.items():
-                if stats.get("accepting", True):  # a draining replica (recalibration, shutdown) is skipped
-                    owner[rid] = dep
-                    views.append(view_from_stats(rid, stats, None, set(stats.get("prefix_blocks") or [])))
-        if views:
-            hashes = prefix_block_hashes(prompt_token_ids, self.policy.block_size)
-            ranks = choose_replicas(hashes, views, self.policy).ranks
-            if ranks:
-                return owner[ranks[0][0]]
-        # a class whose every replica is draining takes nothing while another class can
-        open_groups = [d for d in self.handles if d not in fleet or d in owner.values()] or list(self.handles)
-        return min(open_groups, key=lambda d: self.in_flight[d])
-
-    async def generate_many(self, subs):
-        """Stream (index, output) from a replica of the chosen group, retrying refusals (above)."""
-        from deployments.routing_policy import FLEET
-
-        if not self.max_model_len:
-            raise EngineUnavailable("the ingress has not reached the replicas yet")
-        subs = list(subs)
-        waits = self.retry.delays()
-        attempts, start = 0, time.monotonic()
-        while True:
-            name = self._pick(subs[0].prompt_token_ids)
-            self.in_flight[name] += len(subs)
-            stream = self.handles[name].options(stream=True).generate_many.remote(subs)
-            attempts += 1
-            started = complete = False
-            try:
-                async for item in stream:
-                    started = True
-                    yield item
-                complete = True
-                return
-            except Exception as e:
-                refusal = unwrap_remote_error(e)
-                if started or not retryable(refusal):
-                    raise
-            finally:
-                self.in_flight[name] -= len(subs)
-                if not complete:
-                    stream.cancel()   # the replica's generator is cancelled and aborts the engine requests
-            replica = getattr(refusal, "replica_id", None)
-            if replica:
-                FLEET.mark_refused(replica, self.retry.refused_ttl_s)
-            wait = next(waits, None)
-            if wait is None:
-                raise EngineUnavailable(
-                    f"no replica accepted the request: {attempts} attempts over {time.monotonic() - start:.1f} s "
-                    f"(the last: {type(refusal).__name__}: {refusal})",
-                    retry_after_s=getattr(refusal, "retry_after_s", 1.0)) from None
-            logger.info("request %s refused by %s (%s); again in %.2f s", subs[0].request_id,
-                        replica or name, type(refusal).__name__, wait)
-            await asyncio.sleep(wait)
-
-    async def is_alive(self) -> bool:
-        return bool(self.max_model_len)
-
-    async def is_ready(self) -> bool:
-        if not self.max_model_len:
-            return False
-        try:
-            oks = await asyncio.gather(*(h.is_ready.remote() for h in self.handles.values()))
-        except Exception:
-            return False
-        return any(oks)
-
-    async def fleet_stats(self) -> list[dict]:
-        from deployments.routing_policy import FLEET
-
-        fleet = FLEET.stats()
-        out = []
-        for dep in self.handles:
-            for rid, stats in fleet.get(dep, {}).items():
-                if stats:
-                    out.append({"replica": rid, "deployment": dep,
-                                **{k: v for k, v in stats.items() if k != "prefix_blocks"}})
-        if not out:  # no router has seen stats yet: ask one replica per group
-            stats = await asyncio.gather(*(h.stats.remote() for h in self.handles.values()))
-            out = [{"replica": f"{dep}/?", "deployment": dep, **s}
-                   for dep, s in zip(self.handles, stats, strict=True)]
-        return out
-
-
-def model_tokenizer(model_path: str):
-    """The checkpoint folder's tokenizer (None when it has none)."""
-    path = resolve_repo_path(model_path)
-    if not os.path.exists(os.path.join(path, "tokenizer.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)

@@ -1,11 +1,11 @@
 """Retrying a request that a replica refused before producing anything (draining, or gone).
 
 Nothing was generated, so sending it again loses and repeats nothing. The ingress
-(``deployments.replica.ServeEngineClient``) waits between attempts with jittered exponential
+(``deployments.serve_client.ServeEngineClient``) waits between attempts with jittered exponential
 backoff and gives up after ``max_attempts`` or ``budget_s``, whichever comes first, with a clean 503
-and ``Retry-After``. The refusing replica is also marked in ``routing_policy.FLEET`` so the routers
-skip it until its own stats catch up (``refused_ttl_s``): the retry goes to another replica instead
-of the same one again.
+and ``Retry-After``. The refusing replica is also marked in the fleet view
+(``routing_policy.FleetView.mark_refused``) so the routers skip it until its own stats catch up: the
+retry goes to another replica instead of the same one again.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from typing import Iterator
+
+from deployments.checks import require_at_least
 
 # Ray's errors for a replica that died or cannot be reached: retried like a refusal when nothing
 # was streamed yet (matched by name: ray.exceptions is not imported where Ray is absent).
@@ -30,13 +32,12 @@ class RetryPolicy:
     max_delay_s: float = 2.0
     budget_s: float = 30.0
     max_attempts: int = 12
-    refused_ttl_s: float = 5.0
 
     def __post_init__(self):
         if not 0 < self.base_s <= self.max_delay_s:
             raise ValueError(f"need 0 < base_s <= max_delay_s, got {self.base_s}, {self.max_delay_s}")
-        if self.budget_s < 0 or self.max_attempts < 1 or self.refused_ttl_s < 0:
-            raise ValueError(f"budget_s, refused_ttl_s must be >= 0 and max_attempts >= 1: {self}")
+        require_at_least(self, 0, "budget_s")
+        require_at_least(self, 1, "max_attempts")
 
     def delays(self, rng: random.Random | None = None) -> Iterator[float]:
         """The waits before attempts 2, 3, ..., within the budget (max_attempts - 1 at most)."""

@@ -18,13 +18,15 @@ requests sharing a prefix sticks to one replica before its next stats report.
 
 Draining replicas (``accepting: False`` in their stats: being drained for recalibration or shutdown)
 are routed around while any other replica is available, and so are replicas that just refused a
-request (``routing_policy.FLEET.mark_refused``, set by the ingress's retry before the stats catch up).
+request (``FleetView.mark_refused``, set by the ingress's retry before the stats catch up).
 Control calls that name a replica
 (``target_replica=<unique id>`` keyword, used by ``deployments.recalibrate``) go to exactly that replica.
 
 The router instance lives in the caller's process (the ingress replica). It publishes every
-replica's stats into ``routing_policy.FLEET``, the one fleet view of that process: the ingress
-reads it to pick a deployment (hardware class) in a mixed fleet with the same policy, and to export /metrics.
+replica's stats into that process's fleet view (``routing_policy.process_fleet()``, taken once at
+construction: Serve builds routers from config kwargs only): the ingress's client, given the same
+view, reads it to pick a deployment (hardware class) in a mixed fleet with the same policy, and to
+export /metrics.
 """
 
 from __future__ import annotations
@@ -34,13 +36,13 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from bole.cache.block_hash import prefix_block_hashes
 from deployments import routing_policy
 from deployments.routing_policy import (
     PrefixSummary,
     ReplicaView,
     RouterPolicyConfig,
     choose_replicas,
-    prefix_block_hashes,
 )
 
 logger = logging.getLogger(__name__)
@@ -84,6 +86,8 @@ class BoleRequestRouter(RequestRouter):
         self._routed: dict[str, PrefixSummary] = {}
         self._reported: dict[str, tuple[int, set]] = {}   # replica -> (id of the stats list, its set)
         self.decisions: dict[str, int] = {}
+        # through the module: Serve pickles this class by value, a module reference stays shared
+        self.fleet = routing_policy.process_fleet()
 
     # -- views ------------------------------------------------------------------------------------
     def _cached(self, rid: str, stats: dict) -> _Cached:
@@ -106,7 +110,7 @@ class BoleRequestRouter(RequestRouter):
         target = pending_request.kwargs.get("target_replica") if pending_request is not None else None
         if target is not None:  # a control call for one replica; none listed yet: back off, retry
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
-        refused = routing_policy.FLEET.refused()
+        refused = self.fleet.refused()
         accepting = [r for r in candidate_replicas if (r.routing_stats or {}).get("accepting", True)
                      and r.replica_id.unique_id not in refused]
         candidate_replicas = accepting or candidate_replicas
@@ -130,6 +134,5 @@ class BoleRequestRouter(RequestRouter):
             for rid in list(table):
                 if rid not in live:
                     del table[rid]
-        # through the module: Serve pickles this class by value, a module reference stays shared
-        routing_policy.FLEET.publish(self._deployment_id.name,
-                      {r.replica_id.unique_id: dict(r.routing_stats or {}) for r in replicas})
+        self.fleet.publish(self._deployment_id.name,
+                           {r.replica_id.unique_id: dict(r.routing_stats or {}) for r in replicas})

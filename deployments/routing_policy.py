@@ -33,8 +33,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-# the router's prompt hashes are the prefix cache's own chain hashes (one definition of the wire contract)
-from bole.cache.block_hash import prefix_block_hashes as prefix_block_hashes
+from deployments.checks import require_at_least
 
 
 class PrefixSummary:
@@ -95,13 +94,10 @@ class RouterPolicyConfig:
     comparable_load_slack: int = 1
 
     def __post_init__(self):
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        require_at_least(self, 1, "block_size")
         if not 0 < self.match_rate_threshold <= 1:
             raise ValueError(f"match_rate_threshold must be in (0, 1], got {self.match_rate_threshold}")
-        for name in ("imbalance_threshold", "affinity_load_slack", "comparable_load_slack"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        require_at_least(self, 0, "imbalance_threshold", "affinity_load_slack", "comparable_load_slack")
 
 
 @dataclass(frozen=True)
@@ -166,16 +162,20 @@ def choose_replicas(prompt_hashes: Sequence[int], replicas: Sequence[ReplicaView
 class FleetView:
     """Latest routing stats of every replica, by deployment, as seen by this process's routers, and
     the replicas that refused a request lately (``mark_refused``: draining, before their next stats
-    report says so), which the routers skip while another replica is available."""
+    report says so), which the routers skip for ``refused_ttl_s`` while another replica is available
+    (long enough for the replica's stats, reported every ``request_routing_stats_period_s``, to say it)."""
 
-    def __init__(self):
+    def __init__(self, refused_ttl_s: float = 5.0):
+        if refused_ttl_s < 0:
+            raise ValueError(f"refused_ttl_s must be >= 0, got {refused_ttl_s!r}")
+        self.refused_ttl_s = refused_ttl_s
         self._lock = threading.Lock()
         self._stats: dict[str, dict[str, dict]] = {}
         self._refused: dict[str, float] = {}   # replica id -> until when (time.monotonic()) to skip it
 
-    def mark_refused(self, replica_id: str, ttl_s: float) -> None:
+    def mark_refused(self, replica_id: str) -> None:
         with self._lock:
-            self._refused[replica_id] = time.monotonic() + ttl_s
+            self._refused[replica_id] = time.monotonic() + self.refused_ttl_s
 
     def refused(self) -> set[str]:
         now = time.monotonic()
@@ -193,4 +193,13 @@ class FleetView:
             return {d: dict(r) for d, r in self._stats.items()}
 
 
-FLEET = FleetView()
+# Serve constructs each RequestRouter itself, from serialisable ``request_router_kwargs`` only, so a
+# FleetView object cannot be handed to it: this per-process registry is the one way in. Routers take
+# it once, at construction (``BoleRequestRouter.initialize_state``); everything else (the ingress's
+# ``ServeEngineClient``) is given it as a constructor argument.
+_PROCESS_FLEET = FleetView()
+
+
+def process_fleet() -> FleetView:
+    """This process's fleet view: the one its routers publish into and its ingress reads."""
+    return _PROCESS_FLEET

@@ -5,12 +5,12 @@
         TPWorker rank 0 ... rank n-1   Ray actors, one per placement-group bundle, each holding one
                                        rank's LLMEngine (its weight slice, caches of its local heads)
 
-``TPEngine`` has the surface of ``LLMEngine`` that ``AsyncEngine``, ``LocalEngineClient`` and the
-replica use. ``add_request`` / ``abort`` / ``step`` go to every worker (``bole.parallel`` explains why
-identical calls give identical tokens); ``step`` returns rank 0's outputs after checking that every
+``TPEngine`` implements ``bole.engine.core.EngineCore``, as ``LLMEngine`` does. ``add_request`` /
+``abort`` / ``step`` go to every worker (``bole.parallel`` explains why identical calls give
+identical tokens); ``step`` returns rank 0's outputs after checking that every
 rank emitted the same tokens (a divergence would mean a bug, and fails loudly). Unseeded requests
 get their seed here, before fan-out, so stochastic sampling agrees across ranks too. Rank 0 also
-returns the small scheduler summary (running / waiting requests, metrics) the routing stats need.
+returns its ``EngineStats`` (running / waiting requests, metrics, budget state) with every step.
 
 Placement: the workers go into a STRICT_PACK placement group of ``tp_size`` bundles (one node, so the
 process group binds 127.0.0.1). Under Serve with ``placement_group_bundles`` the replica actor
@@ -29,11 +29,12 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import replace
-from types import SimpleNamespace
 
 import ray
 
 from bole.config import EngineConfig
+from bole.engine.core import EngineLimits, EngineStats
+from bole.engine.engine import RequestOutput
 from bole.sampling_params import SamplingParams
 from bole.spec.budget import CalibrationTable
 
@@ -66,8 +67,8 @@ class TPWorker:
         # every rank decodes text: stop strings end requests, and all ranks must end them alike
         self.engine = build_engine(model_path, tokenizer=True, tp_rank=self.rank,
                                    tp_group=group.group, **{**engine_options, "tp_size": self.tp_size})
-        return {"calibration": self.engine.calibration.to_dict(),
-                "capacity_tokens": self.engine.capacity_tokens, "lookahead": self.engine.lookahead}
+        return {"calibration": self.engine.calibration.to_dict(), "limits": self.engine.limits(),
+                "stats": self.engine.stats()}
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> str:
         return self.engine.add_request(prompt_token_ids, params, request_id)
@@ -80,35 +81,20 @@ class TPWorker:
         for out in outputs:
             if out.finished:  # the driver keeps what it needs; free the finished request here
                 self.engine.pop_finished(out.request_id)
-        state = {"outputs": outputs}
-        if self.rank == 0:
-            sched = self.engine.scheduler
-            state.update(running=[(r.request_id, r.num_computed) for r in sched.running],
-                         waiting=[r.request_id for r in sched.waiting],
-                         metrics=self.engine.metrics.snapshot())
-        return state
+        return {"outputs": outputs, "stats": self.engine.stats() if self.rank == 0 else None}
 
     def recalibrate(self, quick: bool = True, **kw) -> dict:
         """Sweep on this rank (every rank at once: the forwards all-reduce) without installing; the
         table or the error (``bole.recalibration.recalibrate``'s keywords)."""
-        from bole.recalibration import recalibrate
-
         try:
-            return {"table": recalibrate(self.engine, quick=quick, install=False, **kw).to_dict()}
+            return {"table": self.engine.recalibrate(quick, **kw).to_dict()}
         except Exception as e:  # noqa: BLE001 - reported to the driver, which keeps the old table
             return {"error": f"{type(e).__name__}: {e}"}
 
-    def set_calibration(self, table: dict) -> str:
+    def set_calibration(self, table: dict) -> EngineStats:
+        """Install ``table``; this rank's stats under it (the budget state changes with the table)."""
         self.engine.calibration = CalibrationTable.from_dict(table)
-        return self.engine.calibration.table_id
-
-
-class _Metrics:
-    def __init__(self):
-        self.last: dict = {}
-
-    def snapshot(self) -> dict:
-        return dict(self.last)
+        return self.engine.stats()
 
 
 class TPEngine:
@@ -127,8 +113,7 @@ class TPEngine:
         options = {k: v for k, v in engine_options.items() if k != "tp_size"}
         self.config = EngineConfig.from_options(**options, tp_size=tp_size)
         self.tp_size = tp_size
-        _, model_cfg = read_config(resolve_repo_path(model_path))
-        self.model = SimpleNamespace(config=model_cfg)   # what the replica reads (vocab, shapes)
+        _, self._model_config = read_config(resolve_repo_path(model_path))
         on_gpu = self.config.device.startswith("cuda")
         worker_options = {"num_cpus": 1, "num_gpus": 1 if on_gpu else 0, **(worker_options or {})}
 
@@ -152,14 +137,29 @@ class TPEngine:
         port = ray.get(self.workers[0].pick_port.remote(), timeout=ready_timeout_s)
         infos = ray.get([w.setup.remote(port, model_path, options) for w in self.workers],
                         timeout=ready_timeout_s)
-        self.capacity_tokens, self.lookahead = infos[0]["capacity_tokens"], infos[0]["lookahead"]
+        self._limits, self._stats = infos[0]["limits"], infos[0]["stats"]
         self._calibration = CalibrationTable.from_dict(infos[0]["calibration"])
         self.tokenizer = None
-        self.metrics = _Metrics()
-        self.scheduler = SimpleNamespace(running=[], waiting=[])
         self._unfinished: set[str] = set()
         self._ids = 0
         logger.info("TP engine up: %d ranks of %s", tp_size, model_path)
+
+    @property
+    def model_config(self):
+        return self._model_config
+
+    def limits(self) -> EngineLimits:
+        return self._limits
+
+    def stats(self) -> EngineStats:
+        """Rank 0's stats as of the last step (every rank schedules alike)."""
+        return self._stats
+
+    def request_timings(self, request_id: str) -> dict:
+        return {}  # the ranks keep their requests' clocks; the driver does not fetch them per token
+
+    def cached_prefix_hashes(self, limit: int | None = None) -> list[int]:
+        return []  # rank 0's prefix cache stays on its worker; the replica falls back to recent prompts
 
     # -- calibration: one table on every rank -------------------------------------------------------
     @property
@@ -168,7 +168,7 @@ class TPEngine:
 
     @calibration.setter
     def calibration(self, table: CalibrationTable) -> None:
-        ray.get([w.set_calibration.remote(table.to_dict()) for w in self.workers])
+        self._stats = ray.get([w.set_calibration.remote(table.to_dict()) for w in self.workers])[0]
         self._calibration = table
 
     def recalibrate(self, quick: bool = True, **kw) -> CalibrationTable:
@@ -191,7 +191,7 @@ class TPEngine:
             request_id, self._ids = f"tp-req-{self._ids}", self._ids + 1
         refs = [w.add_request.remote(prompt_token_ids, params, request_id) for w in self.workers]
         try:
-            ray.get(refs[0])  # validation errors (ValueError) come from rank 0 ...
+            ray.get(refs[0])  # validation errors (InvalidRequest) come from rank 0 ...
         except ray.exceptions.RayTaskError as e:
             ray.wait(refs[1:], num_returns=len(refs) - 1)  # ... and every rank raised the same one
             raise e.as_instanceof_cause() from None
@@ -210,7 +210,7 @@ class TPEngine:
     def pop_finished(self, request_id: str):
         return None  # workers free finished requests as they finish
 
-    def step(self):
+    def step(self) -> list[RequestOutput]:
         states = ray.get([w.step.remote() for w in self.workers])
         outputs = states[0]["outputs"]
         emitted = [[(o.request_id, o.new_token_ids, o.finished) for o in s["outputs"]] for s in states]
@@ -219,11 +219,7 @@ class TPEngine:
         for out in outputs:
             if out.finished:
                 self._unfinished.discard(out.request_id)
-        head = states[0]
-        self.scheduler = SimpleNamespace(
-            running=[SimpleNamespace(request_id=r, num_computed=n) for r, n in head["running"]],
-            waiting=[SimpleNamespace(request_id=r) for r in head["waiting"]])
-        self.metrics.last = head["metrics"]
+        self._stats = states[0]["stats"]
         return outputs
 
     def shutdown(self) -> None:

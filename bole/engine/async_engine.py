@@ -9,7 +9,7 @@ serving others.
 The event loop never waits for a step. A step holds the engine lock for its whole length (tens of
 milliseconds on a GPU, seconds on a loaded CPU, unbounded if a kernel hangs), so adding, aborting
 and releasing requests go through an inbox the engine thread applies between steps, and
-``metrics()`` / ``budget_state()`` read a snapshot the engine thread publishes after every step.
+``stats()`` reads the ``EngineStats`` the engine thread publishes after every step.
 Had the loop taken the lock itself, one slow step would stall every stream, /metrics, and the
 deadline that is meant to end a stuck request.
 """
@@ -18,27 +18,33 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
 import threading
 from typing import AsyncIterator
 
-from bole.engine.engine import LLMEngine, RequestOutput
+from bole.engine.core import EngineCore, EngineLimits, EngineStats
+from bole.engine.engine import RequestOutput
 from bole.sampling_params import SamplingParams
+from bole.spec.budget import CalibrationTable
 
 logger = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    """Drives any ``EngineCore`` (``bole.engine.core``) from one thread, for asyncio callers."""
+
+    def __init__(self, engine: EngineCore):
         self.engine = engine
+        self._limits = engine.limits()
         self._lock = threading.Lock()          # held by a step, run_exclusive and set_calibration
         self._inbox: collections.deque = collections.deque()   # ("add" | "abort" | "release", ...)
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self._stopped = False
-        self._snapshot: tuple[dict, dict] = ({}, {})
+        self._stats = EngineStats()
         self._batch = self._peak_batch = 0     # requests in the last step, and the most in one step
         with self._lock:
             self._publish()
@@ -58,7 +64,7 @@ class AsyncEngine:
         self._send("add", rid, list(prompt_token_ids), params, loop, queue, added)
         finished = False
         try:
-            await added  # ValueError on bad input, raised by the engine's add_request
+            await added  # InvalidRequest on bad input, raised by the engine's add_request
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -75,20 +81,44 @@ class AsyncEngine:
         """Abort a request (between steps; returns at once)."""
         self._send("abort", request_id)
 
-    def metrics(self) -> dict:
-        """The engine's metrics as of its last step, with the running / waiting counts."""
-        return dict(self._snapshot[0])
+    def stats(self) -> EngineStats:
+        """The engine's metrics, queue and budget state as of its last step (never waits for one)."""
+        return self._stats
 
-    def budget_state(self) -> dict:
-        """Where the batch stands in the calibration table, for routing (as of the last step): the
-        current bucket and its B_ver, and the B_ver per request the batch would get with one more."""
-        return dict(self._snapshot[1])
+    def limits(self) -> EngineLimits:
+        return self._limits
 
-    def set_calibration(self, table) -> None:
+    def request_timings(self, request_id: str) -> dict:
+        """A request's prefill and queue times once it has its first token (``EngineCore``)."""
+        return self.engine.request_timings(request_id)
+
+    def is_alive(self) -> bool:
+        """Whether the step loop runs."""
+        return self._thread.is_alive()
+
+    @property
+    def model_config(self):
+        """The model's shapes (what a calibration table is checked against)."""
+        return self.engine.model_config
+
+    @property
+    def calibration(self) -> CalibrationTable:
+        return self.engine.calibration
+
+    def set_calibration(self, table: CalibrationTable) -> None:
         """Swap the calibration table between steps (``reconfigure`` without a restart)."""
         with self._lock:
             self.engine.calibration = table
             self._publish()
+
+    def recalibrate(self, quick: bool = True, **kw) -> CalibrationTable:
+        """The engine's ``recalibrate`` between two steps (blocking: call it through
+        ``asyncio.to_thread``); the new table, not installed."""
+        return self.run_exclusive(lambda e: e.recalibrate(quick, **kw))
+
+    def cached_prefix_hashes(self, limit: int | None = None) -> list[int]:
+        """The engine prefix cache's block chain hashes, read between steps (blocking)."""
+        return self.run_exclusive(lambda e: e.cached_prefix_hashes(limit))
 
     def run_exclusive(self, fn):
         """Run ``fn(engine)`` in the calling thread between two steps (the step loop waits meanwhile).
@@ -100,9 +130,11 @@ class AsyncEngine:
             return fn(self.engine)
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the step loop, then the engine (a TP driver's ranks)."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout)
+        self.engine.shutdown()
 
     # -- the engine thread --------------------------------------------------------------------------
     def _send(self, *op) -> None:
@@ -138,40 +170,29 @@ class AsyncEngine:
                 eng.pop_finished(rid)
 
     def _publish(self) -> None:
-        """Snapshot the metrics and the budget state (under the lock, between steps)."""
-        eng = self.engine
-        running, spec = eng.scheduler.running, eng.config.spec
-        snap = eng.metrics.snapshot()
-        snap["running"], snap["waiting"] = len(running), len(eng.scheduler.waiting)
-        snap["batch"], snap["peak_batch"] = self._batch, self._peak_batch
-        kv_len = max((r.num_computed for r in running), default=0)
-        n = len(running)
-        bucket, b_ver = eng.calibration.lookup(max(n, 1), kv_len, spec.depth + 1)
-        _, b_next = eng.calibration.lookup(n + 1, kv_len, spec.depth + 1)
-        budget = {"table_id": eng.calibration.table_id, "bucket": bucket, "b_ver": b_ver,
-                  "b_ver_per_request": b_next / (n + 1), "running": n, "waiting": snap["waiting"]}
-        self._snapshot = (snap, budget)
+        """Publish the engine's stats with this loop's batch sizes (under the lock, between steps)."""
+        self._stats = dataclasses.replace(self.engine.stats(), batch=self._batch, peak_batch=self._peak_batch)
 
     def _run(self) -> None:
         while True:
             self._wake.clear()   # before reading the inbox: a later _send wakes the wait below
             with self._lock:
+                self._apply_inbox()   # before stopping too: streams that ended before shutdown free their requests
                 if self._stopped:
                     return
-                self._apply_inbox()
                 busy = self.engine.has_unfinished()
                 outputs = []
                 if busy:
                     try:
                         outputs = self.engine.step()
                         # the step's batch: what still runs plus what finished in it
-                        self._batch = len(self.engine.scheduler.running) + sum(o.finished for o in outputs)
+                        self._batch = self.engine.stats().running + sum(o.finished for o in outputs)
                         self._peak_batch = max(self._peak_batch, self._batch)
                     except Exception as e:  # fail this step's requests, keep serving
                         logger.exception("engine step failed")
-                        for req in list(self.engine.scheduler.running):
-                            self.engine.abort(req.request_id)
-                            self._deliver(req.request_id, e)
+                        for rid in self.engine.stats().running_ids:
+                            self.engine.abort(rid)
+                            self._deliver(rid, e)
                 self._publish()
             for out in outputs:
                 self._deliver(out.request_id, out)

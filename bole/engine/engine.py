@@ -36,14 +36,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bole import recalibration
 from bole.cache.prefix_cache import PrefixCache
 from bole.config import EngineConfig
 from bole.engine import sampler
+from bole.engine.core import EngineLimits, EngineStats, budget_stats
 from bole.engine.graphs.tree import tree_widths
 from bole.engine.metrics import EngineMetrics, StepStats
 from bole.engine.runner import ModelRunner
 from bole.engine.scheduler import Scheduler
 from bole.engine.sequence import Request, RequestStatus
+from bole.errors import InvalidRequest
 from bole.hardware import resolve_calibration
 from bole.sampling_params import SamplingParams
 from bole.spec.budget import CalibrationTable
@@ -125,35 +128,35 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
                       request_id: str | None = None) -> None:
-        """Raise ``ValueError`` naming the problem if ``add_request`` would refuse this request; queues
+        """Raise ``InvalidRequest`` naming the problem if ``add_request`` would refuse this request; queues
         nothing (``bole.LLM.generate`` checks a whole batch before adding any of it)."""
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequest(f"params must be a SamplingParams, got {type(params).__name__}")
         if not isinstance(prompt_token_ids, (list, tuple)):
-            raise ValueError(f"prompt_token_ids must be a list of ints, got {type(prompt_token_ids).__name__}")
+            raise InvalidRequest(f"prompt_token_ids must be a list of ints, got {type(prompt_token_ids).__name__}")
         if not prompt_token_ids:
-            raise ValueError("prompt is empty: at least one token is needed")
+            raise InvalidRequest("prompt is empty: at least one token is needed")
         not_int = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool)]
         if not_int:
-            raise ValueError(f"prompt token ids must be ints, got {not_int[:5]!r} "
+            raise InvalidRequest(f"prompt token ids must be ints, got {not_int[:5]!r} "
                              f"({', '.join(sorted({type(t).__name__ for t in not_int}))})")
         V = self.model.config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < V]
         if bad:
-            raise ValueError(f"prompt token ids out of range [0, {V}): {bad[:5]}")
+            raise InvalidRequest(f"prompt token ids out of range [0, {V}): {bad[:5]}")
         P, M, L, C = len(prompt_token_ids), params.max_tokens, self.lookahead, self.capacity_tokens
         if P + M > C:
-            raise ValueError(f"prompt ({P} tokens) + max_tokens ({M}) does not fit the KV cache ({C} tokens = "
+            raise InvalidRequest(f"prompt ({P} tokens) + max_tokens ({M}) does not fit the KV cache ({C} tokens = "
                              f"num_blocks {self.config.cache.num_blocks} x block_size {self.config.cache.block_size})")
         if P + M + L > C:
             # the request fits, but not with the draft tree each speculative step reserves past it
             spec = self.config.spec
-            raise ValueError(f"prompt ({P} tokens) + max_tokens ({M}) + the tree lookahead reserved per request "
+            raise InvalidRequest(f"prompt ({P} tokens) + max_tokens ({M}) + the tree lookahead reserved per request "
                              f"({L} tokens: 1 + {self.max_draft_nodes} draft nodes for depth {spec.depth}, topk "
                              f"{spec.topk}, beam {spec.beam}) = {P + M + L} does not fit the KV cache ({C} tokens); "
                              "use a narrower tree (depth / topk / beam) or more num_blocks")
         if request_id is not None and request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -161,7 +164,7 @@ class LLMEngine:
         self.check_request(prompt_token_ids, params, request_id)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
-            raise ValueError(f"request id {rid!r} is already in use")
+            raise InvalidRequest(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         req = Request(rid, list(prompt_token_ids), params, seed, self.eos_token_ids)
         self.requests[rid] = req
@@ -177,7 +180,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished
 
     def cached_prefix_hashes(self, limit: int | None = None) -> list[int]:
-        """Chain hashes (``deployments.routing_policy.prefix_block_hashes``) of the prefix blocks this
+        """Chain hashes (``bole.cache.block_hash.prefix_block_hashes``) of the prefix blocks this
         engine has cached, least recently used first; [] without a prefix cache. For routing stats."""
         return self.prefix_cache.summary(limit) if self.prefix_cache is not None else []
 
@@ -474,3 +477,42 @@ class LLMEngine:
         if req is not None and req.status == RequestStatus.FINISHED:
             return self.requests.pop(request_id)
         return None
+
+    # -- the engine contract (bole.engine.core.EngineCore) ---------------------------------------
+    @property
+    def model_config(self):
+        return self.model.config
+
+    def stats(self) -> EngineStats:
+        """Metrics, queue and budget state as of the last step (between steps)."""
+        running = [(r.request_id, r.num_computed) for r in self.scheduler.running]
+        return budget_stats(self.metrics.snapshot(), self.calibration, self.config.spec.depth, running,
+                            len(self.scheduler.waiting))
+
+    def limits(self) -> EngineLimits:
+        """The model's positions or the KV capacity less one step's lookahead, whichever is smaller,
+        bound a request (RoPE past the trained positions is not served)."""
+        cfg = self.config
+        kv = self.capacity_tokens - self.lookahead
+        max_len = min(kv, int(getattr(self.model.config, "max_position_embeddings", kv)))
+        return EngineLimits(cfg.max_num_seqs, max_len, self.model.config.vocab_size, cfg.cache.block_size,
+                            cfg.device, cfg.dtype, cfg.tp_size)
+
+    def request_timings(self, request_id: str) -> dict:
+        """A request's engine clock at its first token: ``prefill_s`` (scheduled to first token) and
+        ``engine_queue_s`` (arrival to scheduled); {} before it. These floats are written once, so
+        they may be read while a step runs; the request stays until ``pop_finished``."""
+        req = self.requests.get(request_id)
+        m = None if req is None else req.metrics
+        if m is None or m.scheduled_time is None or m.first_token_time is None:
+            return {}
+        return {"prefill_s": m.first_token_time - m.scheduled_time,
+                "engine_queue_s": m.scheduled_time - m.arrival_time}
+
+    def recalibrate(self, quick: bool = True, **kw) -> CalibrationTable:
+        """Two validated sweeps (``bole.recalibration.recalibrate``'s keywords); the new table, not
+        installed (set ``calibration`` to install it)."""
+        return recalibration.recalibrate(self, quick=quick, install=False, **kw)
+
+    def shutdown(self) -> None:
+        """Nothing to release: the caches go with the engine object (TP drivers stop their ranks)."""

@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 
 from bole.spec.tree import PackedForest
-from kernels.limits import LAYOUT_MAX_NODES as LAYOUT_MAX_NODES  # the largest tree the kernel takes
 
 
 def tree_layout_ref(parents, num_cached, tables, block_size: int, *, forest, positions, kv_positions,

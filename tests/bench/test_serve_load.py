@@ -50,13 +50,13 @@ def test_serve_load_against_an_in_process_server(tmp_path):
     from bole.engine.async_engine import AsyncEngine
     from bole.llm import build_engine
     from deployments.engine_client import LocalEngineClient
-    from deployments.ingress import build_app
+    from deployments.ingress import openai_app
 
     model = make_tiny_model(tmp_path / "model")
     engine = build_engine(model, mode="ar", num_blocks=1024, block_size=4, max_num_seqs=4,
                           calibration_table="calibration_tables/default.yaml")
     client = LocalEngineClient(AsyncEngine(engine))
-    with UvicornThread(build_app(client, "tiny", api_key="")) as srv:
+    with UvicornThread(openai_app(client, "tiny", api_key="")) as srv:
         doc, file, table = run_bench(srv.url, tmp_path, "--workload", "mixed", "--num-requests", "8",
                                      "--turns", "3", "--request-rate", "20", "--max-tokens", "6", "--label", "ar")
         r = doc["result"]

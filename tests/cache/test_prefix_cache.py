@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bole.cache.block_hash import prefix_block_hashes
 from bole.cache.kv_cache import BlockAllocator, blocks_needed
 from bole.cache.prefix_cache import PrefixCache
 from bole.cache.state_pool import StatePool
 from bole.engine.sequence import Request
 from bole.sampling_params import SamplingParams
-from deployments.routing_policy import prefix_block_hashes
 
 B = 4
 

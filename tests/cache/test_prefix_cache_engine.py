@@ -9,13 +9,14 @@ import pytest
 import torch
 from checkpoints import make_checkpoint
 
+from bole.cache.block_hash import prefix_block_hashes
 from bole.cache.kv_cache import blocks_needed
 from bole.config import EngineConfig
 from bole.engine.engine import LLMEngine
 from bole.engine.sequence import Request
 from bole.models.loader import load_model
 from bole.sampling_params import SamplingParams
-from deployments.routing_policy import matched_blocks, prefix_block_hashes
+from deployments.routing_policy import matched_blocks
 
 MODES = ("ar", "serial_tree", "bole")
 VOCAB = 16

@@ -27,8 +27,8 @@ from bole.calibrate_sweep import SweepPlan, shapes_config
 from bole.calibrate_table import build_table, write_table
 from bole.config import EngineConfig
 from bole.engine.async_engine import AsyncEngine
-from bole.engine.graphs.decode import DecodeGraphs
 from bole.engine.engine import LLMEngine
+from bole.engine.graphs.decode import DecodeGraphs
 from bole.engine.graphs.verify import VerifyGraphs
 from bole.llm import REPO_ROOT
 from bole.models.loader import load_model

@@ -15,7 +15,7 @@ from fleet_helpers import stale_table
 from bole.engine.async_engine import AsyncEngine
 from bole.llm import build_engine
 from deployments.engine_client import LocalEngineClient
-from deployments.ingress import build_app
+from deployments.ingress import openai_app
 
 
 def table_info(url: str) -> dict:
@@ -31,7 +31,7 @@ def test_mismatched_table_warns_and_is_labelled(tiny_model, serve_app, tmp_path,
     with caplog.at_level(logging.WARNING, logger="deployments.engine_client"):
         client = LocalEngineClient(AsyncEngine(engine))   # hardware class: detected, "cpu"
     assert "CALIBRATION TABLE MISMATCH" in caplog.text and "tp_size 2 (runs 1)" in caplog.text
-    with serve_app(build_app(client, "tiny", api_key="")) as srv:
+    with serve_app(openai_app(client, "tiny", api_key="")) as srv:
         oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
         assert oai.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=2).usage.completion_tokens >= 1
         info = table_info(srv.url)

@@ -17,17 +17,17 @@ from conftest import ENGINE_OPTIONS
 from bole.engine.async_engine import AsyncEngine
 from bole.llm import build_engine
 from deployments.engine_client import LocalEngineClient
-from deployments.ingress import build_app
+from deployments.ingress import openai_app
 
 MODEL = "tiny"
 
 
 def idle(client, timeout=10.0) -> bool:
-    eng = client.async_engine.engine
+    eng = client.async_engine
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if not eng.requests and not eng.scheduler.running and not eng.scheduler.waiting \
-                and not client.num_pending:
+        stats = eng.stats()
+        if not eng.engine.requests and not stats.running and not stats.waiting and not client.num_pending:
             return True
         time.sleep(0.05)
     return False
@@ -36,7 +36,7 @@ def idle(client, timeout=10.0) -> bool:
 @pytest.fixture(scope="module")
 def server(tiny_model, serve_app):
     client = LocalEngineClient(AsyncEngine(build_engine(tiny_model, **ENGINE_OPTIONS)))
-    app = build_app(client, MODEL, api_key="", request_timeout_s=2.0)
+    app = openai_app(client, MODEL, api_key="", request_timeout_s=2.0)
     with serve_app(app) as srv:
         srv.engine_client = client
         srv.oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=30)

@@ -16,7 +16,7 @@ from bole.engine.async_engine import AsyncEngine
 from bole.llm import LLM, build_engine
 from bole.sampling_params import SamplingParams
 from deployments.engine_client import LocalEngineClient
-from deployments.ingress import build_app
+from deployments.ingress import openai_app
 
 MODEL = "tiny"
 PROMPTS = ["def add(a, b):", "import os\n", "class Point:", "for i in range(10):", "Hello world", "print("]
@@ -29,7 +29,7 @@ def make_client(path, **kw):
 @pytest.fixture(scope="module")
 def server(tiny_model, serve_app):
     client = make_client(tiny_model)
-    with serve_app(build_app(client, MODEL, api_key="")) as srv:
+    with serve_app(openai_app(client, MODEL, api_key="")) as srv:
         srv.engine_client = client
         yield srv
 
@@ -49,11 +49,11 @@ def greedy(n, **extra):
 
 
 def wait_idle(client, timeout=10.0):
-    eng = client.async_engine.engine
+    eng = client.async_engine
     deadline = time.time() + timeout
     while time.time() < deadline:
-        sched = eng.scheduler
-        if not eng.requests and not sched.running and not sched.waiting and not client.num_pending:
+        stats = eng.stats()
+        if not eng.engine.requests and not stats.running and not stats.waiting and not client.num_pending:
             return True
         time.sleep(0.05)
     return False
@@ -179,12 +179,13 @@ def test_concurrent_requests_with_bad_ones_mixed_in(server, oai):
 
 
 def test_client_disconnect_aborts_the_request(server):
-    eng = server.engine_client.async_engine.engine
+    eng = server.engine_client.async_engine
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
-        assert len(eng.scheduler.running) + len(eng.scheduler.waiting) == 1
+        stats = eng.stats()
+        assert stats.running + stats.waiting == 1
     assert wait_idle(server.engine_client), "the abandoned stream kept running"
     # a non-streaming request abandoned by its client is aborted too (400 tokens take the CPU engine
     # longer than the client's 0.25 s; 1 s stopped being enough once decode became batched)
@@ -210,7 +211,7 @@ def test_metrics_health_ready(server, oai):
 
 def test_auth_overload_and_drain(tiny_model, serve_app):
     client = make_client(tiny_model, max_pending=1)
-    with serve_app(build_app(client, MODEL, api_key="sekret")) as srv:
+    with serve_app(openai_app(client, MODEL, api_key="sekret")) as srv:
         body = {"model": MODEL, "prompt": "hello", "max_tokens": 3}
         _error(httpx.post(srv.url + "/v1/completions", json=body), 401, "authentication_error")
         wrong = {"Authorization": "Bearer nope"}
@@ -234,7 +235,7 @@ def test_auth_overload_and_drain(tiny_model, serve_app):
 def test_bole_mode_is_served_token_identically(tiny_model, serve_app, offline):
     """Tree speculative decoding behind the server: greedy text equals autoregressive decoding."""
     client = LocalEngineClient(AsyncEngine(build_engine(tiny_model, **{**ENGINE_OPTIONS, "mode": "bole"})))
-    with serve_app(build_app(client, MODEL, api_key="")) as srv:
+    with serve_app(openai_app(client, MODEL, api_key="")) as srv:
         oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
         chunks = oai.completions.create(model=MODEL, prompt=PROMPTS[0], stream=True, **greedy(6))
         text = "".join(c.choices[0].text for c in chunks if c.choices)

@@ -19,7 +19,7 @@ from conftest import ENGINE_OPTIONS
 from bole.engine.async_engine import AsyncEngine
 from bole.llm import build_engine
 from deployments.engine_client import LocalEngineClient
-from deployments.ingress import build_app
+from deployments.ingress import openai_app
 
 MODEL = "tiny"
 KEY = {"Authorization": "Bearer sekret"}
@@ -51,7 +51,7 @@ def error(r: httpx.Response, status: int) -> dict:
 
 def test_auth_comes_first_and_can_protect_metrics_and_docs(tiny_model, serve_app, monkeypatch):
     monkeypatch.setenv("BOLE_PROTECT_METRICS", "1")
-    with serve_app(build_app(client_for(tiny_model), MODEL, api_key="sekret")) as srv:
+    with serve_app(openai_app(client_for(tiny_model), MODEL, api_key="sekret")) as srv:
         url = srv.url + "/v1/completions"
         # a bad body without a key: 401, not 400 / 422 (nothing about the body is revealed)
         for content in (b"{not json", json.dumps({"model": MODEL, "prompt": "x", "max_tokens": -1}).encode()):
@@ -72,7 +72,7 @@ def test_auth_comes_first_and_can_protect_metrics_and_docs(tiny_model, serve_app
 def test_metrics_and_docs_stay_open_without_the_setting(tiny_model, short_model, serve_app, monkeypatch):
     monkeypatch.delenv("BOLE_PROTECT_METRICS", raising=False)
     client = client_for(short_model)
-    with serve_app(build_app(client, MODEL, api_key="sekret")) as srv:
+    with serve_app(openai_app(client, MODEL, api_key="sekret")) as srv:
         assert httpx.get(srv.url + "/metrics").status_code == 200
         assert httpx.get(srv.url + "/openapi.json").status_code == 200
         error(httpx.get(srv.url + "/v1/models"), 401)
@@ -114,15 +114,14 @@ def metric(text: str, name: str, **labels) -> float:
 
 def test_ttft_counts_the_wait_behind_a_full_batch_and_aborts_are_counted(tiny_model, serve_app):
     client = client_for(tiny_model)   # max_num_seqs 4
-    with serve_app(build_app(client, MODEL, api_key="")) as srv:
+    with serve_app(openai_app(client, MODEL, api_key="")) as srv:
         async def main():
             async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
                 # 240 tokens: about 1 s on a 2-core CPU (60 took 0.25 s, so the held request's
                 # wait could fall under the 0.25 s bucket below)
                 long = {"model": MODEL, "prompt": "x", "max_tokens": 240, "ignore_eos": True}
                 batch = [asyncio.ensure_future(c.post("/v1/completions", json=long)) for _ in range(4)]
-                eng = client.async_engine.engine
-                while len(eng.scheduler.running) < 4:   # the batch is full
+                while client.async_engine.stats().running < 4:   # the batch is full
                     await asyncio.sleep(0.01)
                 held = await c.post("/v1/completions", json={**long, "max_tokens": 1})
                 return [r.status_code for r in await asyncio.gather(*batch)], held

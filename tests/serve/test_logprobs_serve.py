@@ -13,7 +13,7 @@ from bole.engine.async_engine import AsyncEngine
 from bole.llm import LLM, build_engine
 from bole.sampling_params import SamplingParams
 from deployments.engine_client import LocalEngineClient
-from deployments.ingress import build_app
+from deployments.ingress import openai_app
 
 MODEL = "tiny"
 PROMPT = "def add(a, b):"
@@ -22,7 +22,7 @@ TOL = 1e-4
 
 def serve(tiny_model, serve_app, **options):
     client = LocalEngineClient(AsyncEngine(build_engine(tiny_model, **{**ENGINE_OPTIONS, **options})))
-    srv = serve_app(build_app(client, MODEL, api_key=""))
+    srv = serve_app(openai_app(client, MODEL, api_key=""))
     srv.engine_client = client
     return srv
 

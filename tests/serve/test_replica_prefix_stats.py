@@ -4,10 +4,10 @@ import asyncio
 
 from conftest import ENGINE_OPTIONS
 
+from bole.cache.block_hash import prefix_block_hashes
 from bole.sampling_params import SamplingParams
 from deployments.engine_client import SubRequest
 from deployments.replica import BoleReplica
-from deployments.routing_policy import prefix_block_hashes
 
 
 def test_routing_stats_carry_the_engine_prefix_cache(tiny_model):
@@ -28,4 +28,4 @@ def test_routing_stats_carry_the_engine_prefix_cache(tiny_model):
         assert prefix_block_hashes(prompt, replica.block_size)[0] in cached
         assert stats["num_prefix_blocks"] == len(stats["prefix_blocks"]) >= 4
     finally:
-        replica.client.async_engine.shutdown()
+        replica.engine.shutdown()

@@ -6,13 +6,13 @@ import random
 
 import pytest
 
+from bole.cache.block_hash import prefix_block_hashes
 from deployments.routing_policy import (
     PrefixSummary,
     ReplicaView,
     RouterPolicyConfig,
     choose_replicas,
     matched_blocks,
-    prefix_block_hashes,
 )
 
 CFG = RouterPolicyConfig(block_size=4, match_rate_threshold=0.5, imbalance_threshold=4, affinity_load_slack=2,
@@ -120,8 +120,8 @@ def test_refused_replicas_are_skipped_until_their_mark_expires():
 
     from deployments.routing_policy import FleetView
 
-    fleet = FleetView()
-    fleet.mark_refused("r1", ttl_s=0.2)
+    fleet = FleetView(refused_ttl_s=0.2)
+    fleet.mark_refused("r1")
     assert fleet.refused() == {"r1"}
     time.sleep(0.25)
     assert fleet.refused() == set()

@@ -12,8 +12,9 @@ from typing import Callable, Sequence
 import torch
 
 from bole.models.context import ForwardContext, PaddedAttention
-from bole.ops.tree_layout import LAYOUT_MAX_NODES, tree_layout_ref
+from bole.ops.tree_layout import tree_layout_ref
 from bole.spec.tree import PackedForest
+from kernels.limits import LAYOUT_MAX_NODES
 
 DEFAULT_TREE_SIZES = (8, 16, 32, 64, 128, 256)
 

@@ -1,0 +1,120 @@
+"""The engine contract: what ``AsyncEngine`` and the serving layer may call on an engine.
+
+``EngineCore`` is a structural protocol (like Ray Serve LLM's engine protocol): ``LLMEngine`` (one
+process) and ``deployments.tp.TPEngine`` (a driver of tensor-parallel ranks) both satisfy it, and
+nothing above the engine reaches past it (no scheduler, no model, no metrics object). What an
+engine reports crosses that line as two frozen dataclasses: ``EngineLimits`` (fixed at start) and
+``EngineStats`` (as of the last step: metrics, queue, where the batch stands in the budget table).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from bole.sampling_params import SamplingParams
+from bole.spec.budget import CalibrationTable
+
+if TYPE_CHECKING:  # engine.py implements this protocol and imports this module
+    from bole.engine.engine import RequestOutput
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What an engine can take, fixed when it starts."""
+
+    max_num_seqs: int       # the running batch's bound
+    max_model_len: int      # prompt + max_tokens must fit (model positions, KV capacity less lookahead)
+    vocab_size: int         # prompt token ids lie in [0, vocab_size)
+    block_size: int         # KV block tokens: the prefix hashes' granularity
+    device: str
+    dtype: str
+    tp_size: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """An engine's metrics (``EngineMetrics.snapshot``), queue and budget state after its last step.
+
+    ``bucket`` / ``b_ver`` are the calibration table's cell for the running batch and
+    ``b_ver_per_request`` the share each request would get with one more: what the router weighs
+    (docs/DESIGN.md §5). ``batch`` / ``peak_batch`` are the last step's batch and the largest one,
+    filled in by ``AsyncEngine``."""
+
+    steps: int = 0
+    mat: float = 0.0
+    mean_tree_nodes: float = 0.0
+    mean_b_ver: float = 0.0
+    budget_used: float = 0.0
+    floor_excess_nodes: float = 0.0
+    prefix_hit_rate: float = 0.0
+    prefix_hit_tokens: int = 0
+    prompt_tokens: int = 0
+    verify_time_share: float = 0.0
+    mean_ttft_s: float = 0.0
+    mean_tpot_s: float = 0.0
+    emitted_tokens: int = 0
+    prefill_tokens: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    running: int = 0
+    waiting: int = 0
+    running_ids: tuple[str, ...] = ()
+    table_id: str = ""
+    bucket: int = 0
+    b_ver: int = 0
+    b_ver_per_request: float = 0.0
+    batch: int = 0
+    peak_batch: int = 0
+
+    def to_dict(self) -> dict:
+        """The plain mapping the Serve layer sends (routing stats, /metrics): every field but the ids."""
+        return {k: v for k, v in vars(self).items() if k != "running_ids"}
+
+
+def budget_stats(metrics: dict, calibration: CalibrationTable, depth: int, running: list[tuple[str, int]],
+                 waiting: int) -> EngineStats:
+    """``EngineStats`` of a batch: ``running`` as (request id, tokens computed), ``depth`` the draft
+    depth (a tree has depth + 1 levels), ``metrics`` an ``EngineMetrics.snapshot``."""
+    n = len(running)
+    kv_len = max((k for _, k in running), default=0)
+    bucket, b_ver = calibration.lookup(max(n, 1), kv_len, depth + 1)
+    _, b_next = calibration.lookup(n + 1, kv_len, depth + 1)
+    return EngineStats(**metrics, running=n, waiting=waiting, running_ids=tuple(r for r, _ in running),
+                       table_id=calibration.table_id, bucket=bucket, b_ver=b_ver,
+                       b_ver_per_request=b_next / (n + 1))
+
+
+@runtime_checkable
+class EngineCore(Protocol):
+    """An engine ``AsyncEngine`` can drive: requests in, ``RequestOutput`` deltas out, one step at a
+    time, from one thread; every call between steps."""
+
+    tokenizer: Any
+    calibration: CalibrationTable   # settable between steps: the next step uses the new table
+
+    @property
+    def model_config(self) -> Any: ...
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def pop_finished(self, request_id: str) -> Any: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def limits(self) -> EngineLimits: ...
+
+    def request_timings(self, request_id: str) -> dict: ...
+
+    def cached_prefix_hashes(self, limit: int | None = None) -> list[int]: ...
+
+    def recalibrate(self, quick: bool = True, **kw) -> CalibrationTable: ...
+
+    def shutdown(self) -> None: ...

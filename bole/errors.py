@@ -1,0 +1,10 @@
+"""The library's error for a client's mistake.
+
+``InvalidRequest`` is what a caller did wrong (sampling parameters out of range, a prompt too long
+or malformed, an id in use): the HTTP ingress answers it with a 400. It is a ``ValueError``, so code
+that catches those keeps working; any other exception out of the engine is the server's fault (500).
+"""
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses as given; the message names the offending value."""

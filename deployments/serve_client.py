@@ -1,0 +1,145 @@
+"""The ingress-side ``EngineClient`` of a Serve fleet: Serve handles to one replica deployment per
+hardware group (``deployments.replica.BoleReplica``), with group choice and retries of refusals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from bole.cache.block_hash import prefix_block_hashes
+from deployments.engine_client import EngineUnavailable, unwrap_remote_error
+from deployments.retry import RetryPolicy, retryable
+from deployments.router import view_from_stats
+from deployments.routing_policy import FleetView, RouterPolicyConfig, choose_replicas
+
+logger = logging.getLogger(__name__)
+
+
+class ServeEngineClient:
+    """``EngineClient`` over Serve handles to one replica deployment per hardware group.
+
+    With several groups, the group is chosen with the routing policy over the whole fleet view
+    (``fleet``: every replica's stats as the deployments' routers see them, the same ``FleetView``
+    those routers publish into: ``routing_policy.process_fleet()`` under Serve); the group's
+    ``BoleRequestRouter`` then picks the replica with the same policy. Before any stats exist the
+    group with the fewest requests in flight from here is used.
+
+    One HTTP request is one ``generate_many`` call (see ``deployments.engine_client``). A call that
+    a replica refuses before any output (draining, or the replica is gone) is sent again after a
+    jittered exponential backoff (``retry``: ``deployments.retry.RetryPolicy``), the refusing
+    replica marked so the routers skip it; past the policy's attempts or budget the client gets a
+    clean 503 with ``Retry-After``.
+    """
+
+    def __init__(self, handles: dict, tokenizer, fleet: FleetView, policy: RouterPolicyConfig | None = None,
+                 retry: RetryPolicy | None = None):
+        self.fleet = fleet
+        self.retry = retry or RetryPolicy()
+        self.handles = handles
+        self.tokenizer = tokenizer
+        self.policy = policy or RouterPolicyConfig()
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.max_choices = 1
+        self.in_flight = {name: 0 for name in handles}
+
+    async def start(self) -> None:
+        infos = await asyncio.gather(*(h.info.remote() for h in self.handles.values()))
+        # the fleet serves one model; the smallest capacity bounds what every group can take
+        self.max_model_len = min(i["max_model_len"] for i in infos)
+        self.vocab_size = min(i["vocab_size"] for i in infos)
+        self.max_choices = min(i["max_choices"] for i in infos)
+
+    def _pick(self, prompt_token_ids: list[int]) -> str:
+        if len(self.handles) == 1:
+            return next(iter(self.handles))
+        fleet = {d: r for d, r in self.fleet.stats().items() if d in self.handles}
+        owner, views = {}, []
+        for dep, replicas in fleet.items():
+            for rid, stats in replicas.items():
+                if stats.get("accepting", True):  # a draining replica (recalibration, shutdown) is skipped
+                    owner[rid] = dep
+                    views.append(view_from_stats(rid, stats, None, set(stats.get("prefix_blocks") or [])))
+        if views:
+            hashes = prefix_block_hashes(prompt_token_ids, self.policy.block_size)
+            ranks = choose_replicas(hashes, views, self.policy).ranks
+            if ranks:
+                return owner[ranks[0][0]]
+        # a class whose every replica is draining takes nothing while another class can
+        open_groups = [d for d in self.handles if d not in fleet or d in owner.values()] or list(self.handles)
+        return min(open_groups, key=lambda d: self.in_flight[d])
+
+    async def generate_many(self, subs):
+        """Stream (index, output) from a replica of the chosen group, retrying refusals (above)."""
+        if not self.max_model_len:
+            raise EngineUnavailable("the ingress has not reached the replicas yet")
+        subs = list(subs)
+        waits = self.retry.delays()
+        attempts, start = 0, time.monotonic()
+        while True:
+            name = self._pick(subs[0].prompt_token_ids)
+            self.in_flight[name] += len(subs)
+            stream = self.handles[name].options(stream=True).generate_many.remote(subs)
+            attempts += 1
+            started = complete = False
+            try:
+                async for item in stream:
+                    started = True
+                    yield item
+                complete = True
+                return
+            except Exception as e:
+                refusal = unwrap_remote_error(e)
+                if started or not retryable(refusal):
+                    raise
+            finally:
+                self.in_flight[name] -= len(subs)
+                if not complete:
+                    stream.cancel()   # the replica's generator is cancelled and aborts the engine requests
+            replica = getattr(refusal, "replica_id", None)
+            if replica:
+                self.fleet.mark_refused(replica)
+            wait = next(waits, None)
+            if wait is None:
+                raise EngineUnavailable(
+                    f"no replica accepted the request: {attempts} attempts over {time.monotonic() - start:.1f} s "
+                    f"(the last: {type(refusal).__name__}: {refusal})",
+                    retry_after_s=getattr(refusal, "retry_after_s", 1.0)) from None
+            logger.info("request %s refused by %s (%s); again in %.2f s", subs[0].request_id,
+                        replica or name, type(refusal).__name__, wait)
+            await asyncio.sleep(wait)
+
+    async def drain(self, timeout: float | None = None) -> bool:
+        """Nothing in flight here to wait for: each replica drains its own requests (``BoleReplica``)."""
+        return True
+
+    async def close(self) -> None:
+        """The replicas outlive this ingress; nothing to stop."""
+
+    async def is_alive(self) -> bool:
+        return bool(self.max_model_len)
+
+    async def is_ready(self) -> bool:
+        if not self.max_model_len:
+            return False
+        try:
+            oks = await asyncio.gather(*(h.is_ready.remote() for h in self.handles.values()))
+        except Exception:
+            return False
+        return any(oks)
+
+    async def fleet_stats(self) -> list[dict]:
+        fleet = self.fleet.stats()
+        out = []
+        for dep in self.handles:
+            for rid, stats in fleet.get(dep, {}).items():
+                if stats:
+                    out.append({"replica": rid, "deployment": dep,
+                                **{k: v for k, v in stats.items() if k != "prefix_blocks"}})
+        if not out:  # no router has seen stats yet: ask one replica per group
+            stats = await asyncio.gather(*(h.stats.remote() for h in self.handles.values()))
+            out = [{"replica": f"{dep}/?", "deployment": dep, **s}
+                   for dep, s in zip(self.handles, stats, strict=True)]
+        return out
