@@ -51,6 +51,8 @@ class AsyncEngine:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        if self._stopped:
+            raise RuntimeError("the engine is shut down")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         added = loop.create_future()
@@ -118,12 +120,15 @@ class AsyncEngine:
             except RuntimeError:  # that event loop is closed: nobody is listening any more
                 self._streams.pop(rid, None)
 
-    def _apply_inbox(self) -> None:
+    def _apply_inbox(self, stopping: bool = False) -> None:
         eng = self.engine
         while self._inbox:
             op, rid, *rest = self._inbox.popleft()
             if op == "add":
                 prompt, params, loop, queue, added = rest
+                if stopping:
+                    loop.call_soon_threadsafe(_settle, added, RuntimeError("the engine is shut down"))
+                    continue
                 try:
                     eng.add_request(prompt, params, rid)
                 except Exception as e:  # noqa: BLE001 - bad input: the caller raises it
@@ -157,6 +162,7 @@ class AsyncEngine:
             self._wake.clear()   # before reading the inbox: a later _send wakes the wait below
             with self._lock:
                 if self._stopped:
+                    self._apply_inbox(stopping=True)   # releases / aborts sent just before shutdown
                     return
                 self._apply_inbox()
                 busy = self.engine.has_unfinished()
