@@ -57,6 +57,8 @@ class AsyncEngine:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        if self._stopped:
+            raise RuntimeError("the engine is shut down")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         added = loop.create_future()
@@ -150,12 +152,15 @@ class AsyncEngine:
             except RuntimeError:  # that event loop is closed: nobody is listening any more
                 self._streams.pop(rid, None)
 
-    def _apply_inbox(self) -> None:
+    def _apply_inbox(self, stopping: bool = False) -> None:
         eng = self.engine
         while self._inbox:
             op, rid, *rest = self._inbox.popleft()
             if op == "add":
                 prompt, params, loop, queue, added = rest
+                if stopping:
+                    loop.call_soon_threadsafe(_settle, added, RuntimeError("the engine is shut down"))
+                    continue
                 try:
                     eng.add_request(prompt, params, rid)
                 except Exception as e:  # noqa: BLE001 - bad input: the caller raises it
@@ -179,6 +184,7 @@ class AsyncEngine:
             with self._lock:
                 self._apply_inbox()   # before stopping too: streams that ended before shutdown free their requests
                 if self._stopped:
+                    self._apply_inbox(stopping=True)   # releases / aborts sent just before shutdown
                     return
                 busy = self.engine.has_unfinished()
                 outputs = []

@@ -240,6 +240,24 @@ def test_async_engine_streams_and_aborts(ckpt):
     assert not eng.requests
 
 
+def test_async_engine_shutdown_applies_the_last_releases_and_refuses_new_requests(ckpt):
+    path, _ = ckpt("dense")
+    aeng = AsyncEngine(engine(path, "ar"))
+
+    async def collect():
+        return [o async for o in aeng.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=3))]
+
+    outs = asyncio.run(collect())
+    aeng.shutdown()   # right after the last release was sent: the thread applies it before it exits
+    assert outs[-1].finished and not aeng.engine.requests
+
+    async def after():
+        return [o async for o in aeng.generate(PROMPTS[0], SamplingParams(max_tokens=2))]
+
+    with pytest.raises(RuntimeError, match="shut down"):
+        asyncio.run(asyncio.wait_for(after(), 10))   # an error, not a wait forever
+
+
 def test_min_tokens_suppresses_stop_tokens_in_every_mode(ckpt):
     path, _ = ckpt("dense")
     free = run_staggered(engine(path, "ar"), PROMPTS[:2], [SamplingParams(temperature=0, max_tokens=12,
