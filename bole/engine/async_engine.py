@@ -182,10 +182,10 @@ class AsyncEngine:
         while True:
             self._wake.clear()   # before reading the inbox: a later _send wakes the wait below
             with self._lock:
-                self._apply_inbox()   # before stopping too: streams that ended before shutdown free their requests
                 if self._stopped:
                     self._apply_inbox(stopping=True)   # releases / aborts sent just before shutdown
                     return
+                self._apply_inbox()
                 busy = self.engine.has_unfinished()
                 outputs = []
                 if busy:
