@@ -151,9 +151,10 @@ def load_bole_kernel():
     try:
         from benchmarks import verify_space
         from kernels import gdn_tree_verify as mod
+        from kernels import gdn_tree_verify_launch as launch
     except Exception as e:  # absent on a CPU smoke run, or broken: skip the column, say so
         return None, f"kernels.gdn_tree_verify unavailable ({type(e).__name__}: {e}); bole_us skipped"
-    return BoleKernel(mod.gdn_tree_verify, mod, configs_for=verify_space.configs_for), None
+    return BoleKernel(mod.gdn_tree_verify, launch, configs_for=verify_space.configs_for), None
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

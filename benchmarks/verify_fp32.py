@@ -89,7 +89,8 @@ class Case:
         return o, u
 
     def closed(self, kw):
-        from kernels.gdn_tree_verify import VerifyConfig, gdn_tree_verify
+        from kernels.gdn_tree_verify import gdn_tree_verify
+        from kernels.gdn_tree_verify_launch import VerifyConfig
 
         kw = dict(kw)
         if "config" in kw:

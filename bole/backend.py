@@ -205,7 +205,7 @@ def _triton_backend() -> GDNBackend:
     prefill = short_to_recurrent(long_prefill, fp32_to_recurrent=fla)
     logger.info("GDN triton backend: prefill via kernels.gdn_recurrent below %d tokens%s, else %s",
                 FLA_MIN_TOKENS, " or in fp32" if fla else "", prefill_name)
-    # the measured per-shape launch tables (kernels.gdn_tree_verify.TUNED_LOWP for half-precision q/k,
+    # the measured per-shape launch tables (kernels.gdn_tree_verify_launch.TUNED_LOWP for half-precision q/k,
     # TUNED_FP32 for fp32)
     tree_verify = functools.partial(triton_verify, tuned=True)
     return GDNBackend("triton", prefill=prefill, decode_step=gdn_decode_step, conv_update=causal_conv1d_update,

@@ -13,13 +13,8 @@ from numerics import rel_err
 from benchmarks.verify_space import CONFIGS, configs_for
 from bole.ops import gdn as ref
 from bole.spec.tree import DraftTree, PackedForest, random_tree
-from kernels.gdn_tree_verify import (
-    VerifyConfig,
-    chunk_tile,
-    default_config,
-    gdn_tree_verify,
-    solve_plan,
-)
+from kernels.gdn_tree_verify import gdn_tree_verify
+from kernels.gdn_tree_verify_launch import VerifyConfig, chunk_tile, default_config, solve_plan
 
 
 def make_forest(sizes, seed, device, depth=5):
@@ -275,7 +270,7 @@ def test_gpu_all_configs_qwen_shapes(device):
 
 def test_tuned_launch_table():
     # the engine's measured dispatch: every tile up to 256 nodes has a catch-all row, tiles clamp to small heads
-    from kernels.gdn_tree_verify import TUNED_FP32, TUNED_LOWP, tuned_launch
+    from kernels.gdn_tree_verify_launch import TUNED_FP32, TUNED_LOWP, tuned_launch
 
     for table, precisions in ((TUNED_LOWP, ("tf32",)), (TUNED_FP32, ("tf32x3",))):
         assert set(table) == {16, 32, 64, 128, 256}

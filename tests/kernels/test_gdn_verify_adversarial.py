@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from bole.ops import gdn as ref
 from bole.ops.gdn_inputs import hard_trees, mean_cosine, verify_inputs
 from bole.spec.tree import DraftTree, PackedForest, random_tree
-from kernels.gdn_tree_verify import MAX_NODES, gdn_tree_verify
+from kernels.gdn_tree_verify import gdn_tree_verify
+from kernels.limits import MAX_TREE_NODES
 
 
 def max_rel(a, b) -> float:
@@ -43,7 +44,7 @@ REGIMES = {  # (key_cos, beta, decay, q_equals_k)
     "hard": (0.99, "one", "one", False),
     "qk": (0.9, "high", "slow", True),
 }
-TREES = {**hard_trees(MAX_NODES, MAX_NODES), **hard_trees(64, 16, seed=1), "chain32": DraftTree.chain(32),
+TREES = {**hard_trees(MAX_TREE_NODES, MAX_TREE_NODES), **hard_trees(64, 16, seed=1), "chain32": DraftTree.chain(32),
          "chain64": DraftTree.chain(64)}
 
 
