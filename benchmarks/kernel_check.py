@@ -34,7 +34,7 @@ def _check(T, cfg, method, precision):
 
     x = make_inputs("qwen3.5-9b", 2, T, "cuda", seed=T)
     common = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["forest"], x["pool"], x["state_indices"])
-    ref_o, ref_u, _ = gdn_ops.gdn_tree_verify(*common, use_qk_l2norm=True)
+    ref_o, ref_u, _ = gdn_ops.gdn_tree_verify_ref(*common, use_qk_l2norm=True)
     N, HV, V = x["forest"].num_nodes, 32, 128
     outs = dict(o_out=torch.full_like(x["v"], float("nan")),
                 u_out=torch.full((N, HV, V), float("nan"), device="cuda"),

@@ -1,5 +1,5 @@
 """Parallel closed-form GDN tree verification (Bole Algorithm 1, eq. 2) in Triton; twin
-``bole.ops.gdn.gdn_tree_verify``.
+``bole.ops.gdn.gdn_tree_verify_ref``.
 
 One program per (request b, value head h, value tile of BV columns). Everything that depends only on
 the tree, Q/K and the gates is built on chip from the packed forest:
@@ -336,7 +336,7 @@ def gdn_tree_verify(q, k, v, g, beta, forest, initial_state, state_indices=None,
                     scale=None, use_qk_l2norm=False, u_out=None, logp_out=None, o_out=None, *,
                     block_v: int | None = None, config: VerifyConfig | None = None,
                     input_precision: str = "ieee", method: str = "blocked", tuned: bool = False):
-    """Closed-form parallel GDN tree verification (Theorem 1, eq. 2); twin: `bole.ops.gdn.gdn_tree_verify`.
+    """Closed-form parallel GDN tree verification (Theorem 1, eq. 2); twin: `bole.ops.gdn.gdn_tree_verify_ref`.
 
     Args:
         q, k: [1, N, HK, K] (fp32, fp16 or bf16); v: [1, N, HV, V]; g (log decay, ≤ 0), beta ([0, 1]):

@@ -41,7 +41,7 @@ def make_inputs(forest, HK, HV, K, V, dtype, pool_dtype, seed, device, slots=6, 
 def reference(q, k, v, g, beta, forest, pool, indices, **kw):
     """The twin in float64 on exactly the kernel's input values."""
     d = lambda t: None if t is None else t.double()
-    return ref.gdn_tree_verify(d(q), d(k), d(v), d(g), d(beta), forest, d(pool), indices, **kw)
+    return ref.gdn_tree_verify_ref(d(q), d(k), d(v), d(g), d(beta), forest, d(pool), indices, **kw)
 
 
 def poisoned(q, v, HV):
@@ -127,7 +127,7 @@ def test_matches_serial_recurrence_and_per_tree(device):
     q, k, v, g, beta, pool, idx = make_inputs(forest, 1, 2, 16, 16, torch.float32, torch.float32, 13, device)
     o, u, logp = gdn_tree_verify(q, k, v, g, beta, forest, pool, idx, use_qk_l2norm=True)
     d = lambda t: t.double()
-    o_s, _ = ref.gdn_tree_serial(d(q), d(k), d(v), d(g), d(beta), forest, d(pool), idx, use_qk_l2norm=True)
+    o_s, _ = ref.gdn_tree_serial_ref(d(q), d(k), d(v), d(g), d(beta), forest, d(pool), idx, use_qk_l2norm=True)
     assert rel_err(o, o_s) < 1e-5
     cu = forest.cu_seqlens.tolist()
     for b in range(forest.num_requests):
