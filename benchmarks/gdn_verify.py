@@ -7,7 +7,7 @@ Columns per (model, batch, tree size), all measured in the same process on the s
                      at bab5e472), loaded from .peers/sglang-main/ (benchmarks/peers_dev.py); T <= 64
     sglang_fused_us  SGLang's development-tree ``tree_gdn_triton_verify`` (gdn_tree_triton.py at 205c2b55,
                      tf32), loaded from .peers/sglang-main/; its gating runs inside the timed call
-    torch_closed_us  bole.ops.gdn.gdn_tree_verify (naive torch closed form, Python loop per request);
+    torch_closed_us  bole.ops.gdn.gdn_tree_verify_ref (naive torch closed form, Python loop per request);
                      null above --torch-max-batch
     bole_us          kernels.gdn_tree_verify, best of its ``configs`` (named in bole_config)
     bole_by_method   per ``method`` (blocked / horner / tuned): its fastest validated config, its time
@@ -16,7 +16,7 @@ Columns per (model, batch, tree size), all measured in the same process on the s
     snapshot_bytes   per request and layer, SGLang-style per-node states: T·HV·V·K·4
     factor_bytes     per request and layer, what our commit needs: T·(HV·V·4 + HK·K·2 + HV·4)
     rel_err          max|O_bole − O_ref| / max|O_ref|; every contender's own error is <name>_rel_err
-Every error is against the float64 serial recurrence (bole.ops.gdn.gdn_tree_serial on .double() inputs,
+Every error is against the float64 serial recurrence (bole.ops.gdn.gdn_tree_serial_ref on .double() inputs,
 request by request; U and logP from its snapshots). A contender is validated before it is timed: finite
 O within REL_TOL of that reference (our kernel: U too). One that refuses the shape (a stated limit, e.g.
 the chunk peer at T > 64), fails, or misses the tolerance has a null time and says why in <name>_note.
@@ -151,9 +151,10 @@ def load_bole_kernel():
     try:
         from benchmarks import verify_space
         from kernels import gdn_tree_verify as mod
+        from kernels import gdn_tree_verify_launch as launch
     except Exception as e:  # absent on a CPU smoke run, or broken: skip the column, say so
         return None, f"kernels.gdn_tree_verify unavailable ({type(e).__name__}: {e}); bole_us skipped"
-    return BoleKernel(mod.gdn_tree_verify, mod, configs_for=verify_space.configs_for), None
+    return BoleKernel(mod.gdn_tree_verify, launch, configs_for=verify_space.configs_for), None
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -200,7 +201,7 @@ def make_inputs(model, batch, T, device, seed, dtype=torch.bfloat16, adversarial
 def reference_f64(x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The float64 serial recurrence on x's inputs: (O [1, N, HV, V], U [N, HV, V], logP [N, HV]).
 
-    bole.ops.gdn.gdn_tree_serial on .double() inputs, one request at a time (its per-node snapshots
+    bole.ops.gdn.gdn_tree_serial_ref on .double() inputs, one request at a time (its per-node snapshots
     are then one request's, T·HV·V·K·8 bytes). U and logP come from the same snapshots: node i's
     update is S_i = exp(g_i)·S_parent + u_i k̂_iᵀ (k̂ the normalised key), so u_i = ΔS k̂_i / |k̂_i|²,
     and logP_i is the sum of g over i's path.
@@ -218,7 +219,7 @@ def reference_f64(x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         tree = forest.tree(b)
         sub = PackedForest.from_trees([tree], device=device)
         slot = x["state_indices"][b:b + 1]
-        o[:, s:e], snaps = gdn_ops.gdn_tree_serial(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e],
+        o[:, s:e], snaps = gdn_ops.gdn_tree_serial_ref(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e],
                                                    sub, pool, slot, use_qk_l2norm=True)
         parents = torch.tensor(tree.parents, device=device) + 1  # 0: the committed state
         before = torch.cat([pool[slot.long()], snaps])[parents]  # [T, HV, V, K]
@@ -335,7 +336,7 @@ def run_row(model, batch, T, device, args, bole, notes) -> dict:
         row["torch_closed_note"] = f"batch above --torch-max-batch {args.torch_max_batch}"
     else:  # the torch closed form; its calls sync with the host, so it is timed without a graph
         closed_out = run_contender(
-            "torch_closed", lambda: (lambda: gdn_ops.gdn_tree_verify(*common, use_qk_l2norm=True)), ref, row,
+            "torch_closed", lambda: (lambda: gdn_ops.gdn_tree_verify_ref(*common, use_qk_l2norm=True)), ref, row,
             args.smoke, graph=False, out_of=lambda out: out[0])
     if bole is not None:
         N, HV, V = x["forest"].num_nodes, s["HV"], s["V"]

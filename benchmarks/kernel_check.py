@@ -29,11 +29,12 @@ def _check(T, cfg, method, precision):
 
     from benchmarks.gdn_verify import make_inputs, rel_err
     from bole.ops import gdn as gdn_ops
-    from kernels.gdn_tree_verify import VerifyConfig, gdn_tree_verify
+    from kernels.gdn_tree_verify import gdn_tree_verify
+    from kernels.gdn_tree_verify_launch import VerifyConfig
 
     x = make_inputs("qwen3.5-9b", 2, T, "cuda", seed=T)
     common = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["forest"], x["pool"], x["state_indices"])
-    ref_o, ref_u, _ = gdn_ops.gdn_tree_verify(*common, use_qk_l2norm=True)
+    ref_o, ref_u, _ = gdn_ops.gdn_tree_verify_ref(*common, use_qk_l2norm=True)
     N, HV, V = x["forest"].num_nodes, 32, 128
     outs = dict(o_out=torch.full_like(x["v"], float("nan")),
                 u_out=torch.full((N, HV, V), float("nan"), device="cuda"),
@@ -61,7 +62,7 @@ def main():
     ap.add_argument("--precisions", nargs="*", default=["ieee", "tf32"])
     a = ap.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
-    from kernels.gdn_tree_verify import DEFAULT_TILES, METHODS, chunk_tile
+    from kernels.gdn_tree_verify_launch import DEFAULT_TILES, METHODS, chunk_tile
 
     tasks = []
     for T in a.trees:

@@ -53,7 +53,7 @@ def op_row(fla, name, lens, HK=4, HV=8, K=64, V=64) -> dict:
     idx = torch.randperm(B + 2, generator=gen)[:B].cuda()
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32).cuda()
     kw = dict(initial_state=pool, state_indices=idx, cu_seqlens=cu, use_qk_l2norm=True)
-    o_ref, f_ref = gdn_ops.gdn_recurrent(q.double(), k.double(), v.double(), g.double(), beta.double(),
+    o_ref, f_ref = gdn_ops.gdn_recurrent_ref(q.double(), k.double(), v.double(), g.double(), beta.double(),
                                          initial_state=pool.double(), state_indices=idx, cu_seqlens=cu,
                                          use_qk_l2norm=True)
     row = dict(case=name, sequences=B, tokens=N)

@@ -4,7 +4,7 @@ Inputs from ``bole.ops.gdn_inputs.verify_inputs``: keys (and queries) a·c + noi
 direction per key head (mean pairwise cosine of the normalised keys = ``--cos``), β = sigmoid(N + 2.5)
 ("high", ≈ 0.9) and g = −0.02·softplus(N) ("slow"), as issue 23's table; ``--gates one`` adds β → 1,
 decay → 1. Trees: chains (the deepest), single-root EAGLE-like random trees (SGLang's serial kernel
-takes one first-level node). The reference is the float64 closed form (``bole.ops.gdn.gdn_tree_verify``
+takes one first-level node). The reference is the float64 closed form (``bole.ops.gdn.gdn_tree_verify_ref``
 on float64 inputs: a triangular solve per request), itself checked against the float64 serial
 recurrence on the first request of every row.
 
@@ -111,7 +111,7 @@ def run(args) -> dict:
                                       seed=1, device=device)
                     if dtype not in refs:
                         d = [t.double() for t in x[:5]]
-                        refs[dtype] = ref_ops.gdn_tree_verify(*d, forest, x[5].double(), x[6],
+                        refs[dtype] = ref_ops.gdn_tree_verify_ref(*d, forest, x[5].double(), x[6],
                                                               use_qk_l2norm=True)[0]
                         if "measured_cos" not in row:
                             row["measured_cos"] = round(mean_cosine(x[1][0, :, 0].float()), 3)
@@ -127,8 +127,8 @@ def run(args) -> dict:
                 one = PackedForest.from_trees([forest.tree(0)], device=device)
                 x = verify_inputs(one, HK, HV, K, V, key_cos=cos, beta=beta, decay=decay, seed=2, device=device)
                 d = [t.double() for t in x[:5]]
-                o_cf = ref_ops.gdn_tree_verify(*d, one, x[5].double(), x[6], use_qk_l2norm=True)[0]
-                o_se = ref_ops.gdn_tree_serial(*d, one, x[5].double(), x[6], use_qk_l2norm=True)[0]
+                o_cf = ref_ops.gdn_tree_verify_ref(*d, one, x[5].double(), x[6], use_qk_l2norm=True)[0]
+                o_se = ref_ops.gdn_tree_serial_ref(*d, one, x[5].double(), x[6], use_qk_l2norm=True)[0]
                 row["reference_vs_serial64"] = max_rel(o_cf, o_se)
                 rows.append(row)
                 print(json.dumps(row), flush=True)

@@ -84,12 +84,13 @@ class Case:
     def reference(self):
         d = lambda t: t.double()
         x = self.x
-        o, u, _ = gdn_ops.gdn_tree_verify(d(x["q"]), d(x["k"]), d(x["v"]), d(x["g"]), d(x["beta"]), self.forest,
+        o, u, _ = gdn_ops.gdn_tree_verify_ref(d(x["q"]), d(x["k"]), d(x["v"]), d(x["g"]), d(x["beta"]), self.forest,
                                           d(self.pool), self.slots, use_qk_l2norm=True)
         return o, u
 
     def closed(self, kw):
-        from kernels.gdn_tree_verify import VerifyConfig, gdn_tree_verify
+        from kernels.gdn_tree_verify import gdn_tree_verify
+        from kernels.gdn_tree_verify_launch import VerifyConfig
 
         kw = dict(kw)
         if "config" in kw:

@@ -7,7 +7,7 @@ import dataclasses
 
 import triton
 
-from kernels.gdn_tree_verify import VerifyConfig
+from kernels.gdn_tree_verify_launch import VerifyConfig
 
 # Every configuration the benchmark may sweep (filtered per shape by `configs_for`).
 CONFIGS = [VerifyConfig(bk, bv, w, s) for bk in (32, 64, 128) for bv in (16, 32, 64, 128)

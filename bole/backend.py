@@ -54,7 +54,7 @@ import torch
 from bole.ops.accept import greedy_accept_ref
 from bole.ops.activation import act_mul_ref
 from bole.ops.conv import causal_conv1d_varlen_ref, gdn_tree_conv_ref
-from bole.ops.gdn import gdn_commit, gdn_tree_serial, gdn_tree_verify
+from bole.ops.gdn import gdn_commit_ref, gdn_tree_serial_ref, gdn_tree_verify_ref
 from bole.ops.gdn_chunk import gdn_chunk
 from bole.ops.gdn_decode import causal_conv1d_update_ref, gdn_decode_step_ref
 from bole.ops.rope import qk_norm_rope_store_ref
@@ -73,7 +73,7 @@ class GDNBackend:
     conv_update: Callable
     tree_verify: Callable
     commit: Callable
-    tree_serial: Callable = gdn_tree_serial   # the serial_tree baseline (per-node snapshots)
+    tree_serial: Callable = gdn_tree_serial_ref  # the serial_tree baseline (per-node snapshots)
     tree_conv: Callable = gdn_tree_conv_ref   # verify's conv along the tree paths + gating (kernels.gdn_tree_conv)
     prefill_conv: Callable = causal_conv1d_varlen_ref  # prefill's conv over packed sequences (kernels.causal_conv1d)
     rms_norm: Callable | None = None          # fused norms (kernels.rmsnorm); None: the torch twins
@@ -104,8 +104,8 @@ def available_backends() -> list[str]:
 @register_backend("torch")
 def _torch_backend() -> GDNBackend:
     return GDNBackend("torch", prefill=gdn_chunk, decode_step=gdn_decode_step_ref,
-                      conv_update=causal_conv1d_update_ref, tree_verify=gdn_tree_verify,
-                      commit=gdn_commit)
+                      conv_update=causal_conv1d_update_ref, tree_verify=gdn_tree_verify_ref,
+                      commit=gdn_commit_ref)
 
 
 def fla_prefill():
@@ -205,7 +205,7 @@ def _triton_backend() -> GDNBackend:
     prefill = short_to_recurrent(long_prefill, fp32_to_recurrent=fla)
     logger.info("GDN triton backend: prefill via kernels.gdn_recurrent below %d tokens%s, else %s",
                 FLA_MIN_TOKENS, " or in fp32" if fla else "", prefill_name)
-    # the measured per-shape launch tables (kernels.gdn_tree_verify.TUNED_LOWP for half-precision q/k,
+    # the measured per-shape launch tables (kernels.gdn_tree_verify_launch.TUNED_LOWP for half-precision q/k,
     # TUNED_FP32 for fp32)
     tree_verify = functools.partial(triton_verify, tuned=True)
     return GDNBackend("triton", prefill=prefill, decode_step=gdn_decode_step, conv_update=causal_conv1d_update,

@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from kernels.limits import MAX_TREE_NODES
+
 
 def interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET as Triton reads it)."""
@@ -104,3 +106,58 @@ def check_forest(forest) -> None:
     missing = [f for f in FOREST_FIELDS if not hasattr(forest, f)]
     if missing:
         raise ValueError(f"forest must be a packed forest, got {type(forest).__name__} without {missing}")
+
+
+def check_verify_inputs(q, k, v, g, beta, forest, initial_state, state_indices) -> tuple[int, int, int, int, int]:
+    """The tree verifier's inputs (kernels/gdn_tree_verify.py): float q / k / v / g / beta with the GDN
+    shapes, head dims <= 256, a forest of trees of at most MAX_TREE_NODES nodes matching them, an
+    optional state pool [slots, HV, V, K] (fp32 or bf16, contiguous) and slot indices [B], all on q's
+    device; returns (N, HK, HV, K, V)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in FLOATS:
+            raise ValueError(f"{name} must be a float32/float16/bfloat16 tensor, got "
+                             f"{getattr(t, 'dtype', type(t))}")
+    N, HK, HV, K, V = check_gdn_inputs(q, k, v, g, beta)  # the twin's shape rules
+    if K > 256 or V > 256:
+        raise ValueError(f"head dims K={K}, V={V} exceed 256")
+    check_forest(forest)
+    if forest.num_nodes != N:
+        raise ValueError(f"forest has {forest.num_nodes} nodes but the inputs have {N} tokens")
+    if forest.max_nodes > MAX_TREE_NODES:
+        raise ValueError(f"a tree of {forest.max_nodes} nodes exceeds the kernel's limit of {MAX_TREE_NODES}")
+    dev = q.device
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("forest", forest.parents)):
+        if t.device != dev:
+            raise ValueError(f"{name} is on {t.device}, q on {dev}")
+    B = forest.num_requests
+    if initial_state is not None:
+        if initial_state.dim() != 4 or tuple(initial_state.shape[1:]) != (HV, V, K):
+            raise ValueError(f"initial_state must be [slots, {HV}, {V}, {K}], "
+                             f"got {tuple(initial_state.shape)}")
+        if initial_state.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"initial_state must be float32 or bfloat16, got {initial_state.dtype}")
+        if not initial_state.is_contiguous():
+            raise ValueError("initial_state must be contiguous (K fastest)")
+        if initial_state.device != dev:
+            raise ValueError(f"initial_state is on {initial_state.device}, q on {dev}")
+        if state_indices is None and initial_state.shape[0] < B:
+            raise ValueError(f"{B} requests but only {initial_state.shape[0]} state slots")
+    if state_indices is not None:
+        if state_indices.dim() != 1 or state_indices.numel() != B:
+            raise ValueError(f"state_indices must be [{B}] (one slot per request), "
+                             f"got {tuple(state_indices.shape)}")
+        if state_indices.dtype not in (torch.int32, torch.int64) or state_indices.device != dev:
+            raise ValueError(f"state_indices must be int32/int64 on {dev}, got {state_indices.dtype} "
+                             f"on {state_indices.device}")
+    return N, HK, HV, K, V
+
+
+def check_out(name: str, t, shape, dtype, device):
+    """An optional preallocated output: a new tensor when None, else contiguous ``dtype`` of ``shape``."""
+    if t is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {tuple(shape)} on {device}, "
+                         f"got {t.dtype} {tuple(t.shape)} on {t.device}"
+                         + ("" if t.is_contiguous() else " (not contiguous)"))
+    return t

@@ -95,7 +95,7 @@ def gdn_commit(state_pool, k, u, logp, accepted_nodes, state_indices, use_qk_l2n
                out_indices=None, *, block_v: int | None = None, num_warps: int = 4, input_precision: str = "ieee"):
     """Commit each request's accepted path into the GDN state pool, all layers in one launch (eq. 10).
 
-    Twin: `bole.ops.gdn.gdn_commit`. Slots of requests with a non-empty path must be distinct.
+    Twin: `bole.ops.gdn.gdn_commit_ref`. Slots of requests with a non-empty path must be distinct.
 
     Args:
         state_pool: [L, slots, HV, V, K] fp32 or bf16, contiguous; updated in place.

@@ -1,6 +1,6 @@
 """Short GDN prefills in Triton: the recurrence (eq. 1) token by token, the state on chip.
 
-Twin: `bole.ops.gdn.gdn_recurrent`. A prefill of a few tokens (a short prompt, the tail of a chunked
+Twin: `bole.ops.gdn.gdn_recurrent_ref`. A prefill of a few tokens (a short prompt, the tail of a chunked
 one) went through the torch chunk (``bole.ops.gdn_chunk``): dozens of small launches per layer, ~2 ms
 of host time per layer for the embedded model's 13-token prompt on the H200 (benchmarks/profile_step.py
 --cases bole_tiny_generate, 2026-12-01), where the GPU work is a few microseconds. Here one launch per
@@ -73,7 +73,7 @@ def gdn_recurrent_kernel(
 
 def gdn_recurrent(q, k, v, g, beta, scale=None, initial_state=None, state_indices=None, cu_seqlens=None,
                   use_qk_l2norm=False, *, block_v: int | None = None):
-    """Serial recurrence over variable-length sequences, one launch; twin `bole.ops.gdn.gdn_recurrent`.
+    """Serial recurrence over variable-length sequences, one launch; twin `bole.ops.gdn.gdn_recurrent_ref`.
 
     Args:
         q, k: [1, N, HK, K]; v: [1, N, HV, V]; g, beta: [1, N, HV] (fp32, fp16 or bf16; gated already).

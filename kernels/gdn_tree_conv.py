@@ -14,7 +14,7 @@ One launch replaces the ~30 small torch ops that open a GDN layer's verify forwa
                rounded to b's dtype, by each node's first channel tile program
 
 grid (N, C / BC). The pools are only read; everything is a device tensor and nothing is read on the
-host, so a CUDA graph can capture it. Twins: bole.ops.conv.{causal_conv1d_tree, gdn_tree_conv_ref}.
+host, so a CUDA graph can capture it. Twins: bole.ops.conv.{causal_conv1d_tree_ref, gdn_tree_conv_ref}.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def causal_conv1d_tree(x, weight, bias, conv_state, state_indices, forest, activ
                        out=None, x_copy=None, *, block_c: int = 128, num_warps: int = 4):
     """Depthwise causal conv over a packed forest (each node: its path, then the committed state). Read only.
 
-    Twin: `bole.ops.conv.causal_conv1d_tree`.
+    Twin: `bole.ops.conv.causal_conv1d_tree_ref`.
 
     Args:
         x: [N, C] fp32/fp16/bf16 inputs of the forest's nodes, last dim contiguous (any row stride).

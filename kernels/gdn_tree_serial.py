@@ -5,7 +5,7 @@ head, value tile) walks the request's T nodes in topological order; node i start
 snapshot (the committed state for children of the root), applies the delta rule (eq. 1) and writes
 its own full state tile back, so the commit can copy the accepted node's snapshot. It exists so the
 engine's `serial_tree` mode is a fair, compiled baseline for `bole`; the twin is
-`bole.ops.gdn.gdn_tree_serial`.
+`bole.ops.gdn.gdn_tree_serial_ref`.
 
 The node loop has a compile-time bound (the forest's padded tree size) and skips nodes past the
 request's own count: data-dependent loop bounds are avoided on purpose (see gdn_tree_verify.py).
@@ -71,7 +71,7 @@ def gdn_tree_serial_kernel(
 
 def gdn_tree_serial(q, k, v, g, beta, forest, initial_state, state_indices=None, scale=None,
                     use_qk_l2norm=False, snapshots_out=None, o_out=None, *, block_v: int = 16):
-    """Serial tree verification with per-node snapshots; twin: `bole.ops.gdn.gdn_tree_serial`.
+    """Serial tree verification with per-node snapshots; twin: `bole.ops.gdn.gdn_tree_serial_ref`.
 
     Args:
         q, k: [1, N, HK, K]; v: [1, N, HV, V]; g, beta: [1, N, HV] (fp32, fp16 or bf16).

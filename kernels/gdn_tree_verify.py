@@ -1,5 +1,5 @@
 """Parallel closed-form GDN tree verification (Bole Algorithm 1, eq. 2) in Triton; twin
-``bole.ops.gdn.gdn_tree_verify``.
+``bole.ops.gdn.gdn_tree_verify_ref``.
 
 One program per (request b, value head h, value tile of BV columns). Everything that depends only on
 the tree, Q/K and the gates is built on chip from the packed forest:
@@ -25,7 +25,8 @@ The diagonal solve, two methods (both are forward substitution in a different or
                inside diagonal blocks of BS rows (W ← I − G_blk W, rows at in-block depth s + 1 at step s),
                then log₂(BC/BS) doubling merges W ← W − W (G_off W), where G_off couples the two halves
                of each 2·BS... block (the inverse of [[A, 0], [B, D]] is [[A⁻¹, 0], [−D⁻¹ B A⁻¹, D⁻¹]]).
-               ``_block_rows`` picks BS from the depth: (min(d, BS) − 1) + 2 log₂(BC/BS) T×T products.
+               ``gdn_tree_verify_launch.solve_plan`` picks BS from the depth: (min(d, BS) − 1) + 2 log₂(BC/BS)
+               T×T products.
 
 Error analysis (why this replaces the product-form inverse Π_k (I + (−G)^{2^k})). For unit keys
 (use_qk_l2norm), β ∈ (0, 1] and decays γ ∈ (0, 1], the solve is the recurrence itself: the state after
@@ -60,20 +61,24 @@ q/k L2 normalisation and the q scale are applied after the K-loop as diagonal sc
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_forest, check_gdn_inputs, interpreting
-from kernels.limits import MAX_TREE_NODES
+from kernels._checks import check_out, check_verify_inputs, interpreting
+from kernels.gdn_tree_verify_launch import (
+    METHODS,
+    TUNED_FP32,
+    TUNED_LOWP,
+    VerifyConfig,
+    chunk_tile,
+    default_config,
+    solve_plan,
+    tuned_launch,
+)
 
-MAX_NODES = MAX_TREE_NODES
-_FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
-_STATE_DTYPES = (torch.float32, torch.bfloat16)
 _PRECISIONS = ("ieee", "tf32", "tf32x3")
-METHODS = ("horner", "blocked")
 
 
 @triton.jit
@@ -294,111 +299,6 @@ def gdn_tree_verify_kernel(
             tl.debug_barrier()
 
 
-@dataclass(frozen=True)
-class VerifyConfig:
-    """Launch configuration: K chunk, value tile, warps and pipeline stages of one program, and whether
-    the gate / v loads are issued before the K-loop."""
-
-    block_k: int
-    block_v: int
-    num_warps: int = 4
-    num_stages: int = 1
-    early_loads: bool = False
-
-
-# Defaults keyed by the chunk tile BC: (block_k, widest block_v, num_warps); K and V clamp them. The
-# sweeps' configurations are in benchmarks/verify_space.py.
-DEFAULT_TILES = {16: (64, 64, 4), 32: (64, 128, 8), 64: (32, 128, 8)}
-
-
-def chunk_tile(max_nodes: int) -> tuple[int, int]:
-    """(BC, NC): rows per chunk and chunks for trees of ``max_nodes`` nodes."""
-    BT = max(16, triton.next_power_of_2(max_nodes))
-    BC = min(BT, 64)
-    return BC, BT // BC
-
-
-def default_config(K: int, V: int, BC: int, num_heads_x_requests: int | None = None,
-                   block_v: int | None = None) -> VerifyConfig:
-    """A launch configuration for chunk tile BC: the table's widest value tile, halved down to 16 while
-    the grid would have fewer than ~2 programs per SM (batch 1 at Qwen3.5-9B has 32 (request, head)
-    pairs for 132 SMs)."""
-    vmax = triton.next_power_of_2(V)
-    kmax = max(16, triton.next_power_of_2(K))
-    bk, bv_max, num_warps = DEFAULT_TILES[BC]
-    if block_v is None:
-        block_v = max(16, min(vmax, bv_max))
-        if num_heads_x_requests is not None and torch.cuda.is_available():
-            target = 2 * torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-            while block_v > 16 and num_heads_x_requests * triton.cdiv(V, block_v) < target:
-                block_v //= 2
-    bk = min(bk, kmax)
-    return VerifyConfig(block_k=bk, block_v=block_v, num_warps=num_warps, num_stages=2 if K > bk else 1)
-
-
-# The engine's dispatch for half-precision q/k (``gdn_tree_verify(..., tuned=True)``): per tree tile BT
-# and grid size (requests x value heads), (max requests x heads, config, method, input_precision),
-# measured on the H200 at Qwen3.5-9B shapes (HV=32, K=V=128, bf16 q/k, fp32 pool) by
-# benchmarks/gdn_verify.py (results/gdn_verify_h200.json, ``bole_by_method``). tf32 products err by
-# ~2^-11 relative, below the bf16 rounding of q/k/v themselves (2^-9).
-TUNED_LOWP = {
-    16: [(128, VerifyConfig(64, 32, 4, 2), "horner", "tf32"), (None, VerifyConfig(64, 64, 4, 2), "blocked", "tf32")],
-    32: [(128, VerifyConfig(64, 16, 4, 2), "horner", "tf32"), (None, VerifyConfig(64, 64, 8, 2), "blocked", "tf32")],
-    64: [(32, VerifyConfig(32, 32, 4, 3, early_loads=True), "blocked", "tf32"),
-         (256, VerifyConfig(32, 128, 8, 3, early_loads=True), "blocked", "tf32"),
-         (None, VerifyConfig(32, 128, 8, 3), "blocked", "tf32")],
-    128: [(32, VerifyConfig(32, 32, 8, 2), "horner", "tf32"), (None, VerifyConfig(32, 128, 8, 3), "blocked", "tf32")],
-    256: [(32, VerifyConfig(32, 32, 8, 2), "blocked", "tf32"), (None, VerifyConfig(32, 128, 8, 3), "blocked", "tf32")],
-}
-
-# The dispatch for fp32 q/k (the embedded model's engine): "tf32x3" products (3xTF32, on tensor cores),
-# fp32-grade (rel_err ~1e-6 against float64), measured at the embedded model's shapes (HK=4, HV=8,
-# K=V=64) by benchmarks/verify_fp32.py (results/verify_fp32_h200.json).
-TUNED_FP32 = {
-    16: [(None, VerifyConfig(64, 32, 4, 1), "blocked", "tf32x3")],
-    32: [(32, VerifyConfig(64, 16, 4, 1), "blocked", "tf32x3"),
-         (None, VerifyConfig(64, 64, 4, 1), "blocked", "tf32x3")],
-    64: [(32, VerifyConfig(64, 16, 4, 1), "horner", "tf32x3"),
-         (None, VerifyConfig(64, 32, 4, 1), "horner", "tf32x3")],
-    128: [(None, VerifyConfig(64, 32, 8, 1), "blocked", "tf32x3")],
-    256: [(None, VerifyConfig(64, 32, 8, 1), "blocked", "tf32x3")],
-}
-
-
-def tuned_launch(BT: int, num_heads_x_requests: int, K: int, V: int,
-                 table: dict | None = None) -> tuple[VerifyConfig, str, str]:
-    """(config, method, input_precision) from ``table`` (default ``TUNED_LOWP``, for half-precision q/k;
-    ``TUNED_FP32`` for fp32); tiles clamped to K and V."""
-    rows = (TUNED_LOWP if table is None else table)[BT]
-    _, cfg, method, precision = next(row for row in rows if row[0] is None or num_heads_x_requests <= row[0])
-    vmax, kmax = max(16, triton.next_power_of_2(V)), max(16, triton.next_power_of_2(K))
-    bk = min(cfg.block_k, kmax)
-    return dataclasses.replace(cfg, block_k=bk, block_v=min(cfg.block_v, vmax),
-                               num_stages=cfg.num_stages if K > bk else 1), method, precision
-
-
-def _block_rows(depth: int, BC: int) -> int:
-    """The blocked method's diagonal block BS: least T×T products, (min(d, BS) − 1) level steps plus two
-    per doubling merge; ties go to the larger block."""
-    best = None
-    bs = BC
-    while bs >= 1:
-        cost = (min(depth, bs) - 1) + 2 * (BC // bs).bit_length() - 2
-        if best is None or cost < best[0]:
-            best = (cost, bs)
-        bs //= 2
-    return best[1]
-
-
-def solve_plan(method: str, max_depth: int, BC: int) -> tuple[int, int, int]:
-    """(BS, level steps, merges) of the diagonal solve for forests of depth ``max_depth``."""
-    d = min(int(max_depth), BC)
-    if method == "horner":
-        return BC, d - 1, 0
-    bs = _block_rows(d, BC)
-    return bs, min(d, bs) - 1, (BC // bs).bit_length() - 1
-
-
 def launch_gdn_tree_verify(q, k, v, g, beta, forest, initial_state, state_indices, scale,
                            use_qk_l2norm, o, u, logp, config: VerifyConfig, input_precision: str, method: str):
     """Launcher: contiguous [N, H, D] views, grid (B, HV, V / BV). Outputs are preallocated."""
@@ -432,21 +332,11 @@ def launch_gdn_tree_verify(q, k, v, g, beta, forest, initial_state, state_indice
     return o, u, logp
 
 
-def _check_out(name, t, shape, dtype, device):
-    if t is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device or not t.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {tuple(shape)} on {device}, "
-                         f"got {t.dtype} {tuple(t.shape)} on {t.device}"
-                         + ("" if t.is_contiguous() else " (not contiguous)"))
-    return t
-
-
 def gdn_tree_verify(q, k, v, g, beta, forest, initial_state, state_indices=None,
                     scale=None, use_qk_l2norm=False, u_out=None, logp_out=None, o_out=None, *,
                     block_v: int | None = None, config: VerifyConfig | None = None,
                     input_precision: str = "ieee", method: str = "blocked", tuned: bool = False):
-    """Closed-form parallel GDN tree verification (Theorem 1, eq. 2); twin: `bole.ops.gdn.gdn_tree_verify`.
+    """Closed-form parallel GDN tree verification (Theorem 1, eq. 2); twin: `bole.ops.gdn.gdn_tree_verify_ref`.
 
     Args:
         q, k: [1, N, HK, K] (fp32, fp16 or bf16); v: [1, N, HV, V]; g (log decay, ≤ 0), beta ([0, 1]):
@@ -469,42 +359,8 @@ def gdn_tree_verify(q, k, v, g, beta, forest, initial_state, state_indices=None,
     Returns:
         o [1, N, HV, V] in v's dtype, u [N, HV, V] fp32 and logp [N, HV] fp32 (the commit's factors).
     """
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if not isinstance(t, torch.Tensor) or t.dtype not in _FLOAT_INPUTS:
-            raise ValueError(f"{name} must be a float32/float16/bfloat16 tensor, got "
-                             f"{getattr(t, 'dtype', type(t))}")
-    N, HK, HV, K, V = check_gdn_inputs(q, k, v, g, beta)  # the twin's shape rules
-    if K > 256 or V > 256:
-        raise ValueError(f"head dims K={K}, V={V} exceed 256")
-    check_forest(forest)
-    if forest.num_nodes != N:
-        raise ValueError(f"forest has {forest.num_nodes} nodes but the inputs have {N} tokens")
-    if forest.max_nodes > MAX_NODES:
-        raise ValueError(f"a tree of {forest.max_nodes} nodes exceeds the kernel's limit of {MAX_NODES}")
-    dev = q.device
-    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("forest", forest.parents)):
-        if t.device != dev:
-            raise ValueError(f"{name} is on {t.device}, q on {dev}")
-    B = forest.num_requests
-    if initial_state is not None:
-        if initial_state.dim() != 4 or tuple(initial_state.shape[1:]) != (HV, V, K):
-            raise ValueError(f"initial_state must be [slots, {HV}, {V}, {K}], "
-                             f"got {tuple(initial_state.shape)}")
-        if initial_state.dtype not in _STATE_DTYPES:
-            raise ValueError(f"initial_state must be float32 or bfloat16, got {initial_state.dtype}")
-        if not initial_state.is_contiguous():
-            raise ValueError("initial_state must be contiguous (K fastest)")
-        if initial_state.device != dev:
-            raise ValueError(f"initial_state is on {initial_state.device}, q on {dev}")
-        if state_indices is None and initial_state.shape[0] < B:
-            raise ValueError(f"{B} requests but only {initial_state.shape[0]} state slots")
-    if state_indices is not None:
-        if state_indices.dim() != 1 or state_indices.numel() != B:
-            raise ValueError(f"state_indices must be [{B}] (one slot per request), "
-                             f"got {tuple(state_indices.shape)}")
-        if state_indices.dtype not in (torch.int32, torch.int64) or state_indices.device != dev:
-            raise ValueError(f"state_indices must be int32/int64 on {dev}, got {state_indices.dtype} "
-                             f"on {state_indices.device}")
+    N, HK, HV, K, V = check_verify_inputs(q, k, v, g, beta, forest, initial_state, state_indices)
+    B, dev = forest.num_requests, q.device
     if input_precision not in _PRECISIONS:
         raise ValueError(f"input_precision must be one of {_PRECISIONS}, got {input_precision!r}")
     if method not in METHODS:
@@ -523,9 +379,9 @@ def gdn_tree_verify(q, k, v, g, beta, forest, initial_state, state_indices=None,
     if config.block_k < 16 or config.block_k & (config.block_k - 1):
         raise ValueError(f"block_k must be a power of two >= 16, got {config.block_k}")
 
-    o = _check_out("o_out", o_out, (1, N, HV, V), v.dtype, dev)
-    u = _check_out("u_out", u_out, (N, HV, V), torch.float32, dev)
-    logp = _check_out("logp_out", logp_out, (N, HV), torch.float32, dev)
+    o = check_out("o_out", o_out, (1, N, HV, V), v.dtype, dev)
+    u = check_out("u_out", u_out, (N, HV, V), torch.float32, dev)
+    logp = check_out("logp_out", logp_out, (N, HV), torch.float32, dev)
     scale = K ** -0.5 if scale is None else float(scale)
     return launch_gdn_tree_verify(q, k, v, g, beta, forest, initial_state, state_indices, scale,
                                   use_qk_l2norm, o, u, logp, config, input_precision, method)

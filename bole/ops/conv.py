@@ -104,7 +104,7 @@ def _tree_windows(x, forest: PackedForest, conv_state, state_indices, W):
     return torch.where((p >= 1)[:, None, :], from_x, from_state)
 
 
-def causal_conv1d_tree(x, weight, bias, conv_state, state_indices, forest: PackedForest,
+def causal_conv1d_tree_ref(x, weight, bias, conv_state, state_indices, forest: PackedForest,
                        activation="silu", out=None, x_copy=None):
     """Conv over a packed forest: each node sees its path, then the committed state. Read only.
 
@@ -135,12 +135,12 @@ def causal_conv1d_tree(x, weight, bias, conv_state, state_indices, forest: Packe
 
 def gdn_tree_conv_ref(x, weight, conv_state, state_indices, forest: PackedForest, a, b, A_log, dt_bias,
                       bias=None, activation="silu", out=None, x_copy=None):
-    """The GDN layer's verify prologue: ``causal_conv1d_tree`` and the gating (``gdn_gating``).
+    """The GDN layer's verify prologue: ``causal_conv1d_tree_ref`` and the gating (``gdn_gating``).
 
     Twin of kernels/gdn_tree_conv.gdn_tree_conv (one launch). Returns (y or out, g [N, HV] fp32,
     beta [N, HV] in b's dtype).
     """
-    y = causal_conv1d_tree(x, weight, bias, conv_state, state_indices, forest, activation, out, x_copy)
+    y = causal_conv1d_tree_ref(x, weight, bias, conv_state, state_indices, forest, activation, out, x_copy)
     return (y, *gdn_gating(a, b, A_log, dt_bias))
 
 

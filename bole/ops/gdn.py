@@ -63,7 +63,7 @@ def _initial(initial_state, state_indices, b, HV, V, K, dt, device):
     return initial_state[slot].to(dt)
 
 
-def gdn_recurrent(q, k, v, g, beta, scale=None, initial_state=None, state_indices=None,
+def gdn_recurrent_ref(q, k, v, g, beta, scale=None, initial_state=None, state_indices=None,
                   cu_seqlens=None, use_qk_l2norm=False):
     """Serial recurrence (eq. 1) over variable-length sequences.
 
@@ -91,7 +91,7 @@ def gdn_recurrent(q, k, v, g, beta, scale=None, initial_state=None, state_indice
     return o.to(v.dtype)[None], torch.stack(finals)
 
 
-def gdn_tree_serial(q, k, v, g, beta, forest: PackedForest, initial_state, state_indices=None,
+def gdn_tree_serial_ref(q, k, v, g, beta, forest: PackedForest, initial_state, state_indices=None,
                     scale=None, use_qk_l2norm=False):
     """Serial tree recurrence with a state snapshot per node (the SGLang-style baseline).
 
@@ -138,7 +138,7 @@ def _into(out, t: torch.Tensor, name: str) -> torch.Tensor:
     return out.copy_(t)
 
 
-def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state_indices=None,
+def gdn_tree_verify_ref(q, k, v, g, beta, forest: PackedForest, initial_state, state_indices=None,
                     scale=None, use_qk_l2norm=False, u_out=None, logp_out=None, o_out=None):
     """Closed-form parallel tree verification (Theorem 1, eq. 2).
 
@@ -194,7 +194,7 @@ def gdn_tree_verify(q, k, v, g, beta, forest: PackedForest, initial_state, state
             _into(logp_out, logp_all, "logp_out"))
 
 
-def gdn_commit(state_pool, k, u, logp, accepted_nodes, state_indices, use_qk_l2norm=False, out_pool=None,
+def gdn_commit_ref(state_pool, k, u, logp, accepted_nodes, state_indices, use_qk_l2norm=False, out_pool=None,
                out_indices=None):
     """Factorized commit (eq. 10) for every GDN layer and request, in place on the pool (or into
     ``out_pool``'s slots ``out_indices``, the pool read only: a prefix-cache checkpoint).

@@ -1,6 +1,6 @@
 """Chunked Gated DeltaNet over sequences in torch: the CPU prefill path (WY / UT form, chunk 64).
 
-Same signature and conventions as ``bole.ops.gdn.gdn_recurrent`` (flash-linear-attention layout,
+Same signature and conventions as ``bole.ops.gdn.gdn_recurrent_ref`` (flash-linear-attention layout,
 state stored transposed as [V, K]), plus ``chunk_size``. Within a chunk of C tokens with cumulative
 log decay c_t (from the chunk start) and the state S (K×V) entering the chunk:
 

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import gdn_verify  # noqa: E402
-from bole.ops.gdn import gdn_tree_verify  # noqa: E402
+from bole.ops.gdn import gdn_tree_verify_ref  # noqa: E402
 
 
 def fake_kernel(q, k, v, g, beta, forest, initial_state, state_indices=None, scale=None,
@@ -26,7 +26,7 @@ def fake_kernel(q, k, v, g, beta, forest, initial_state, state_indices=None, sca
                 input_precision="ieee"):
     if block_v == 3:
         raise ValueError("block_v must be a power of two")
-    o, u, logp = gdn_tree_verify(q, k, v, g, beta, forest, initial_state, state_indices, scale,
+    o, u, logp = gdn_tree_verify_ref(q, k, v, g, beta, forest, initial_state, state_indices, scale,
                                  use_qk_l2norm)
     o_out.copy_(o), u_out.copy_(u), logp_out.copy_(logp)
     return o_out, u_out, logp_out
@@ -115,7 +115,7 @@ def test_reference_f64_matches_the_closed_form():
     x = gdn_verify.make_inputs("tiny", 3, 16, "cpu", seed=4, dtype=torch.float32)
     o, u, logp = gdn_verify.reference_f64(x)
     d = {n: x[n].double() for n in ("q", "k", "v", "g", "beta")}
-    o2, u2, logp2 = gdn_tree_verify(d["q"], d["k"], d["v"], d["g"], d["beta"], x["forest"], x["pool"].double(),
+    o2, u2, logp2 = gdn_tree_verify_ref(d["q"], d["k"], d["v"], d["g"], d["beta"], x["forest"], x["pool"].double(),
                                     x["state_indices"], use_qk_l2norm=True)
     for a, b in ((o, o2), (u, u2), (logp, logp2)):
         assert a.dtype == torch.float64

@@ -18,7 +18,7 @@ from benchmarks.peers import (  # noqa: E402
     sglang_available,
     single_root_tree,
 )
-from bole.ops.gdn import gdn_tree_serial  # noqa: E402
+from bole.ops.gdn import gdn_tree_serial_ref  # noqa: E402
 from bole.spec.tree import PackedForest  # noqa: E402
 
 needs_peer = pytest.mark.skipif(
@@ -53,7 +53,7 @@ def test_sglang_tree_matches_serial(device, HK, HV, K, V, seed):
 
     run = SGLangTreeVerifier(q, k, v, g, beta, forest, pool, slots, use_qk_l2norm=True)
     o = run()
-    o_ref, snaps_ref = gdn_tree_serial(q, k, v, g, beta, forest, pool, slots, use_qk_l2norm=True)
+    o_ref, snaps_ref = gdn_tree_serial_ref(q, k, v, g, beta, forest, pool, slots, use_qk_l2norm=True)
 
     assert o.shape == o_ref.shape
     err = (o.float() - o_ref.float()).abs().max() / o_ref.float().abs().max()

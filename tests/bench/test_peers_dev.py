@@ -3,7 +3,7 @@
 Skipped when .peers/sglang-main/ lacks their files (CI never has them; scripts/fetch_peers.sh --help
 says how to fetch them). On CPU they run under TRITON_INTERPRET=1 (tests/conftest.py) at tiny shapes:
 the chunk peer in fp16 (it refuses fp32, and the interpreter's bf16 dots are wrong), the fused peer
-in fp32 ("ieee" dots) and fp16. The reference is bole.ops.gdn.gdn_tree_serial on the same inputs
+in fp32 ("ieee" dots) and fp16. The reference is bole.ops.gdn.gdn_tree_serial_ref on the same inputs
 (after their rounding to the peer's dtype) in float64; errors are max|O - O_ref| / max|O_ref|.
 
 The adversarial inputs (issue 23): queries and keys a·c + noise with one shared direction c per key
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import peers_dev  # noqa: E402
 from benchmarks.gdn_verify import correlated  # noqa: E402
 from benchmarks.peers import single_root_tree  # noqa: E402
-from bole.ops.gdn import gdn_tree_serial  # noqa: E402
+from bole.ops.gdn import gdn_tree_serial_ref  # noqa: E402
 from bole.spec.tree import DraftTree, PackedForest  # noqa: E402
 
 _why = "{} absent from .peers/sglang-main/: see scripts/fetch_peers.sh --help (read_file, never committed)"
@@ -77,7 +77,7 @@ def _to(q, k, v, g, beta, pool, slots, dtype, device):
 def _err(o, q, k, v, g, beta, forest, pool, slots):
     """The peer's O against the float64 serial recurrence on the same (rounded) inputs."""
     d = lambda t: t.double()
-    o_ref, _ = gdn_tree_serial(d(q), d(k), d(v), d(g), d(beta), forest, d(pool), slots, use_qk_l2norm=True)
+    o_ref, _ = gdn_tree_serial_ref(d(q), d(k), d(v), d(g), d(beta), forest, d(pool), slots, use_qk_l2norm=True)
     return float((o.double() - o_ref).abs().max() / o_ref.abs().max())
 
 
@@ -183,7 +183,7 @@ def test_fused_lazy_state_commits_the_accepted_path(device):
     x = _ordinary(forest, 2, 4, 16, 16, FP32, device, seed=9)
     _, run = _run("fused", forest, x)
     d = lambda t: t.double()
-    _, snaps = gdn_tree_serial(*(d(t) for t in x[:5]), forest, d(x[5]), x[6], use_qk_l2norm=True)
+    _, snaps = gdn_tree_serial_ref(*(d(t) for t in x[:5]), forest, d(x[5]), x[6], use_qk_l2norm=True)
     for leaf in (5, 7, 0):
         S = run.fused_mod.fold_accepted(run.lazy, leaf)[0]
         torch.testing.assert_close(S.double(), snaps[leaf], rtol=1e-5, atol=1e-5)

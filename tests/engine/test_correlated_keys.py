@@ -79,7 +79,7 @@ def recorded(model):
                 n = cos.shape[0]
                 seen.append(float((cos.sum() - cos.diagonal().sum()) / (n * (n - 1))))
         d = lambda t: t.double()
-        o64 = gdn_ops.gdn_tree_verify(d(q), d(k), d(v), d(g), d(beta), forest, d(initial_state), state_indices,
+        o64 = gdn_ops.gdn_tree_verify_ref(d(q), d(k), d(v), d(g), d(beta), forest, d(initial_state), state_indices,
                                       use_qk_l2norm=kw.get("use_qk_l2norm", False))[0]
         out = inner(q, k, v, g, beta, forest, initial_state, state_indices, *args, **kw)
         errors.append(float((out[0].double() - o64).abs().max() / o64.abs().max()))

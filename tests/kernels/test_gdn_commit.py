@@ -38,7 +38,7 @@ def setup(device, L=2, HK=1, HV=2, K=16, V=16, dtype=torch.float32, pool_dtype=t
     snaps = []  # serial per-node states in float64: [L, N, HV, V, K]
     for layer in range(L):
         args = [t[layer][None].double() for t in (q, k, v, g, beta)]
-        snaps.append(ref.gdn_tree_serial(*args, forest, pool[layer].double(), idx, use_qk_l2norm=l2)[1])
+        snaps.append(ref.gdn_tree_serial_ref(*args, forest, pool[layer].double(), idx, use_qk_l2norm=l2)[1])
     return dict(forest=forest, k=k, u=u, logp=logp, pool=pool, idx=idx, snaps=torch.stack(snaps), l2=l2)
 
 
@@ -47,7 +47,7 @@ def commit_both(s, accepted_local):
     pool_k = s["pool"].clone()
     pool_t = s["pool"].clone()
     gdn_commit(pool_k, s["k"], s["u"], s["logp"], accepted, s["idx"], use_qk_l2norm=s["l2"])
-    ref.gdn_commit(pool_t, s["k"], s["u"], s["logp"], accepted, s["idx"], use_qk_l2norm=s["l2"])
+    ref.gdn_commit_ref(pool_t, s["k"], s["u"], s["logp"], accepted, s["idx"], use_qk_l2norm=s["l2"])
     return pool_k, pool_t
 
 
@@ -109,7 +109,7 @@ def test_int64_indices_and_wider_paths(device):
     accepted = torch.cat([accepted, torch.full((3, 5), -1, dtype=torch.long, device=device)], 1)
     pool_k, pool_t = s["pool"].clone(), s["pool"].clone()
     gdn_commit(pool_k, s["k"], s["u"], s["logp"], accepted, s["idx"].long(), use_qk_l2norm=True)
-    ref.gdn_commit(pool_t, s["k"], s["u"], s["logp"], accepted, s["idx"], use_qk_l2norm=True)
+    ref.gdn_commit_ref(pool_t, s["k"], s["u"], s["logp"], accepted, s["idx"], use_qk_l2norm=True)
     assert rel_err(pool_k, pool_t) < 1e-5
 
 
@@ -160,7 +160,7 @@ def test_out_of_place_commit(device, impl):
     # a prefix-cache checkpoint: the committed state written into another pool's slots, the request's
     # own pool read only; an empty path writes nothing
     s = setup(device, L=2, HK=1, HV=2, seed=3)
-    fn = gdn_commit if impl == "kernel" else ref.gdn_commit
+    fn = gdn_commit if impl == "kernel" else ref.gdn_commit_ref
     accepted_local = [4, -1, 2]
     accepted = s["forest"].accepted_path_nodes(accepted_local)
     pool = s["pool"].clone()

@@ -1,4 +1,4 @@
-"""The short-prefill recurrence kernel (kernels/gdn_recurrent.py) against its twin (bole.ops.gdn.gdn_recurrent)
+"""The short-prefill recurrence kernel (kernels/gdn_recurrent.py) against its twin (bole.ops.gdn.gdn_recurrent_ref)
 and the torch chunk it replaces for short prefills (bole.ops.gdn_chunk).
 
 Mixed sequence lengths (one token, a few, a chunk's worth), GQA, fp32 and fp16 activations, fp32 and
@@ -8,7 +8,7 @@ bf16 state pools read by slot index (never written), no initial state; bad input
 import pytest
 import torch
 
-from bole.ops.gdn import gdn_recurrent as twin
+from bole.ops.gdn import gdn_recurrent_ref as twin
 from bole.ops.gdn_chunk import gdn_chunk
 from kernels.gdn_recurrent import gdn_recurrent
 

@@ -11,8 +11,7 @@ import pytest
 import torch
 from numerics import rel_err
 
-from bole.ops.conv import causal_conv1d_tree as causal_conv1d_tree_ref
-from bole.ops.conv import gdn_tree_conv_ref
+from bole.ops.conv import causal_conv1d_tree_ref, gdn_tree_conv_ref
 from bole.spec.tree import DraftTree, PackedForest, random_tree
 from kernels.gdn_tree_conv import causal_conv1d_tree, gdn_tree_conv
 
@@ -196,7 +195,7 @@ def test_gpu_bf16_qwen_shapes(device, sizes):
 
 def test_strided_state_indices():
     # a column of a host-row buffer, as the graphs pass their inputs (review finding: read densely)
-    from bole.ops.conv import causal_conv1d_tree as twin
+    from bole.ops.conv import causal_conv1d_tree_ref as twin
     from bole.spec.tree import DraftTree, PackedForest
     from kernels.gdn_tree_conv import causal_conv1d_tree
 

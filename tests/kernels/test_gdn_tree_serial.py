@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from bole.ops.gdn import gdn_tree_serial as twin
+from bole.ops.gdn import gdn_tree_serial_ref as twin
 from bole.spec.tree import PackedForest, random_tree
 from kernels.gdn_tree_serial import gdn_tree_serial
 

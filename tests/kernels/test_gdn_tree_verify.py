@@ -13,13 +13,8 @@ from numerics import rel_err
 from benchmarks.verify_space import CONFIGS, configs_for
 from bole.ops import gdn as ref
 from bole.spec.tree import DraftTree, PackedForest, random_tree
-from kernels.gdn_tree_verify import (
-    VerifyConfig,
-    chunk_tile,
-    default_config,
-    gdn_tree_verify,
-    solve_plan,
-)
+from kernels.gdn_tree_verify import gdn_tree_verify
+from kernels.gdn_tree_verify_launch import VerifyConfig, chunk_tile, default_config, solve_plan
 
 
 def make_forest(sizes, seed, device, depth=5):
@@ -46,7 +41,7 @@ def make_inputs(forest, HK, HV, K, V, dtype, pool_dtype, seed, device, slots=6, 
 def reference(q, k, v, g, beta, forest, pool, indices, **kw):
     """The twin in float64 on exactly the kernel's input values."""
     d = lambda t: None if t is None else t.double()
-    return ref.gdn_tree_verify(d(q), d(k), d(v), d(g), d(beta), forest, d(pool), indices, **kw)
+    return ref.gdn_tree_verify_ref(d(q), d(k), d(v), d(g), d(beta), forest, d(pool), indices, **kw)
 
 
 def poisoned(q, v, HV):
@@ -132,7 +127,7 @@ def test_matches_serial_recurrence_and_per_tree(device):
     q, k, v, g, beta, pool, idx = make_inputs(forest, 1, 2, 16, 16, torch.float32, torch.float32, 13, device)
     o, u, logp = gdn_tree_verify(q, k, v, g, beta, forest, pool, idx, use_qk_l2norm=True)
     d = lambda t: t.double()
-    o_s, _ = ref.gdn_tree_serial(d(q), d(k), d(v), d(g), d(beta), forest, d(pool), idx, use_qk_l2norm=True)
+    o_s, _ = ref.gdn_tree_serial_ref(d(q), d(k), d(v), d(g), d(beta), forest, d(pool), idx, use_qk_l2norm=True)
     assert rel_err(o, o_s) < 1e-5
     cu = forest.cu_seqlens.tolist()
     for b in range(forest.num_requests):
@@ -275,7 +270,7 @@ def test_gpu_all_configs_qwen_shapes(device):
 
 def test_tuned_launch_table():
     # the engine's measured dispatch: every tile up to 256 nodes has a catch-all row, tiles clamp to small heads
-    from kernels.gdn_tree_verify import TUNED_FP32, TUNED_LOWP, tuned_launch
+    from kernels.gdn_tree_verify_launch import TUNED_FP32, TUNED_LOWP, tuned_launch
 
     for table, precisions in ((TUNED_LOWP, ("tf32",)), (TUNED_FP32, ("tf32x3",))):
         assert set(table) == {16, 32, 64, 128, 256}

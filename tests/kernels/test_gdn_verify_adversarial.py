@@ -3,7 +3,7 @@
 Correlated keys (mean cosine up to 0.99), β → 1, decay → 1, q = k, on chains, stars, brooms and
 random trees up to the deepest and widest the kernel takes (256 nodes): the inputs on which the old
 product-form inverse returned finite, wrong outputs (1e12 relative error on a 64-chain). The reference
-is ``bole.ops.gdn.gdn_tree_serial`` in float64 (a snapshot per node, no closed form at all). On the CPU
+is ``bole.ops.gdn.gdn_tree_serial_ref`` in float64 (a snapshot per node, no closed form at all). On the CPU
 the kernel runs under the Triton interpreter (fp32 exact, fp16 operands where the kernel asks for
 them); on a GPU at Qwen3.5-9B head shapes with bf16 inputs, as the engine calls it.
 """
@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from bole.ops import gdn as ref
 from bole.ops.gdn_inputs import hard_trees, mean_cosine, verify_inputs
 from bole.spec.tree import DraftTree, PackedForest, random_tree
-from kernels.gdn_tree_verify import MAX_NODES, gdn_tree_verify
+from kernels.gdn_tree_verify import gdn_tree_verify
+from kernels.limits import MAX_TREE_NODES
 
 
 def max_rel(a, b) -> float:
@@ -28,7 +29,7 @@ def max_rel(a, b) -> float:
 
 def serial64(q, k, v, g, beta, forest, pool, idx):
     d = lambda t: t.double()
-    o, snaps = ref.gdn_tree_serial(d(q), d(k), d(v), d(g), d(beta), forest, d(pool), idx, use_qk_l2norm=True)
+    o, snaps = ref.gdn_tree_serial_ref(d(q), d(k), d(v), d(g), d(beta), forest, d(pool), idx, use_qk_l2norm=True)
     return o
 
 
@@ -43,7 +44,7 @@ REGIMES = {  # (key_cos, beta, decay, q_equals_k)
     "hard": (0.99, "one", "one", False),
     "qk": (0.9, "high", "slow", True),
 }
-TREES = {**hard_trees(MAX_NODES, MAX_NODES), **hard_trees(64, 16, seed=1), "chain32": DraftTree.chain(32),
+TREES = {**hard_trees(MAX_TREE_NODES, MAX_TREE_NODES), **hard_trees(64, 16, seed=1), "chain32": DraftTree.chain(32),
          "chain64": DraftTree.chain(64)}
 
 
@@ -62,7 +63,7 @@ def test_hard_inputs_fp32(device, tree, regime):
         err, _ = errors(forest, inputs, method=method, input_precision="ieee")
         assert err < 1e-5, (method, err)
     q, k, v, g, b, pool, idx = inputs
-    o_twin, _, _ = ref.gdn_tree_verify(q, k, v, g, b, forest, pool, idx, use_qk_l2norm=True)
+    o_twin, _, _ = ref.gdn_tree_verify_ref(q, k, v, g, b, forest, pool, idx, use_qk_l2norm=True)
     assert max_rel(o_twin, serial64(q, k, v, g, b, forest, pool, idx)) < 1e-5
 
 
@@ -95,7 +96,7 @@ def test_property_kernel_and_twin_match_float64(sizes, depth, key_cos, beta, dec
     err, _ = errors(forest, inputs, method=method, input_precision=precision)
     assert err < 1e-4
     q, k, v, g, b, pool, idx = inputs
-    o_twin, _, _ = ref.gdn_tree_verify(q, k, v, g, b, forest, pool, idx, use_qk_l2norm=True)
+    o_twin, _, _ = ref.gdn_tree_verify_ref(q, k, v, g, b, forest, pool, idx, use_qk_l2norm=True)
     assert max_rel(o_twin, serial64(q, k, v, g, b, forest, pool, idx)) < 1e-4
 
 

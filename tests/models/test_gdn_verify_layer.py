@@ -1,5 +1,5 @@
 """One GDN layer's verify forward (bole/layers/gdn.py) on both backends against the composition it
-replaced: torch gating, ``causal_conv1d_tree``, the verifier, then the factors copied into the buffer.
+replaced: torch gating, ``causal_conv1d_tree_ref``, the verifier, then the factors copied into the buffer.
 
 The layer now writes the commit's factors in place (k and the conv inputs from the backend's
 ``tree_conv``, u and logP from ``tree_verify``); the factor buffers start NaN so an unwritten element
@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from bole.backend import resolve_backend
 from bole.layers.gdn import GatedDeltaNet
 from bole.models.context import TreeFactors
-from bole.ops.conv import causal_conv1d_tree
-from bole.ops.gdn import gdn_tree_serial, gdn_tree_verify
+from bole.ops.conv import causal_conv1d_tree_ref
+from bole.ops.gdn import gdn_tree_serial_ref, gdn_tree_verify_ref
 from bole.spec.tree import PackedForest, random_tree
 
 CFG = types.SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -55,16 +55,16 @@ def old_verify(layer, x, ctx):
     beta = torch.sigmoid(b)
     g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias.float())
     f.conv_x[i] = mixed
-    y = causal_conv1d_tree(mixed, layer.conv1d.weight[:, 0, :], None, pool.conv[i], ctx.state_slots, ctx.forest)
+    y = causal_conv1d_tree_ref(mixed, layer.conv1d.weight[:, 0, :], None, pool.conv[i], ctx.state_slots, ctx.forest)
     kd = layer.key_dim
     q = y[:, :kd].view(N, layer.num_k_heads, -1)[None]
     k = y[:, kd:2 * kd].view(N, layer.num_k_heads, -1)[None]
     v = y[:, 2 * kd:].view(N, layer.num_v_heads, -1)[None]
     if f.snapshots is not None:
-        o, f.snapshots[i] = gdn_tree_serial(q, k, v, g[None], beta[None], ctx.forest, pool.ssm[i], ctx.state_slots,
+        o, f.snapshots[i] = gdn_tree_serial_ref(q, k, v, g[None], beta[None], ctx.forest, pool.ssm[i], ctx.state_slots,
                                             use_qk_l2norm=True)
     else:
-        o, f.u[i], f.logp[i] = gdn_tree_verify(q, k, v, g[None], beta[None], ctx.forest, pool.ssm[i],
+        o, f.u[i], f.logp[i] = gdn_tree_verify_ref(q, k, v, g[None], beta[None], ctx.forest, pool.ssm[i],
                                                ctx.state_slots, use_qk_l2norm=True)
         f.k[i] = k[0]
     return layer.out_proj(layer.norm(o[0].to(x.dtype), z).reshape(N, layer.value_dim))

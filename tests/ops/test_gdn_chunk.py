@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from bole.ops.gdn import gdn_recurrent
+from bole.ops.gdn import gdn_recurrent_ref
 from bole.ops.gdn_chunk import gdn_chunk
 
 
@@ -28,7 +28,7 @@ def test_chunk_equals_recurrence_varlen(dtype, tol, seed, chunk_size):
     q, k, v, g, beta, pool = _inputs(int(cu[-1]), 2, 6, 16, 12, 7, seed, dtype)
     idx = torch.tensor([3, 0, 6, 2, 5])
     kw = dict(initial_state=pool, state_indices=idx, cu_seqlens=cu, use_qk_l2norm=True)
-    o_ref, s_ref = gdn_recurrent(q, k, v, g, beta, **kw)
+    o_ref, s_ref = gdn_recurrent_ref(q, k, v, g, beta, **kw)
     o, s = gdn_chunk(q, k, v, g, beta, chunk_size=chunk_size, **kw)
     assert rel_err(o, o_ref) <= tol and rel_err(s, s_ref) <= tol
     assert torch.equal(pool, _inputs(int(cu[-1]), 2, 6, 16, 12, 7, seed, dtype)[-1])  # read only
@@ -37,7 +37,7 @@ def test_chunk_equals_recurrence_varlen(dtype, tol, seed, chunk_size):
 @pytest.mark.parametrize("gate", ["near0", "near1"])
 def test_chunk_extreme_decays(gate):
     q, k, v, g, beta, _ = _inputs(130, 1, 2, 8, 8, 1, 3, torch.float64, gate)
-    o_ref, s_ref = gdn_recurrent(q, k, v, g, beta, use_qk_l2norm=True)
+    o_ref, s_ref = gdn_recurrent_ref(q, k, v, g, beta, use_qk_l2norm=True)
     o, s = gdn_chunk(q, k, v, g, beta, use_qk_l2norm=True)
     assert rel_err(o, o_ref) <= 1e-10 and rel_err(s, s_ref) <= 1e-10
 
@@ -47,7 +47,7 @@ def test_single_token_batch_path():
     q, k, v, g, beta, pool = _inputs(5, 2, 4, 16, 8, 9, 4, torch.float32)
     cu, idx = torch.arange(6), torch.tensor([8, 1, 4, 0, 2])
     kw = dict(initial_state=pool, state_indices=idx, cu_seqlens=cu, use_qk_l2norm=True)
-    o_ref, s_ref = gdn_recurrent(q, k, v, g, beta, **kw)
+    o_ref, s_ref = gdn_recurrent_ref(q, k, v, g, beta, **kw)
     o, s = gdn_chunk(q, k, v, g, beta, **kw)
     assert rel_err(o, o_ref) <= 1e-5 and rel_err(s, s_ref) <= 1e-5
 
