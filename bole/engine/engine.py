@@ -15,7 +15,7 @@ One ``step()``:
 With the prefix cache on, every forward is followed (before emission, which may free the request) by
 ``_cache_committed``: newly committed full blocks join the cache and GDN checkpoints are taken at
 block boundaries (speculative commits that jump over a boundary are checkpointed along the accepted
-path first, ``_checkpoint_paths``).
+path first: ``bole.cache.checkpoints`` plans them).
 
 Sampling randomness is keyed by (request seed, token index): the token at index i of a request
 is always drawn with the uniform U(seed, i), whichever mode produced it, so greedy AND seeded
@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bole.cache.checkpoints import CheckpointPlanner, PendingCheckpoint, TailPlan
 from bole.cache.prefix_cache import PrefixCache
 from bole.config import EngineConfig
 from bole.engine import sampler
@@ -112,6 +113,7 @@ class LLMEngine:
         self.prefix_cache = PrefixCache(self.runner.allocator, self.runner.state_pool, cc.block_size,
                                         cc.checkpoint_interval_blocks, cc.num_checkpoint_slots,
                                         track_mtp=self.mode != "ar") if cc.enable_prefix_cache else None
+        self.checkpoints = CheckpointPlanner(self.prefix_cache) if self.prefix_cache is not None else None
         if self.prefix_cache is not None and self.runner.verify_graphs is not None:
             self.runner.verify_graphs.enable_checkpoints(self.prefix_cache.checkpoints, cc.checkpoint_interval,
                                                          self.prefix_cache.scratch_slot)
@@ -300,7 +302,7 @@ class LLMEngine:
         host = torch.cat([acc.accepted_node[:, None], acc.num_emitted[:, None], acc.tokens], 1).tolist()
         accepted, num = [h[0] for h in host], [h[1] for h in host]
         emitted = [h[2:2 + h[1]] for h in host]
-        pending = self._checkpoint_paths(reqs, res, accepted, num) if self.prefix_cache is not None else None
+        pending = self._checkpoint_paths(reqs, res, accepted, num)
         # path length (root + accepted drafts) = emitted tokens
         self.runner.commit(reqs, res, acc.accepted_node, keep_hidden=True, lengths=num)
         self._cache_committed(reqs, pending, emitted)
@@ -323,93 +325,39 @@ class LLMEngine:
         (the step graph, or the verify graph's tail) returns the tail's rows (one device-to-host read);
         returns the emitted tokens and accepted nodes. None when the tail cannot take this step's
         checkpoints (the caller goes on eagerly)."""
-        slots = self._reserve_checkpoints(reqs)
-        if slots is False:
-            return None
         starts = [r.num_computed for r in reqs]
+        plan = TailPlan()
+        if self.checkpoints is not None:
+            plan = self.checkpoints.reserve_tail(starts, self.config.spec.depth + 1,
+                                                 self.runner.verify_graphs.checkpoints is not None)
+            if plan is None:
+                return None
         try:
-            host = run(slots and [t and t[0] for t in slots])
+            host = run(plan.slots)
         except BaseException:
-            for t in slots or ():
-                if t is not None and t[1] is None:
-                    self.prefix_cache.checkpoints.free(t[0])
+            if self.checkpoints is not None:
+                self.checkpoints.cancel(plan)
             raise
         emitted = [h[2:2 + h[1]] for h in host]
-        pending = self._tail_checkpoints(starts, [h[1] for h in host], slots)
+        pending = self.checkpoints.settle_tail(plan, starts, [h[1] for h in host]) if plan.reserved else None
         self._cache_committed(reqs, pending, emitted)
         stats.tree_nodes = sum(h[-1] for h in host) + len(reqs)
         return emitted, [h[0] for h in host]
 
     # -- prefix cache ----------------------------------------------------------------------------
-    def _reserve_checkpoints(self, reqs: list[Request]):
-        """For the verify graph's tail: a checkpoint slot for every request whose path could jump over
-        a checkpoint boundary this step, (slot, victim) per request, None for the others (None overall
-        without a prefix cache); False when the tail cannot take them (no slot, or no checkpoints in the
-        tail). A free slot comes with victim None; with none free, the slot of a least recently used
-        checkpoint (its victim block), which stays intact unless the path really crosses."""
+    def _checkpoint_paths(self, reqs: list[Request], res, accepted: list[int], lengths: list[int]
+                          ) -> list[PendingCheckpoint | None] | None:
+        """Before an eager commit: checkpoint the block boundary each accepted path of ``lengths``
+        nodes jumps over, by committing the path cut there into a checkpoint slot."""
+        plan = self.checkpoints and self.checkpoints.plan_paths([r.num_computed for r in reqs], lengths)
+        if plan is None:
+            return None
         cache = self.prefix_cache
-        if cache is None:
-            return None
-        longest = self.config.spec.depth + 1
-        may = [cache.path_cut(r.num_computed, longest) > 0 for r in reqs]
-        if not any(may):
-            return None
-        if self.runner.verify_graphs.checkpoints is None:
-            return False
-        free = [cache.reserve_checkpoint(evict=False) for _ in range(sum(may))]
-        taken = [s for s in free if s is not None]
-        victims = iter(cache.checkpoint_victims(len(free) - len(taken)))
-        out = []
-        for m in may:
-            if not m:
-                out.append(None)
-            elif taken:
-                out.append((taken.pop(), None))
-            else:
-                v = next(victims, None)
-                if v is None:  # nothing to write into: give the slots back, take the eager path
-                    for t in out:
-                        if t is not None and t[1] is None:
-                            cache.checkpoints.free(t[0])
-                    return False
-                out.append((v.checkpoint, v))
-        return out
+        self.runner.commit_path_prefix(res, accepted, list(plan.keep), cache.checkpoints, list(plan.targets),
+                                       cache.scratch_slot)
+        return list(plan.pending)
 
-    def _tail_checkpoints(self, starts: list[int], lengths: list[int], reserved) -> list | None:
-        """After the tail: (boundary, slot) per request whose path crossed a boundary (its reserved slot
-        now holds the state there; a victim's checkpoint is dropped), None for the others (their free
-        slots given back, their victims' checkpoints untouched)."""
-        if not reserved:
-            return None
-        cache, out = self.prefix_cache, []
-        for start, n, r in zip(starts, lengths, reserved, strict=True):
-            cut = cache.path_cut(start, n)
-            if r is not None and cut:
-                slot = cache.take_checkpoint_slot(r[1]) if r[1] is not None else r[0]
-                out.append((start + cut, slot))
-            else:
-                if r is not None and r[1] is None:
-                    cache.checkpoints.free(r[0])
-                out.append(None)
-        return out
-
-    def _checkpoint_paths(self, reqs: list[Request], res, accepted: list[int], lengths: list[int]) -> list | None:
-        """Before a commit: checkpoint the block boundary each accepted path jumps over (if any), by
-        committing the path cut there into a reserved checkpoint slot; [(length, slot) | None] per
-        request. ``lengths``: each path's node count (root included)."""
-        cache = self.prefix_cache
-        # a path of n nodes commits [num_computed, num_computed + n)
-        cuts = [cache.path_cut(r.num_computed, n) for r, n in zip(reqs, lengths, strict=True)]
-        slots = [cache.reserve_checkpoint() if c else None for c in cuts]
-        if all(s is None for s in slots):
-            return None
-        keep = [c if s is not None else 0 for c, s in zip(cuts, slots, strict=True)]
-        self.runner.commit_path_prefix(res, accepted, keep, cache.checkpoints,
-                                       [cache.scratch_slot if s is None else s for s in slots], cache.scratch_slot)
-        return [None if s is None else (r.num_computed + c, s)
-                for r, c, s in zip(reqs, keep, slots, strict=True)]
-
-    def _cache_committed(self, reqs: list[Request], pending: list | None = None,
+    def _cache_committed(self, reqs: list[Request], pending: list[PendingCheckpoint | None] | None = None,
                          emitted: list[list[int]] | None = None) -> None:
         """After a forward: publish newly committed full blocks, then attach / take GDN checkpoints.
 
@@ -420,7 +368,7 @@ class LLMEngine:
         for i, r in enumerate(reqs):
             cache.publish(r, None if emitted is None else r.all_token_ids + emitted[i])
             if pending is not None and pending[i] is not None:
-                cache.attach(r, *pending[i])
+                cache.attach(r, pending[i].end, pending[i].slot)
             cache.checkpoint(r)
 
     def _finish(self) -> None:
