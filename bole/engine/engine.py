@@ -40,6 +40,7 @@ from bole.cache.checkpoints import CheckpointPlanner, PendingCheckpoint, TailPla
 from bole.cache.prefix_cache import PrefixCache
 from bole.config import EngineConfig
 from bole.engine import sampler
+from bole.engine.detokenizer import IncrementalDetokenizer, find_stop
 from bole.engine.metrics import EngineMetrics, StepStats
 from bole.engine.runner import ModelRunner
 from bole.engine.scheduler import Scheduler
@@ -168,7 +169,8 @@ class LLMEngine:
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
-        req = Request(rid, list(prompt_token_ids), params, seed, self.eos_token_ids)
+        req = Request(rid, list(prompt_token_ids), params, seed, self.eos_token_ids,
+                      detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -408,11 +410,11 @@ class LLMEngine:
                 reason = "length"
                 break
         new_text = ""
-        if self.tokenizer is not None:
-            full = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        if req.detokenizer is not None:
+            # a finished request's text is all of its tokens' (``flush``), an incomplete character included
+            full = req.output_text + req.detokenizer.decode(req.output_token_ids, flush=reason is not None)
             if p.stop and reason is None:
-                hit = min((i for i in (full.find(s, max(0, len(req.output_text) - len(s)))
-                                       for s in p.stop) if i >= 0), default=-1)
+                hit = find_stop(full, len(req.output_text), p.stop)
                 if hit >= 0:
                     full, reason = full[:hit], "stop"
             new_text, req.output_text = full[len(req.output_text):], full

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bole.engine.detokenizer import IncrementalDetokenizer
 from bole.sampling_params import SamplingParams
 from bole.spec.logprobs import TokenLogprob
 
@@ -73,6 +74,7 @@ class Request:
     mtp_computed: int = 0
     pending_hidden: torch.Tensor | None = None   # [num_computed - mtp_computed, H]
     output_text: str = ""
+    detokenizer: IncrementalDetokenizer | None = None   # with a tokenizer: ``output_text``, a step at a time
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (``score_prompt``)
     prompt_logprobs_sent: bool = False   # delivered with the first output
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
