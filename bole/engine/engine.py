@@ -169,7 +169,7 @@ class LLMEngine:
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
-        req = Request(rid, list(prompt_token_ids), params, seed, self.eos_token_ids,
+        req = Request(rid, prompt_token_ids, params, seed, self.eos_token_ids,
                       detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None)
         self.requests[rid] = req
         self.scheduler.add(req)
@@ -296,7 +296,7 @@ class LLMEngine:
         logits = res.logits
         if not no_min:
             # row r samples output index len(output) + depth(r) (the root x_n is the last output so far)
-            n_out = torch.tensor([len(r.output_token_ids) for r in reqs], device=logits.device)
+            n_out = torch.tensor([r.num_output_tokens for r in reqs], device=logits.device)
             logits = sampler.mask_early_stops(reqs, logits, n_out[:, None] + row_depth.to(logits.device))
         acc = accept_tree(batch.tokens, batch.parents, uniforms, logits=logits if greedy else logits.float(),
                           temperature=temp, top_k=top_k, top_p=top_p, max_depth=D, penalties=pen)
@@ -395,12 +395,12 @@ class LLMEngine:
         tokens, if it asked for none: max_tokens 0). ``logprobs``: one per token, when asked."""
         p = req.params
         new, reason = [], None
-        if not tokens and len(req.output_token_ids) >= p.max_tokens:
+        if not tokens and req.num_output_tokens >= p.max_tokens:
             reason = "length"
         for t in tokens:
-            req.output_token_ids.append(t)
+            req.append_token(t)
             new.append(t)
-            n_out = len(req.output_token_ids)
+            n_out = req.num_output_tokens
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = time.monotonic()
             if n_out >= p.min_tokens and ((t in req.eos_token_ids and not p.ignore_eos) or t in p.stop_token_ids):

@@ -195,7 +195,8 @@ def _compare_draft(path, device, capture, tol, tree_attention=None):
                 deepest = [int(torch.argmax(batch.depth[b])) for b in range(len(reqs))]
                 runner.commit(reqs, res, deepest, keep_hidden=True)
                 for r in reqs:  # the emitted tokens (any, the same in both runners) up to the new root
-                    r.output_token_ids += [7] * (r.num_computed + 1 - r.num_tokens)
+                    for _ in range(r.num_computed + 1 - r.num_tokens):
+                        r.append_token(7)
         for runner, reqs in ((eager, re), (graph, rg)):
             for r in reqs:
                 runner.allocator.free(r.block_table)
