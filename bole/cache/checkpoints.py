@@ -137,3 +137,19 @@ class CheckpointPlanner:
         return PathPlan(keep, tuple(cache.scratch_slot if s is None else s for s in slots),
                         tuple(None if s is None else PendingCheckpoint(start + c, s)
                               for start, c, s in zip(starts, keep, slots, strict=True)))
+
+
+def publish_committed(cache: PrefixCache | None, reqs: Sequence,
+                      pending: Sequence[PendingCheckpoint | None] | None = None,
+                      emitted: Sequence[list[int]] | None = None) -> None:
+    """After a forward: publish each request's newly committed full blocks, then attach its pending
+    checkpoint and take one where its committed length lands on a boundary. ``emitted``: a
+    speculative step's tokens, not yet appended (its accepted drafts are committed). No-op without a
+    cache."""
+    if cache is None:
+        return
+    for i, r in enumerate(reqs):
+        cache.publish(r, None if emitted is None else r.all_token_ids + emitted[i])
+        if pending is not None and pending[i] is not None:
+            cache.attach(r, pending[i].end, pending[i].slot)
+        cache.checkpoint(r)

@@ -23,7 +23,8 @@ import logging
 import threading
 from typing import AsyncIterator
 
-from bole.engine.engine import LLMEngine, RequestOutput
+from bole.engine.engine import LLMEngine
+from bole.engine.output import RequestOutput
 from bole.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -265,7 +265,7 @@ def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel
 @pytest.mark.parametrize("mode", ["bole", "serial_tree"])
 def test_tail_checkpoints_equal_eager_checkpoints_cpu(ckpt, mode):
     # the same arrivals through the tail (checkpoints committed out of place in the graph) and eagerly
-    # (the host's _checkpoint_paths): the same cached blocks, and checkpoint states that agree
+    # (the host's SpeculativeStep._checkpoint_paths): the same cached blocks, and checkpoint states that agree
     max_tokens = [12, 5, 20, 9]
     engines = []
     for tail in (False, True):
@@ -346,7 +346,7 @@ def _compare_tail(path, device, capture, tol):
             ck_graph.conv.fill_(float("nan"))
         host = graph.accept_commit_in_graph(rg, r2, list(range(B)))  # request b's checkpoint -> slot b
         cuts = [boundary_cut(st, n, interval) for st, n in zip(starts, lengths, strict=True)]
-        # eager: the engine's _checkpoint_paths (the path prefix committed out of place), and the same
+        # eager: SpeculativeStep._checkpoint_paths (the path prefix committed out of place), and the same
         # from a copy of the committed state committed in place, the way checkpoints were first made
         eager.commit_path_prefix(r1, acc.accepted_node.tolist(), cuts, ck_eager, list(range(B)), pad_slot=5)
         ck_copy = StatePool.like(eager.state_pool, B)
