@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol, Sequence
 
 from bole.engine.async_engine import AsyncEngine
-from bole.engine.engine import RequestOutput
+from bole.engine.output import RequestOutput
 from bole.hardware import detect_hardware, table_mismatch
 from bole.llm import resolve_repo_path
 from bole.sampling_params import SamplingParams

@@ -34,7 +34,7 @@ import ray
 
 from bole.config import EngineConfig
 from bole.engine.core import EngineLimits, EngineStats
-from bole.engine.engine import RequestOutput
+from bole.engine.output import RequestOutput
 from bole.sampling_params import SamplingParams
 from bole.spec.budget import CalibrationTable
 

@@ -24,8 +24,9 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_names(tree: ast.AST, module: str, is_package: bool) -> set[str]:
-    """Every module name that ``module``'s source imports (``from a import b`` names a.b and a)."""
+def imported_names(tree: ast.AST, module: str, is_package: bool, modules=frozenset()) -> set[str]:
+    """Every module name that ``module``'s source imports: ``from a import b`` names a.b when that is
+    one of ``modules`` (a submodule), else a (b is a name defined in a)."""
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -37,8 +38,9 @@ def imported_names(tree: ast.AST, module: str, is_package: bool) -> set[str]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module
-            names.add(target)
-            names.update(f"{target}.{alias.name}" for alias in node.names)
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                names.add(sub if sub in modules else target)
     return names
 
 
@@ -47,7 +49,7 @@ def import_graph() -> dict[str, set[str]]:
     sources = {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
     graph = {}
     for mod, path in sources.items():
-        names = imported_names(ast.parse(path.read_text(), str(path)), mod, path.name == "__init__.py")
+        names = imported_names(ast.parse(path.read_text(), str(path)), mod, path.name == "__init__.py", sources)
         edges = set()
         for name in names:
             if name.split(".")[0] not in PACKAGES:
@@ -131,8 +133,11 @@ def test_checker_catches_a_synthetic_arrow_and_cycle():
 
 def test_relative_and_from_imports_resolve():
     tree = ast.parse("from . import sampler\nfrom ..spec.tree import PackedForest\nimport torch.nn\n")
-    names = imported_names(tree, "bole.engine.engine", is_package=False)
-    assert {"bole.engine.sampler", "bole.spec.tree", "torch.nn"} <= names
+    names = imported_names(tree, "bole.engine.engine", is_package=False,
+                           modules={"bole.engine.sampler", "bole.spec.tree"})
+    assert names == {"bole.engine.sampler", "bole.spec.tree", "torch.nn"}
+    # a name from a package's __init__ (not a submodule) is an arrow to the package
+    assert imported_names(ast.parse("from bole import LLM\n"), "bole.x", False, {"bole.llm"}) == {"bole"}
 
 
 def test_no_forbidden_imports():

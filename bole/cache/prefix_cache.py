@@ -18,7 +18,7 @@ budget, hung on the node at whose end it was taken. Checkpoints sit at multiples
     request's slot; when a speculative commit jumps over one, the accepted path cut at that
     boundary is materialised into the checkpoint slot (``ModelRunner.commit_path_prefix``), so
     only accepted tokens ever reach a checkpoint. A commit crossing several boundaries keeps the
-    deepest (one per request and step).
+    deepest (one per request and step). ``bole.cache.checkpoints`` plans those slots.
 A match is cut back to the deepest node holding a checkpoint and leaves at least one token to run
 (the request needs logits), so every position a restored request writes lies in private blocks.
 

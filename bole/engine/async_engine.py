@@ -25,7 +25,7 @@ import threading
 from typing import AsyncIterator
 
 from bole.engine.core import EngineCore, EngineLimits, EngineStats
-from bole.engine.engine import RequestOutput
+from bole.engine.output import RequestOutput
 from bole.sampling_params import SamplingParams
 from bole.spec.budget import CalibrationTable
 

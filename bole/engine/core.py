@@ -10,13 +10,11 @@ engine reports crosses that line as two frozen dataclasses: ``EngineLimits`` (fi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
+from bole.engine.output import RequestOutput
 from bole.sampling_params import SamplingParams
 from bole.spec.budget import CalibrationTable
-
-if TYPE_CHECKING:  # engine.py implements this protocol and imports this module
-    from bole.engine.engine import RequestOutput
 
 
 @dataclass(frozen=True)

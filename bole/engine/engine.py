@@ -12,10 +12,11 @@ One ``step()``:
                     the accepted node's snapshot (the SGLang-style baseline).
   4. Emitted tokens are appended with stop / length checks; finished requests free their memory.
 
-With the prefix cache on, every forward is followed (before emission, which may free the request) by
-``_cache_committed``: newly committed full blocks join the cache and GDN checkpoints are taken at
-block boundaries (speculative commits that jump over a boundary are checkpointed along the accepted
-path first, ``_checkpoint_paths``).
+The speculative step is ``bole.engine.spec_step``; emission (stop checks, incremental text) is
+``bole.engine.output``. With the prefix cache on, every forward is followed (before emission, which
+may free the request) by ``publish_committed``: newly committed full blocks join the cache and GDN
+checkpoints are taken at block boundaries (speculative commits that jump over a boundary are
+checkpointed along the accepted path first: ``bole.cache.checkpoints`` plans them).
 
 Sampling randomness is keyed by (request seed, token index): the token at index i of a request
 is always drawn with the uniform U(seed, i), whichever mode produced it, so greedy AND seeded
@@ -32,50 +33,37 @@ import itertools
 import logging
 import random
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from bole import recalibration
+from bole.cache.checkpoints import publish_committed
 from bole.cache.prefix_cache import PrefixCache
 from bole.config import EngineConfig
 from bole.engine import sampler
 from bole.engine.core import EngineLimits, EngineStats, budget_stats
+from bole.engine.detokenizer import IncrementalDetokenizer
 from bole.engine.graphs.tree import tree_widths
 from bole.engine.metrics import EngineMetrics, StepStats
+from bole.engine.output import RequestOutput, emit
 from bole.engine.runner import ModelRunner
 from bole.engine.scheduler import Scheduler
 from bole.engine.sequence import Request, RequestStatus
+from bole.engine.spec_step import SpeculativeStep
 from bole.errors import InvalidRequest
 from bole.hardware import resolve_calibration
 from bole.sampling_params import SamplingParams
 from bole.spec.budget import CalibrationTable
 from bole.spec.drafter import tree_size
-from bole.spec.logprobs import TokenLogprob, path_rows
-from bole.spec.sampling import accept_tree, counter_uniforms
+from bole.spec.logprobs import TokenLogprob
 from bole.spec.tree import MAX_TREE_NODES
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class RequestOutput:
-    """What one step produced for one request (the delta) and where the request stands."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    output_token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    num_steps: int = 0             # decode / verify steps so far (MAT = emitted tokens / steps)
-    num_accepted_drafts: int = 0
-    logprobs: list[TokenLogprob] | None = None   # one per new token, when the request asked (``logprobs``)
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # first output only: None, then prompt tokens 1..
-
-
 class LLMEngine:
+    """The continuous-batching engine over one model: requests in, ``step()`` -> their output deltas."""
+
     def __init__(self, model, config: EngineConfig, tokenizer=None, calibration: CalibrationTable | None = None):
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.mode = config.mode
@@ -115,6 +103,8 @@ class LLMEngine:
         if self.prefix_cache is not None and self.runner.verify_graphs is not None:
             self.runner.verify_graphs.enable_checkpoints(self.prefix_cache.checkpoints, cc.checkpoint_interval,
                                                          self.prefix_cache.scratch_slot)
+        self.spec_step = SpeculativeStep(self.runner, spec, V, self.max_draft_nodes, self.prefix_cache) \
+            if self.mode != "ar" else None
         self.scheduler = Scheduler(self.runner.allocator, self.runner.state_pool, config.cache.block_size,
                                    config.max_num_seqs, config.max_num_batched_tokens, self.prefix_cache)
         self.capacity_tokens = config.cache.num_blocks * config.cache.block_size
@@ -166,7 +156,8 @@ class LLMEngine:
         if rid in self.requests:
             raise InvalidRequest(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
-        req = Request(rid, list(prompt_token_ids), params, seed, self.eos_token_ids)
+        req = Request(rid, prompt_token_ids, params, seed, self.eos_token_ids,
+                      detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -180,7 +171,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished
 
     def cached_prefix_hashes(self, limit: int | None = None) -> list[int]:
-        """Chain hashes (``bole.cache.block_hash.prefix_block_hashes``) of the prefix blocks this
+        """Chain hashes (``deployments.routing_policy.prefix_block_hashes``) of the prefix blocks this
         engine has cached, least recently used first; [] without a prefix cache. For routing stats."""
         return self.prefix_cache.summary(limit) if self.prefix_cache is not None else []
 
@@ -197,7 +188,7 @@ class LLMEngine:
             last = self.runner.prefill(sched.prefill, keep_hidden=spec, position_logits=scored)
             for rid, lg in (scored or {}).items():
                 sampler.score_prompt(self.requests[rid], starts[rid], lg)
-            self._cache_committed([r for r, _ in sched.prefill])
+            publish_committed(self.prefix_cache, [r for r, _ in sched.prefill])
             done = [r for r, _ in sched.prefill if r.request_id in last]
             for r in done:
                 r.prefilled = True
@@ -216,12 +207,12 @@ class LLMEngine:
             t0 = time.perf_counter()
             if self.mode == "ar":
                 logits = self.runner.decode(decode, keep_hidden=False)
-                self._cache_committed(decode)
+                publish_committed(self.prefix_cache, decode)
                 toks, lps = sampler.sample_next(decode, logits, self._penalties(decode))
                 emitted = [[t] for t in toks]
                 stats.tree_nodes = len(decode)
             else:
-                emitted, lps = self._speculative_step(decode, stats)
+                emitted, lps = self.spec_step.run(decode, stats, self.calibration)
             stats.verify_time = time.perf_counter() - t0
             for i, (r, toks) in enumerate(zip(decode, emitted)):
                 r.metrics.num_steps += 1
@@ -237,185 +228,6 @@ class LLMEngine:
 
     def _penalties(self, reqs: list[Request]):
         return sampler.penalties(reqs, self.model.config.vocab_size, self.runner.device)
-
-    def _speculative_step(self, reqs: list[Request], stats: StepStats
-                          ) -> tuple[list[list[int]], list[list[TokenLogprob] | None] | None]:
-        """Draft, verify, accept, commit; per request the emitted tokens, and their logprobs (None
-        overall when no request asked)."""
-        spec = self.config.spec
-        kv_len = max(r.num_computed for r in reqs)
-        B = len(reqs)
-        _, b_ver = self.calibration.lookup(B, kv_len, spec.depth + 1)
-        stats.b_ver = int(b_ver)
-        # Trees are padded to one width for verification. A host bound on every tree's size (the
-        # budget, or the depth-1 floor if larger) avoids reading the widest tree from the device when
-        # padding to it costs little (at most twice the budget's nodes); else read it (one sync).
-        bound = min(self.max_draft_nodes, max(int(b_ver), min(spec.topk, self.model.config.vocab_size)),
-                    MAX_TREE_NODES - 1)
-        no_sync = B * (bound + 1) <= 2 * (int(b_ver) + B)
-        greedy = all(r.params.temperature <= 0 for r in reqs)
-        no_min = not any(r.params.min_tokens for r in reqs)  # min_tokens masks logits: eager acceptance
-        pen = self._penalties(reqs)   # penalties too (the tails would need [B, V] counts): eager acceptance
-        plain = no_min and pen is None
-        # the root (the pending token) is verified too: drafts <= MAX_TREE_NODES - 1 per request
-        batch = self.runner.draft_batch(reqs, spec.depth, spec.topk, spec.beam, b_ver,
-                                        max_per_request=MAX_TREE_NODES - 1)
-        batch = batch.trimmed(bound if no_sync else None)
-        res = self.runner.verify(reqs, batch)
-        D = spec.depth
-        B, T1 = res.logits.shape[:2]
-        if plain and self.runner.can_accept_in_graph(res, sampled=not greedy):
-            # acceptance (greedy, or sampled with each request's parameters and seed), commit and
-            # checkpoints inside the verify graph's captured tail
-            sampling = None if greedy else sampler.SamplingTensors.of(reqs, "cpu")
-            done = self._step_in_graph(reqs, stats, lambda slots: self.runner.accept_commit_in_graph(
-                reqs, res, slots, sampling))
-            if done is not None:  # the tail leaves the verify logits in place: logprobs read them
-                return done[0], self._path_logprobs(reqs, res, res.logits, done[1], done[0], None)
-        row_depth = torch.cat([torch.zeros_like(batch.depth[:, :1]), batch.depth], 1).clamp(max=D)
-        if greedy:  # argmax walk: no uniforms, no per-request parameters (no host-to-device copies)
-            temp = top_k = top_p = 0.0
-            uniforms = torch.zeros(B, T1, device=res.logits.device)
-        else:
-            st = sampler.SamplingTensors.of(reqs, self.runner.device)
-            temp, top_k, top_p = st.temperature, st.top_k, st.top_p
-            # Row 0 draws token index n+1 (n = num_computed), row i+1 draws index n+1+depth(i).
-            n = torch.tensor([r.num_computed for r in reqs], device=st.seed.device)
-            u_by_depth = counter_uniforms(st.seed, n + 1, D + 1)  # [B, D+1]
-            uniforms = u_by_depth.gather(1, row_depth)
-        logits = res.logits
-        if not no_min:
-            # row r samples output index len(output) + depth(r) (the root x_n is the last output so far)
-            n_out = torch.tensor([len(r.output_token_ids) for r in reqs], device=logits.device)
-            logits = sampler.mask_early_stops(reqs, logits, n_out[:, None] + row_depth.to(logits.device))
-        acc = accept_tree(batch.tokens, batch.parents, uniforms, logits=logits if greedy else logits.float(),
-                          temperature=temp, top_k=top_k, top_p=top_p, max_depth=D, penalties=pen)
-        # the step's one device-to-host read: accepted node, emitted count and tokens of every request
-        host = torch.cat([acc.accepted_node[:, None], acc.num_emitted[:, None], acc.tokens], 1).tolist()
-        accepted, num = [h[0] for h in host], [h[1] for h in host]
-        emitted = [h[2:2 + h[1]] for h in host]
-        pending = self._checkpoint_paths(reqs, res, accepted, num) if self.prefix_cache is not None else None
-        # path length (root + accepted drafts) = emitted tokens
-        self.runner.commit(reqs, res, acc.accepted_node, keep_hidden=True, lengths=num)
-        self._cache_committed(reqs, pending, emitted)
-        stats.tree_nodes = int(batch.num_nodes.sum()) + len(reqs)
-        return emitted, self._path_logprobs(reqs, res, logits, accepted, emitted, pen)
-
-    def _path_logprobs(self, reqs: list[Request], res, logits: torch.Tensor, accepted: list[int],
-                       emitted: list[list[int]], pen) -> list[list[TokenLogprob] | None] | None:
-        """Logprobs of a speculative step's emitted tokens from the verify logits [B, 1 + T, V] along
-        each accepted path (the root's row, then each accepted node's): no extra forward."""
-        if not any(r.params.logprobs is not None for r in reqs):
-            return None
-        rows = path_rows(res.forest, accepted, len(reqs)).to(logits.device)       # [B, D]
-        along = logits[torch.arange(len(reqs), device=logits.device)[:, None], rows.clamp(min=0)]
-        return sampler.step_logprobs(reqs, along, emitted, pen)
-
-    def _step_in_graph(self, reqs: list[Request], stats: StepStats, run
-                       ) -> tuple[list[list[int]], list[int]] | None:
-        """Acceptance, commit and prefix-cache checkpoints in a graph's tail: ``run(checkpoint slots)``
-        (the verify graph's tail) returns the tail's rows (one device-to-host read);
-        returns the emitted tokens and accepted nodes. None when the tail cannot take this step's
-        checkpoints (the caller goes on eagerly)."""
-        slots = self._reserve_checkpoints(reqs)
-        if slots is False:
-            return None
-        starts = [r.num_computed for r in reqs]
-        try:
-            host = run(slots and [t and t[0] for t in slots])
-        except BaseException:
-            for t in slots or ():
-                if t is not None and t[1] is None:
-                    self.prefix_cache.checkpoints.free(t[0])
-            raise
-        emitted = [h[2:2 + h[1]] for h in host]
-        pending = self._tail_checkpoints(starts, [h[1] for h in host], slots)
-        self._cache_committed(reqs, pending, emitted)
-        stats.tree_nodes = sum(h[-1] for h in host) + len(reqs)
-        return emitted, [h[0] for h in host]
-
-    # -- prefix cache ----------------------------------------------------------------------------
-    def _reserve_checkpoints(self, reqs: list[Request]):
-        """For the verify graph's tail: a checkpoint slot for every request whose path could jump over
-        a checkpoint boundary this step, (slot, victim) per request, None for the others (None overall
-        without a prefix cache); False when the tail cannot take them (no slot, or no checkpoints in the
-        tail). A free slot comes with victim None; with none free, the slot of a least recently used
-        checkpoint (its victim block), which stays intact unless the path really crosses."""
-        cache = self.prefix_cache
-        if cache is None:
-            return None
-        longest = self.config.spec.depth + 1
-        may = [cache.path_cut(r.num_computed, longest) > 0 for r in reqs]
-        if not any(may):
-            return None
-        if self.runner.verify_graphs.checkpoints is None:
-            return False
-        free = [cache.reserve_checkpoint(evict=False) for _ in range(sum(may))]
-        taken = [s for s in free if s is not None]
-        victims = iter(cache.checkpoint_victims(len(free) - len(taken)))
-        out = []
-        for m in may:
-            if not m:
-                out.append(None)
-            elif taken:
-                out.append((taken.pop(), None))
-            else:
-                v = next(victims, None)
-                if v is None:  # nothing to write into: give the slots back, take the eager path
-                    for t in out:
-                        if t is not None and t[1] is None:
-                            cache.checkpoints.free(t[0])
-                    return False
-                out.append((v.checkpoint, v))
-        return out
-
-    def _tail_checkpoints(self, starts: list[int], lengths: list[int], reserved) -> list | None:
-        """After the tail: (boundary, slot) per request whose path crossed a boundary (its reserved slot
-        now holds the state there; a victim's checkpoint is dropped), None for the others (their free
-        slots given back, their victims' checkpoints untouched)."""
-        if not reserved:
-            return None
-        cache, out = self.prefix_cache, []
-        for start, n, r in zip(starts, lengths, reserved, strict=True):
-            cut = cache.path_cut(start, n)
-            if r is not None and cut:
-                slot = cache.take_checkpoint_slot(r[1]) if r[1] is not None else r[0]
-                out.append((start + cut, slot))
-            else:
-                if r is not None and r[1] is None:
-                    cache.checkpoints.free(r[0])
-                out.append(None)
-        return out
-
-    def _checkpoint_paths(self, reqs: list[Request], res, accepted: list[int], lengths: list[int]) -> list | None:
-        """Before a commit: checkpoint the block boundary each accepted path jumps over (if any), by
-        committing the path cut there into a reserved checkpoint slot; [(length, slot) | None] per
-        request. ``lengths``: each path's node count (root included)."""
-        cache = self.prefix_cache
-        # a path of n nodes commits [num_computed, num_computed + n)
-        cuts = [cache.path_cut(r.num_computed, n) for r, n in zip(reqs, lengths, strict=True)]
-        slots = [cache.reserve_checkpoint() if c else None for c in cuts]
-        if all(s is None for s in slots):
-            return None
-        keep = [c if s is not None else 0 for c, s in zip(cuts, slots, strict=True)]
-        self.runner.commit_path_prefix(res, accepted, keep, cache.checkpoints,
-                                       [cache.scratch_slot if s is None else s for s in slots], cache.scratch_slot)
-        return [None if s is None else (r.num_computed + c, s)
-                for r, c, s in zip(reqs, keep, slots, strict=True)]
-
-    def _cache_committed(self, reqs: list[Request], pending: list | None = None,
-                         emitted: list[list[int]] | None = None) -> None:
-        """After a forward: publish newly committed full blocks, then attach / take GDN checkpoints.
-
-        ``emitted``: a speculative step's tokens, not yet appended (its accepted drafts are committed)."""
-        cache = self.prefix_cache
-        if cache is None:
-            return
-        for i, r in enumerate(reqs):
-            cache.publish(r, None if emitted is None else r.all_token_ids + emitted[i])
-            if pending is not None and pending[i] is not None:
-                cache.attach(r, *pending[i])
-            cache.checkpoint(r)
 
     def _finish(self) -> None:
         """Release the requests that finished this step. With a prefix cache in a speculative mode,
@@ -433,44 +245,12 @@ class LLMEngine:
             self.scheduler.finish(r, reason)
             self.metrics.record_finish(r)
 
-    # -- emission --------------------------------------------------------------------------------
     def _emit(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
-        """Append tokens one by one with stop checks; finish the request if one fires (or, with no
-        tokens, if it asked for none: max_tokens 0). ``logprobs``: one per token, when asked."""
-        p = req.params
-        new, reason = [], None
-        if not tokens and len(req.output_token_ids) >= p.max_tokens:
-            reason = "length"
-        for t in tokens:
-            req.output_token_ids.append(t)
-            new.append(t)
-            n_out = len(req.output_token_ids)
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = time.monotonic()
-            if n_out >= p.min_tokens and ((t in req.eos_token_ids and not p.ignore_eos) or t in p.stop_token_ids):
-                reason = "stop"
-                break
-            if n_out >= p.max_tokens:
-                reason = "length"
-                break
-        new_text = ""
-        if self.tokenizer is not None:
-            full = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-            if p.stop and reason is None:
-                hit = min((i for i in (full.find(s, max(0, len(req.output_text) - len(s)))
-                                       for s in p.stop) if i >= 0), default=-1)
-                if hit >= 0:
-                    full, reason = full[:hit], "stop"
-            new_text, req.output_text = full[len(req.output_text):], full
-        if reason is not None:
-            self._finishing.append((req, reason))  # released at the end of the step (``_finish``)
-        prompt_lp = None
-        if p.prompt_logprobs is not None and not req.prompt_logprobs_sent:
-            prompt_lp, req.prompt_logprobs_sent = [None, *req.prompt_logprobs], True
-        return RequestOutput(req.request_id, new, new_text, reason is not None, reason,
-                             list(req.output_token_ids), req.output_text,
-                             req.metrics.num_steps, req.metrics.num_accepted_drafts,
-                             None if logprobs is None else logprobs[:len(new)], prompt_lp)
+        """``bole.engine.output.emit``; a request it finishes is released at the end of the step."""
+        out = emit(req, tokens, logprobs)
+        if out.finished:
+            self._finishing.append((req, out.finish_reason))
+        return out
 
     def pop_finished(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)

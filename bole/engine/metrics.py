@@ -69,11 +69,11 @@ class EngineMetrics:
     def record_finish(self, req) -> None:
         m = req.metrics
         self.finished += 1
-        self.prompt_tokens += len(req.prompt_token_ids)
+        self.prompt_tokens += req.num_prompt_tokens
         self.prefix_hit_tokens += m.prefix_hit_tokens
         if m.ttft is not None:
             self.ttft_sum += m.ttft
-        n = len(req.output_token_ids)
+        n = req.num_output_tokens
         if n > 1 and m.finish_time is not None and m.first_token_time is not None:
             self.tpot_sum += (m.finish_time - m.first_token_time) / (n - 1)
             self.tpot_count += 1

@@ -156,7 +156,7 @@ class Scheduler:
             if cache is not None:
                 cache.restore(req)
             if req.metrics.num_preemptions == 0:
-                req.metrics.prefix_hit_tokens = min(req.num_computed, len(req.prompt_token_ids))
+                req.metrics.prefix_hit_tokens = min(req.num_computed, req.num_prompt_tokens)
                 req.metrics.scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

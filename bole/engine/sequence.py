@@ -1,7 +1,8 @@
 """Request state: one small typed object per request, owned by the scheduler.
 
 Token bookkeeping (the invariant every mode keeps):
-    all_token_ids = prompt_token_ids + output_token_ids
+    all_token_ids = prompt_token_ids + output_token_ids   (one list: outputs are appended to the prompt,
+                                                            the other two are views of it, no copies)
     num_computed  = tokens whose K/V and GDN state are committed in the target caches.
 While a request decodes, num_computed == len(all_token_ids) - 1: the last token (the *root* of the
 next step, sampled but not yet run through the target) is pending. A (re)prefill runs every known
@@ -24,11 +25,14 @@ hit (cached positions would not be run).
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
+from bole.engine.detokenizer import IncrementalDetokenizer
 from bole.sampling_params import SamplingParams
 from bole.spec.logprobs import TokenLogprob
 
@@ -37,6 +41,44 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+class TokenView(Sequence):
+    """A read-only window ``[start, stop)`` of a token list (``stop`` None: to its end, growing with
+    it), without copying: a request's prompt or output within its one token list. Compares equal to
+    any sequence of the same ints; slices are lists."""
+
+    __slots__ = ("_ids", "_start", "_stop")
+
+    def __init__(self, ids: list[int], start: int, stop: int | None = None):
+        self._ids, self._start, self._stop = ids, start, stop
+
+    def __len__(self) -> int:
+        return (len(self._ids) if self._stop is None else self._stop) - self._start
+
+    def __getitem__(self, i):
+        n = len(self)
+        if isinstance(i, slice):
+            a, b, step = i.indices(n)
+            if step == 1:
+                return self._ids[self._start + a:self._start + max(a, b)]
+            return [self._ids[self._start + j] for j in range(a, b, step)]
+        if not -n <= i < n:
+            raise IndexError("token index out of range")
+        return self._ids[self._start + (i if i >= 0 else i + n)]
+
+    def __iter__(self):
+        return itertools.islice(self._ids, self._start, self._stop)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return repr(list(self))
 
 
 @dataclass
@@ -58,11 +100,11 @@ class RequestMetrics:
 @dataclass
 class Request:
     request_id: str
-    prompt_token_ids: list[int]
+    all_token_ids: list[int]              # given the prompt (copied); outputs are appended (``append_token``)
     params: SamplingParams
     seed: int
     eos_token_ids: tuple[int, ...] = ()
-    output_token_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = field(init=False)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None      # "stop" | "length" | "abort"
     num_computed: int = 0
@@ -73,27 +115,44 @@ class Request:
     mtp_computed: int = 0
     pending_hidden: torch.Tensor | None = None   # [num_computed - mtp_computed, H]
     output_text: str = ""
+    detokenizer: IncrementalDetokenizer | None = None   # with a tokenizer: ``output_text``, a step at a time
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (``score_prompt``)
     prompt_logprobs_sent: bool = False   # delivered with the first output
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.all_token_ids)
+        self.num_prompt_tokens = len(self.all_token_ids)
+
+    def append_token(self, token: int) -> None:
+        """Append one output token."""
+        self.all_token_ids.append(token)
 
     def queue_hidden(self, h: torch.Tensor) -> None:
         """Append target hiddens [n, H] of newly committed positions for the drafter's catch-up."""
         self.pending_hidden = h if self.pending_hidden is None else torch.cat([self.pending_hidden, h])
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def prompt_token_ids(self) -> TokenView:
+        return TokenView(self.all_token_ids, 0, self.num_prompt_tokens)
+
+    @property
+    def output_token_ids(self) -> TokenView:
+        return TokenView(self.all_token_ids, self.num_prompt_tokens)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def needs_prompt_logits(self) -> bool:
         """Whether its next prefill must keep per-position logits (prompt logprobs still to score)."""
         return self.params.prompt_logprobs is not None and \
-            len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
+            len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def is_prefilling(self) -> bool:

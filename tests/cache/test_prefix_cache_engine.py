@@ -64,7 +64,7 @@ def agent_workload(eng: LLMEngine, convs=2, turns=4, system_len=22, user_len=5, 
             if turn:
                 shared += previous[c]
                 hit += req.metrics.prefix_hit_tokens
-            history[c] = history[c] + req.output_token_ids
+            history[c] = history[c] + list(req.output_token_ids)
             previous[c] = len(history[c])
             history[c] = history[c] + words(user_len)
     return outputs, shared, hit, prompts

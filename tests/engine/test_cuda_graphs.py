@@ -76,8 +76,8 @@ def _compare_decode(path, device, dtype, capture, tol, steps=12):
             assert err <= tol, (len(batch), step, err)
             toks = le.float().argmax(-1).tolist()
             for r1, r2, t in zip(re, rg, toks, strict=True):
-                r1.output_token_ids.append(t)
-                r2.output_token_ids.append(t)
+                r1.append_token(t)
+                r2.append_token(t)
         for runner, reqs in ((eager, re), (graph, rg)):
             for r in reqs:
                 runner.allocator.free(r.block_table)
@@ -158,7 +158,7 @@ def test_static_decode_falls_back_above_captured_sizes(ckpt):
     runner.decode(reqs, keep_hidden=False)  # eager
     assert graphs.replays == 0
     for r in reqs:
-        r.output_token_ids.append(1)
+        r.append_token(1)
     step = decode_step_fn(runner, reqs[:2], graphed=False)
     assert step().shape == (2, 64)
     with pytest.raises(ValueError, match="no decode graph"):

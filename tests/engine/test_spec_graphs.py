@@ -196,7 +196,8 @@ def _compare_draft(path, device, capture, tol, tree_attention=None):
                 deepest = [int(torch.argmax(batch.depth[b])) for b in range(len(reqs))]
                 runner.commit(reqs, res, deepest, keep_hidden=True)
                 for r in reqs:  # the emitted tokens (any, the same in both runners) up to the new root
-                    r.output_token_ids += [7] * (r.num_computed + 1 - r.num_tokens)
+                    for _ in range(r.num_computed + 1 - r.num_tokens):
+                        r.append_token(7)
         for runner, reqs in ((eager, re), (graph, rg)):
             for r in reqs:
                 runner.allocator.free(r.block_table)
@@ -260,7 +261,7 @@ def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel
 @pytest.mark.parametrize("mode", ["bole", "serial_tree"])
 def test_tail_checkpoints_equal_eager_checkpoints_cpu(ckpt, mode):
     # the same arrivals through the tail (checkpoints committed out of place in the graph) and eagerly
-    # (the host's _checkpoint_paths): the same cached blocks, and checkpoint states that agree
+    # (the host's SpeculativeStep._checkpoint_paths): the same cached blocks, and checkpoint states that agree
     max_tokens = [12, 5, 20, 9]
     engines = []
     for tail in (False, True):
@@ -341,7 +342,7 @@ def _compare_tail(path, device, capture, tol):
             ck_graph.conv.fill_(float("nan"))
         host = graph.accept_commit_in_graph(rg, r2, list(range(B)))  # request b's checkpoint -> slot b
         cuts = [boundary_cut(st, n, interval) for st, n in zip(starts, lengths, strict=True)]
-        # eager: the engine's _checkpoint_paths (the path prefix committed out of place), and the same
+        # eager: SpeculativeStep._checkpoint_paths (the path prefix committed out of place), and the same
         # from a copy of the committed state committed in place, the way checkpoints were first made
         eager.commit_path_prefix(r1, acc.accepted_node.tolist(), cuts, ck_eager, list(range(B)), pad_slot=5)
         ck_copy = StatePool.like(eager.state_pool, B)
