@@ -125,7 +125,7 @@ class AsyncEngine:
     def run_exclusive(self, fn):
         """Run ``fn(engine)`` in the calling thread between two steps (the step loop waits meanwhile).
 
-        For maintenance that must not overlap a step, e.g. ``bole.calibrate.recalibrate``; blocking,
+        For maintenance that must not overlap a step, e.g. ``bole.recalibration.recalibrate``; blocking,
         so call it from async code through ``asyncio.to_thread``.
         """
         with self._lock:

@@ -76,7 +76,7 @@ class LLMEngine:
         self.max_draft_nodes = tree_size(V, spec.depth, spec.topk, spec.beam) if self.mode != "ar" else 0
         self.lookahead = 1 + self.max_draft_nodes
         # "auto" picks a table for (hardware class, model shapes) with fallbacks (bole.hardware);
-        # bole.calibrate.recalibrate swaps this attribute between steps.
+        # bole.recalibration.recalibrate swaps this attribute between steps.
         self.calibration = calibration or resolve_calibration(config.calibration_table, model.config,
                                                               config.device, config.dtype)
         graphs, spec_graphs = config.enable_cuda_graphs, config.enable_cuda_graphs and self.mode != "ar"
