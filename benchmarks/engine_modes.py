@@ -48,7 +48,7 @@ def run_mode(path: str, mode: str, batch: int, prompts, max_tokens: int = 48, de
     llm = LLM(path, mode=mode, depth=depth, topk=topk, beam=beam, **opts)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     runner = llm.engine.runner
-    longest = max(len(llm._encode(p)) for p in prompts[:batch]) + max_tokens + 1
+    longest = max(len(llm.encode(p)) for p in prompts[:batch]) + max_tokens + 1
     # CUDA graphs: capture every graph the run can need (batch, tree width, KV length) before timing it
     for graphs in runner.all_graphs():
         graphs.capture_all(batch, longest)

@@ -115,7 +115,7 @@ def count(mode: str = "bole", batch: int = 1, depth: int = 4, topk: int = 4, bea
                               eng.prefix_cache.scratch_slot)
     lines = open(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl").readlines()
     for i in range(batch):
-        eng.add_request(llm._encode(json.loads(lines[i])["prompt"]),
+        eng.add_request(llm.encode(json.loads(lines[i])["prompt"]),
                         SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
     for _ in range(4):  # prefill and a few speculative steps
         eng.step()

@@ -86,7 +86,7 @@ def engine_rows(reps: int, device: str = "cuda") -> list[dict]:
         sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         for case, sel in (("prompt2_180tok", prompts[2:3]), ("heldout16", prompts)):
-            ids = [llm._encode(p) for p in sel]
+            ids = [llm.encode(p) for p in sel]
             times, toks = [], None
             for i in range(reps + 1):
                 rids = [eng.add_request(p, sp) for p in ids]

@@ -117,7 +117,7 @@ def _engine(mode: str, args, device, graphs: bool, batch: int):
     lines = open(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl").readlines()
     eng = llm.engine
     for i in range(batch):
-        eng.add_request(llm._encode(json.loads(lines[i % len(lines)])["prompt"]),
+        eng.add_request(llm.encode(json.loads(lines[i % len(lines)])["prompt"]),
                         SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True))
     while any(not r.prefilled for r in eng.requests.values()):
         eng.step()  # prefill (and the first steps)
@@ -253,7 +253,7 @@ def case_prefill(name: str, args, device) -> dict:
               calibration_table="calibration_tables/default.yaml", enable_cuda_graphs=device.type == "cuda",
               cuda_graph_prefill=not name.endswith("_eager_prefill"))
     eng = llm.engine
-    prompt = llm._encode(json.loads(open(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl").readline())
+    prompt = llm.encode(json.loads(open(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl").readline())
                          ["prompt"])
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 

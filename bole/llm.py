@@ -71,7 +71,9 @@ class LLM:
         self.engine = build_engine(model_path, **options)
         self.tokenizer = self.engine.tokenizer
 
-    def _encode(self, prompt) -> list[int]:
+    def encode(self, prompt) -> list[int]:
+        """A prompt's token ids as ``generate`` sees them: a string through the model's tokenizer,
+        token ids (list, numpy or torch) checked and returned as a list of ints."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequest("a text prompt needs a tokenizer in the model folder; pass token ids")
@@ -96,7 +98,7 @@ class LLM:
         encoded = []
         for i, (p, sp) in enumerate(zip(prompts, plist)):
             try:
-                ids = self._encode(p)
+                ids = self.encode(p)
                 self.engine.check_request(ids, sp)
             except InvalidRequest as e:
                 raise InvalidRequest(f"prompt {i}: {e}") from None

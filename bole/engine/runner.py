@@ -103,7 +103,7 @@ class ModelRunner:
         """Route ``decode`` through ``DecodeGraphs``; takes one KV block and one state slot for padding
         (the constructor sizes the pools one larger when it is asked for graphs). ``capture=False`` runs
         the same static forward without graphs (any device; tests)."""
-        self.graphs = DecodeGraphs(self, batch_sizes, *self._padding(), capture=capture, **kw)
+        self.graphs = DecodeGraphs(self, batch_sizes, *self.padding(), capture=capture, **kw)
         return self.graphs
 
     def enable_verify_graphs(self, batch_sizes: Sequence[int], tree_sizes: Sequence[int], max_depth: int,
@@ -111,7 +111,7 @@ class ModelRunner:
         """Route ``verify`` through ``VerifyGraphs`` (trees of <= max(tree_sizes) nodes, root included,
         and depth <= max_depth); shares the decode graphs' padding block and slot and memory pool."""
         pool = self.graphs.pool if self.graphs is not None else None
-        self.verify_graphs = VerifyGraphs(self, batch_sizes, tree_sizes, max_depth, *self._padding(),
+        self.verify_graphs = VerifyGraphs(self, batch_sizes, tree_sizes, max_depth, *self.padding(),
                                           capture=capture, pool=pool, **kw)
         return self.verify_graphs
 
@@ -120,7 +120,7 @@ class ModelRunner:
         """Route ``draft_batch`` through ``DraftGraphs`` for these drafting settings and per-request cap
         (``max_per_request`` in kw; other settings, and catch-ups longer than depth + 1, run eagerly)."""
         pool = next((g.pool for g in (self.graphs, self.verify_graphs) if g is not None), None)
-        self.draft_graphs = DraftGraphs(self, batch_sizes, depth, topk, beam, self._padding()[0],
+        self.draft_graphs = DraftGraphs(self, batch_sizes, depth, topk, beam, self.padding()[0],
                                         capture=capture, pool=pool, **kw)
         return self.draft_graphs
 
@@ -128,14 +128,14 @@ class ModelRunner:
         """Route short ``prefill`` steps through ``PrefillGraphs``; shares the padding block and slot and
         the decode graphs' memory pool."""
         pool = next((g.pool for g in (self.graphs, self.verify_graphs, self.draft_graphs) if g is not None), None)
-        self.prefill_graphs = PrefillGraphs(self, batch_sizes, *self._padding(), capture=capture, pool=pool, **kw)
+        self.prefill_graphs = PrefillGraphs(self, batch_sizes, *self.padding(), capture=capture, pool=pool, **kw)
         return self.prefill_graphs
 
     def all_graphs(self) -> list:
         """The runner's graph families (those enabled), for ``capture_all`` before a timed run."""
         return [g for g in (self.graphs, self.verify_graphs, self.draft_graphs, self.prefill_graphs) if g is not None]
 
-    def _padding(self) -> tuple[int, int]:
+    def padding(self) -> tuple[int, int]:
         """The KV block and GDN state slot that graphs' padding rows use (reserved once)."""
         if self._pad is None:
             self._pad = (self.allocator.allocate(1)[0], self.state_pool.allocate())
