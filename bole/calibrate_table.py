@@ -7,6 +7,7 @@ costs less; the raw medians stay in ``provenance.raw``).
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import logging
 import platform
 import sys
@@ -66,9 +67,11 @@ def write_table(table: CalibrationTable, path: str) -> None:
 
 
 def versions() -> dict:
-    import bole
-
-    out = {"bole": getattr(bole, "__version__", "0.1.0"), "torch": torch.__version__,
+    try:
+        ours = importlib.metadata.version("bole")
+    except importlib.metadata.PackageNotFoundError:   # run from a checkout that was not installed
+        ours = "unknown"
+    out = {"bole": ours, "torch": torch.__version__,
            "python": platform.python_version()}
     for mod in ("triton", "transformers"):
         try:

@@ -11,9 +11,9 @@ new table is judged on its own merits, never by its distance from the old one (`
   monotone    within ``monotone_tolerance`` (a relative drop; more is noise or a bug): T_ver
               non-decreasing in N (the raw medians), T_dec non-decreasing in batch and in KV length
   repeatable  two quick sweeps agree on what the table holds: at every bucket point T_dec within
-              a factor 1 + ``repeat_tolerance``, B_ver (each sweep's own eq. 12) at most one capacity
-              of G apart; the table is built from both sweeps' samples (medians over twice the
-              iterations)
+              a factor 1 + ``repeat_tolerance``, B_ver (each sweep's own eq. 12) at most
+              ``repeat_capacities`` (1) capacities of G apart; the table is built from both sweeps'
+              samples (medians over twice the iterations)
   identity    the table's model (shape signature), dtype, tp_size and hardware class are the
               engine's
   max_change  a guard, off by default: B_ver and T_dec within a factor ``max_change`` of the old
@@ -51,6 +51,7 @@ class TableChecks:
 
     monotone_tolerance: float = 0.25   # relative drop counted as noise (T_ver in N, T_dec in batch / KV)
     repeat_tolerance: float = 0.5      # two sweeps' T_dec agree within a factor 1 + this at every point
+    repeat_capacities: int = 1         # and their B_ver at most this many capacities of G apart
     max_change: float | None = None    # off; else B_ver and T_dec within this factor of the old table
 
     def __post_init__(self):
@@ -58,6 +59,9 @@ class TableChecks:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        r = self.repeat_capacities
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(f"repeat_capacities must be an int >= 0, got {r!r}")
         m = self.max_change
         if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 1 < m < math.inf):
             raise ValueError(f"max_change must be None (off) or a factor > 1, got {m!r}")
@@ -141,12 +145,12 @@ def _b_ver(record: dict, epsilon: float) -> tuple[float, int]:
 
 
 def check_repeatable(first: list[dict], second: list[dict], tolerance: float,
-                     epsilon: float = 0.1) -> tuple[list[str], float]:
+                     epsilon: float = 0.1, capacities: int = 1) -> tuple[list[str], float]:
     """(problems, worst T_dec factor) of two sweeps' raw records (``measure``) of one plan: at every
-    point T_dec within a factor 1 + ``tolerance`` and B_ver (eq. 12 on each sweep alone) at most one
-    capacity of G apart. What the table is for must repeat; a single T_ver(N) far from B_ver's bound
+    point T_dec within a factor 1 + ``tolerance`` and B_ver (eq. 12 on each sweep alone) at most
+    ``capacities`` capacities of G apart. What the table is for must repeat; a single T_ver(N) far from B_ver's bound
     may wander without changing it."""
-    problems, worst = [], 1.0
+    problems, worst, max_apart = [], 1.0, capacities
     for a, b in zip(first, second, strict=True):
         (ta, ba), (tb, bb) = _b_ver(a, epsilon), _b_ver(b, epsilon)
         factor = max(ta / tb, tb / ta) if ta > 0 and tb > 0 else math.inf
@@ -155,8 +159,9 @@ def check_repeatable(first: list[dict], second: list[dict], tolerance: float,
         if factor > 1 + tolerance:
             problems.append(f"{where} on T_dec: {ta:.4g} vs {tb:.4g} ms (a factor {factor:.2f} > {1 + tolerance:.2f})")
         capacities = sorted(a["ver"])
-        if abs(capacities.index(ba) - capacities.index(bb)) > 1:
-            problems.append(f"{where} on B_ver: {ba} vs {bb} (more than one capacity of G apart)")
+        if abs(capacities.index(ba) - capacities.index(bb)) > max_apart:
+            problems.append(f"{where} on B_ver: {ba} vs {bb} (more than {max_apart} "
+                            f"capacit{'y' if max_apart == 1 else 'ies'} of G apart)")
     return problems, worst
 
 
@@ -215,7 +220,8 @@ def recalibrate(engine, quick: bool = True, force: bool = False, plan: SweepPlan
     runs = [measure(engine.model, plan, engine.config.device, dtype, progress) for _ in range(2)]
     header = measured_header(engine.model, engine.config.device, dtype, model_name, plan, "checkpoint", hardware)
     header["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
-    repeat_problems, worst = check_repeatable(runs[0], runs[1], checks.repeat_tolerance, plan.epsilon)
+    repeat_problems, worst = check_repeatable(runs[0], runs[1], checks.repeat_tolerance, plan.epsilon,
+                                             checks.repeat_capacities)
     new = build_table(plan, merge_records(runs), header)
     new = replace(new, provenance={**new.provenance, "recalibrated_from": old.table_id, "sweeps": 2,
                                    "repeat_worst_factor": round(worst, 3),

@@ -271,6 +271,8 @@ def main(argv=None) -> int:
     p.add_argument("--monotone-tolerance", type=float, default=c.monotone_tolerance)
     p.add_argument("--repeat-tolerance", type=float, default=c.repeat_tolerance,
                    help="the two sweeps must agree within a factor 1 + this")
+    p.add_argument("--repeat-capacities", type=int, default=c.repeat_capacities,
+                   help="and their B_ver at most this many capacities of G apart")
     p.add_argument("--drain-timeout-s", type=float, default=d.drain_timeout_s)
     p.add_argument("--surge-timeout-s", type=float, default=d.surge_timeout_s)
     p.add_argument("--settle-s", type=float, default=d.settle_s)
@@ -280,7 +282,7 @@ def main(argv=None) -> int:
     import ray
 
     logging.basicConfig(level=logging.INFO)
-    checks = TableChecks(a.monotone_tolerance, a.repeat_tolerance, a.max_change)
+    checks = TableChecks(a.monotone_tolerance, a.repeat_tolerance, a.repeat_capacities, a.max_change)
     opts = RollingOptions(quick=not a.full, checks=checks, strategy=a.strategy, drain_timeout_s=a.drain_timeout_s,
                           surge_timeout_s=a.surge_timeout_s, settle_s=a.settle_s, table_dir=a.table_dir)
     ray.init(address=a.address, namespace="serve", log_to_driver=False)

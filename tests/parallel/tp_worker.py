@@ -35,7 +35,7 @@ def run_case(path: str, mode: str, tp_rank: int = 0, tp_size: int = 1) -> dict:
             ids.append(engine.add_request(pending.pop(0), params))
         engine.step()
         step += 1
-    tokens = [engine.pop_finished(i).output_token_ids for i in ids]
+    tokens = [list(engine.pop_finished(i).output_token_ids) for i in ids]
     return {"tokens": tokens, "logits": logits, "steps": step}
 
 

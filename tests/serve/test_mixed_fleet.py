@@ -88,6 +88,7 @@ def test_mixed_fleet_simulation_recalibration_and_ctrl_c(tiny_model, tmp_path):
             run = subprocess.run(
                 [sys.executable, "-m", "deployments.recalibrate", "--address", address, "--report", str(report_path),
                  "--settle-s", "1.0", "--monotone-tolerance", "0.9", "--repeat-tolerance", "9",
+                 "--repeat-capacities", "3",
                  "--table-dir", str(tmp_path / "tables"), *args],
                 cwd=REPO_ROOT, env={**env, **({"RAY_AUTH_MODE": "token"} if auth_env.strip() else {})},
                 capture_output=True, text=True, timeout=600)

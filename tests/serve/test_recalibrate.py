@@ -48,7 +48,8 @@ def test_one_replica_app_surges_and_drops_nothing(tiny_model, tmp_path):
 
         watcher = threading.Thread(target=watch_ready, daemon=True)
         # CPU timings on a shared 2-core box are noisy (two sweeps here differed 4x): monotone / repeat relaxed
-        opts = RollingOptions(checks=TableChecks(monotone_tolerance=0.9, repeat_tolerance=9.0), settle_s=1.0,
+        opts = RollingOptions(checks=TableChecks(monotone_tolerance=0.9, repeat_tolerance=9.0,
+                                                 repeat_capacities=3), settle_s=1.0,
                               table_dir=str(tmp_path / "tables"))
         with SteadyLoad(url, clients=4) as load:
             wait_for(lambda: len(load.results) >= 4, timeout=60)
