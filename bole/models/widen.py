@@ -10,14 +10,14 @@ inside each widened axis; everything not listed is zero):
 * Hidden stream: H -> H' holds k copies of the original channels (copy c of channel i at c·H + i), the
   rest zero. Writers (embedding, o_proj, out_proj, down_proj, experts, mtp.fc) write every copy;
   readers (all input projections, router, lm_head, mtp.fc) read each copy with weight / k, so W'x' = Wx.
-* Norms. An RMS norm whose input grows from d to d' channels by zeros or copies sees mean(x'²) = r·mean(x²)
-  (r = k·d/d' for the hidden stream, d/d' for zero padding); with eps' = r·eps its output is exactly
-  sqrt(1/r)·the original on the original channels, so weights become (1 + w)·sqrt(r) (zero-centred)
-  or w·sqrt(r) (the GDN gated norm); padded channels get weight 0 (-1 stored). eps is one value for all
-  norms: ``k`` is chosen so that r is the same for every norm family (hidden, attention q/k, GDN output)
-  and eps' = r·eps makes every norm exact. When no k equalises them, eps' = r_gdn·eps (the GDN output
-  norm has the smallest inputs) and a family f sees eps'/r_f in place of eps: its output's relative
-  error is at most |eps'/r_f - eps| / (2·mean x²) (``WidenReport.eps_bounds``).
+* Norms. A norm whose input grows from d to d' channels by zeros or copies sees mean(x'²) = r·mean(x²)
+  (r = k·H/H' for the hidden stream, d/d' for zero padding); with eps' = r·eps it is exact once its
+  weights undo the change: (1 + w)·sqrt(r) (zero-centred; padded channels 0, stored -1). eps is one
+  value: ``k`` is chosen so that r is the same for all three norm families (hidden, attention q/k, GDN
+  output), and then every norm is exact. Otherwise eps' = r_gdn·eps (the GDN norm has the smallest
+  inputs), a family f sees eps'/r_f for eps, and its output's relative error is at most
+  |eps'/r_f - eps| / (2·mean x²) (``WidenReport.eps_bounds``). Stored in bf16, the rescaled norm
+  weights round (relative 2^-9).
 * Gated attention: head_dim D -> D' zero padded. The q/k norms' padding factor is sqrt(r); the softmax
   scale 1/sqrt(D') is compensated by sqrt(D'/D) on q, so q_norm keeps (1 + w) and k_norm gets
   (1 + w)·sqrt(D/D'). Partial RoPE: the rotary dims R -> R' = D'·p' must be an integer multiple m of R;
@@ -27,16 +27,15 @@ inside each widened axis; everything not listed is zero):
   h goes to (h // r)·r' + h % r and kv (key) heads keep their index; with r % r' == 0 query heads keep
   their index and each new kv head is a copy of the original one its queries read. Extra heads: zero.
 * GDN: key dims K -> K' zero padded (q, k are L2-normalised: exact), value dims zero padded. The kernel's
-  scale 1/sqrt(K') shrinks o by sqrt(K/K'), and o only feeds the per-head gated norm, whose mean(o²)
-  then shrinks by r_gdn = (K/K')·(V/V'): the norm's compensation above absorbs it. conv1d: padded
+  scale 1/sqrt(K') shrinks o by sqrt(K/K') and o only feeds the per-head gated norm, which removes a
+  scale: its mean(o²) shrinks by r_gdn = (K/K')·(V/V') and its weight becomes w·sqrt(V/V'). conv1d: padded
   channels zero; extra heads: A_log 0, dt_bias 1 (their outputs are zero anyway).
 * MLP / MoE: FFN width zero padded (down_proj columns zero); experts and the router keep their count.
 * Layers: the source's layers keep their index (the target's layer-type pattern must start with the
   source's); extra layers are residual pass-throughs: all matrices zero, so each adds exactly 0.
 * MTP: its layer is widened like a full-attention layer; fc reads both halves as readers, writes copies.
-* Vocabulary stays the source's. A bias-free model whose last op is an RMS norm has no constant
-  feature: a padded-vocabulary row cannot be made to lose for every hidden state exactly (a constant
-  residual channel would enter every norm's mean), so the lm_head / embedding keep the source vocab.
+* Vocabulary stays the source's: with no bias and an RMS norm last, no feature is constant, so no padded
+  lm_head row provably loses (a constant residual channel would enter every norm's mean).
 """
 
 from __future__ import annotations
@@ -53,11 +52,10 @@ import torch
 from safetensors.torch import save_file
 
 from bole.config import ModelConfig
-from bole.models.loader import _Reader, build_plan, checkpoint_files, read_config, resolve_dtype
+from bole.models.loader import INDEX_FILE, _Reader, build_plan, checkpoint_files, read_config, resolve_dtype
 
-# norms over the hidden stream (every other norm is per head)
 HIDDEN_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight", "mtp.norm.weight",
-                "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")
+                "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")  # the others are per head
 # the fields of a target shape that widen() takes (everything else is the source's)
 TARGET_FIELDS = ("hidden_size", "num_hidden_layers", "layer_types", "num_attention_heads", "num_key_value_heads",
                  "head_dim", "partial_rotary_factor", "linear_num_key_heads", "linear_num_value_heads",
@@ -67,11 +65,13 @@ TARGET_FIELDS = ("hidden_size", "num_hidden_layers", "layer_types", "num_attenti
 
 @dataclass
 class WidenReport:
-    config: ModelConfig          # the widened model's config
-    copies: int                  # k: copies of the hidden stream
-    eps: float                   # the widened model's rms_norm_eps
-    ratios: dict                 # r per norm family
-    eps_bounds: dict             # family -> |eps'/r - eps| (0: exact); divide by 2·mean x² for the error
+    """The widened config, k copies of the hidden stream, its eps, r per norm family and per family
+    |eps'/r - eps| (0: exact; over 2·mean x² it bounds the norm's relative error)."""
+    config: ModelConfig
+    copies: int
+    eps: float
+    ratios: dict
+    eps_bounds: dict
 
 
 @dataclass
@@ -126,14 +126,13 @@ def apply(t: torch.Tensor, dim: int, ax: Axis) -> torch.Tensor:
 
 def norm_weight(w: torch.Tensor, ax: Axis, scale: float, centred: bool = True) -> torch.Tensor:
     """A norm's weight on axis ``ax`` times ``scale``; padded channels weight 0 (stored -1 if centred)."""
-    if centred:
-        return apply(1.0 + w.float(), 0, ax) * scale - 1.0
-    return apply(w.float(), 0, ax) * scale
+    return apply(w.float() + float(centred), 0, ax) * scale - float(centred)
 
 
 class _Widener:
-    def __init__(self, src: ModelConfig, tgt: ModelConfig):
-        s, t = src, tgt
+    """The axes of every widened tensor kind, from the source and target configs (module docstring)."""
+
+    def __init__(self, s: ModelConfig, t: ModelConfig):
         self.s, self.t = s, t
         D, D2, R, R2 = s.head_dim, t.head_dim, s.rotary_dim, t.rotary_dim
         if R2 % R or D2 - R2 < D - R:
@@ -157,24 +156,23 @@ class _Widener:
         hid = [(i, c * H + i) for c in range(self.k) for i in range(H)]
         self.h_out = Axis(H, H2, [i for i, _ in hid], [j for _, j in hid], [1.0] * len(hid))
         self.h_in = Axis(H, H2, self.h_out.src, self.h_out.dst, [1.0 / self.k] * len(hid))
-        HK, HK2 = s.linear_num_key_heads, t.linear_num_key_heads
-        HV, HV2 = s.linear_num_value_heads, t.linear_num_value_heads
+        HK, HK2, HV, HV2 = s.linear_num_key_heads, t.linear_num_key_heads, s.linear_num_value_heads, \
+            t.linear_num_value_heads
         self.gdn_k = heads(self.k_pairs, [(i, i) for i in range(K)], K, K2, HK, HK2)
         self.gdn_v = heads(self.v_pairs, [(i, i) for i in range(V)], V, V2, HV, HV2)
         self.gdn_vh = heads(self.v_pairs, [(0, 0)], 1, 1, HV, HV2)
         Hq, Hq2, Hkv, Hkv2 = s.num_attention_heads, t.num_attention_heads, s.num_key_value_heads, t.num_key_value_heads
-        gate_dims = self.attn_dims + [(D + i, D2 + j) for i, j in self.attn_dims]
-        self.q_rows = heads(self.q_pairs, gate_dims, 2 * D, 2 * D2, Hq, Hq2)
-        self.q_cols = heads(self.q_pairs, self.attn_dims, D, D2, Hq, Hq2)
+        gate_dims = self.attn_dims + [(D + i, D2 + j) for i, j in self.attn_dims]  # per head: D q rows, D gate rows
+        self.q_rows, self.q_cols = (heads(self.q_pairs, gate_dims, 2 * D, 2 * D2, Hq, Hq2),
+                                    heads(self.q_pairs, self.attn_dims, D, D2, Hq, Hq2))
         self.kv_rows = heads(self.kv_pairs, self.attn_dims, D, D2, Hkv, Hkv2)
         self.head_dims = heads([(0, 0)], self.attn_dims, D, D2, 1, 1)
 
-    def _mat(self, t, rows: Axis | None, cols: Axis | None, rdim=0):
+    def _mat(self, t, rows: Axis | None, cols: Axis | None, rdim=0):  # rows on dim rdim, columns last
         t = t if rows is None else apply(t, rdim, rows)
         return t if cols is None else apply(t, t.dim() - 1, cols)
 
-    def tensor(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """The widened tensor of one source tensor (model naming)."""
+    def tensor(self, name: str, t: torch.Tensor) -> torch.Tensor:  # one source tensor (model naming)
         s, tg, hin, hout, m = self.s, self.t, self.h_in, self.h_out, self._mat
         if name.endswith(HIDDEN_NORMS):
             return norm_weight(t, hout, math.sqrt(self.ratios["hidden"]))
@@ -220,11 +218,11 @@ def target_config(src: ModelConfig, shape: ModelConfig) -> ModelConfig:
     return dataclasses.replace(src, **{f: getattr(shape, f) for f in TARGET_FIELDS}, tie_word_embeddings=False)
 
 
-def widen(src: str, dst: str, shape: ModelConfig, dtype="auto") -> WidenReport:
+def widen(src: str, dst: str, shape: ModelConfig, dtype="auto", shard_bytes: int = 4 << 30) -> WidenReport:
     """Write the widened checkpoint of folder ``src`` to folder ``dst`` (config.json + model.safetensors).
 
     ``shape``: a ModelConfig with the target sizes (``TARGET_FIELDS``), e.g. ``shapes_config("qwen3.5-9b")``.
-    ``dtype``: of the written tensors ("auto": the source config's)."""
+    ``dtype``: of the written tensors ("auto": the source config's); shards of at most ``shard_bytes``."""
     _, s = read_config(src)
     t = target_config(s, shape)
     if t.layer_types[:s.num_hidden_layers] != s.layer_types:
@@ -236,48 +234,66 @@ def widen(src: str, dst: str, shape: ModelConfig, dtype="auto") -> WidenReport:
     producers, _, _ = build_plan(list(files), s)
     if s.tie_word_embeddings:
         producers["lm_head.weight"] = producers["model.embed_tokens.weight"]
-    tensors = {}
+    os.makedirs(dst, exist_ok=True)
+    shards = _Shards(dst, shard_bytes)
     with ExitStack() as stack, torch.no_grad():
         reader = _Reader(files, stack)
-        for name, produce in producers.items():
-            tensors[name] = w.tensor(name, produce(reader).float()).to(out_dtype).contiguous()
-        for i in range(s.num_hidden_layers, t.num_hidden_layers):  # pass-through layers: a source layer's
-            j = next(j for j in range(s.num_hidden_layers) if s.layer_types[j] == t.layer_types[i])  # shapes
-            for name in [n for n in list(tensors) if n.startswith(f"model.layers.{j}.")]:
-                new, ref = name.replace(f"layers.{j}.", f"layers.{i}.", 1), tensors[name]
-                tensors[new] = _passthrough(new, ref, s.is_moe_layer(j) == t.is_moe_layer(i))
-    os.makedirs(dst, exist_ok=True)
-    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+        widened = lambda name: w.tensor(name, producers[name](reader).float()).to(out_dtype)
+        for name in producers:
+            shards.add(name, widened(name))
+        for i in range(s.num_hidden_layers, t.num_hidden_layers):  # pass-through layers, a source layer's shapes
+            j = next((j for j in range(s.num_hidden_layers) if s.layer_types[j] == t.layer_types[i]
+                      and s.is_moe_layer(j) == t.is_moe_layer(i)), None)
+            if j is None:
+                raise ValueError(f"extra layer {i}: no source layer has its type and MLP kind")
+            for name in [n for n in producers if n.startswith(f"model.layers.{j}.")]:
+                new = name.replace(f"layers.{j}.", f"layers.{i}.", 1)
+                ones = new.endswith(("dt_bias", "linear_attn.norm.weight"))  # zero matrices, unit norms
+                shards.add(new, (torch.ones_like if ones else torch.zeros_like)(widened(name)))
+    shards.close()
     _write_config(src, dst, s, t)
     return WidenReport(t, w.k, w.eps, w.ratios, w.bounds)
 
 
-def _passthrough(name: str, ref: torch.Tensor, same_mlp: bool) -> torch.Tensor:
-    """An extra layer's tensor: zero matrices, norms at weight 1, A_log 0, dt_bias 1."""
-    if not same_mlp:
-        raise ValueError(f"{name}: an extra layer's MLP kind differs from every source layer of its type")
-    if name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
-        return torch.ones_like(ref)
-    return torch.zeros_like(ref)
+class _Shards:
+    """safetensors shards of at most ``limit`` bytes each, with the index the loader reads."""
+
+    def __init__(self, dst: str, limit: int):
+        self.dst, self.limit, self.files, self.weight_map, self.pending, self.size = dst, limit, [], {}, {}, 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if self.pending and self.size + t.numel() * t.element_size() > self.limit:
+            self._flush()
+        self.pending[name] = t.contiguous()
+        self.size += t.numel() * t.element_size()
+
+    def _flush(self) -> None:
+        file = f"model-{len(self.files) + 1:05d}.safetensors"
+        save_file(self.pending, os.path.join(self.dst, file), metadata={"format": "pt"})
+        self.files.append(file)
+        self.weight_map.update({n: file for n in self.pending})
+        self.pending, self.size = {}, 0
+
+    def close(self) -> None:
+        if not self.files:  # one file
+            return save_file(self.pending, os.path.join(self.dst, "model.safetensors"), metadata={"format": "pt"})
+        self._flush()
+        with open(os.path.join(self.dst, INDEX_FILE), "w") as fh:
+            json.dump({"metadata": {}, "weight_map": self.weight_map}, fh, indent=1)
 
 
 def _write_config(src: str, dst: str, s: ModelConfig, t: ModelConfig) -> None:
     with open(os.path.join(src, "config.json")) as fh:
         raw = json.load(fh)
-    text = raw.get("text_config", raw)
-    m = t.rotary_dim // s.rotary_dim
-    factor = t.rotary_dim / t.head_dim
+    text, factor = raw.get("text_config", raw), t.rotary_dim / t.head_dim
     for f in TARGET_FIELDS:
         if f != "partial_rotary_factor" and (f in text or getattr(t, f)):
             text[f] = list(getattr(t, f)) if f == "layer_types" else getattr(t, f)
-    text.update(rms_norm_eps=t.rms_norm_eps, tie_word_embeddings=False)
+    text.update(rms_norm_eps=t.rms_norm_eps, tie_word_embeddings=False, partial_rotary_factor=factor)
     raw["tie_word_embeddings"] = False
-    if "partial_rotary_factor" in text or "rope_parameters" not in text:
-        text["partial_rotary_factor"] = factor
-    rope = text.get("rope_parameters")
-    if rope:
-        rope["partial_rotary_factor"] = factor
-        if "mrope_section" in rope:
-            rope["mrope_section"] = [m * x for x in rope["mrope_section"]]
+    rope = text.get("rope_parameters") or {}
+    rope["partial_rotary_factor"] = factor
+    if "mrope_section" in rope:  # text-only M-RoPE sections sum to R/2: scaled by m with the rotary dims
+        rope["mrope_section"] = [t.rotary_dim // s.rotary_dim * x for x in rope["mrope_section"]]
     with open(os.path.join(dst, "config.json"), "w") as fh:
         json.dump(raw, fh, indent=2)
