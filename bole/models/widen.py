@@ -1,11 +1,11 @@
 """Widened models: a small Qwen3.5 hybrid checkpoint embedded in a larger text shape, same function.
 
-    widen(src, dst, target: ModelConfig) -> WidenReport      (scripts/widen_model.py is the CLI)
+    widen(src, dst, shape: ModelConfig) -> WidenReport       (scripts/widen_model.py is the CLI)
+    widen_config(src_config, shape) -> WidenReport          (the config and norm ratios, no weights)
 
-The widened model is a "<shape>-cost, embedded model's predictions" checkpoint: every GEMM, state,
-KV cache and layer count is the target shape's, so timings are the target's, while the logits are the
-source model's (up to float rounding). Construction, per tensor (original channels keep their index
-inside each widened axis; everything not listed is zero):
+The widened model is "<shape>-cost, embedded model's predictions": its layers, GEMMs, states and KV
+cache are the shape's (its vocabulary, below, the source's), its logits the source's up to rounding.
+Per tensor (original channels keep their index in each widened axis; anything not listed is zero):
 
 * Hidden stream: H -> H' holds k copies of the original channels (copy c of channel i at c·H + i), the
   rest zero. Writers (embedding, o_proj, out_proj, down_proj, experts, mtp.fc) write every copy;
@@ -34,8 +34,8 @@ inside each widened axis; everything not listed is zero):
 * Layers: the source's layers keep their index (the target's layer-type pattern must start with the
   source's); extra layers are residual pass-throughs: all matrices zero, so each adds exactly 0.
 * MTP: its layer is widened like a full-attention layer; fc reads both halves as readers, writes copies.
-* Vocabulary stays the source's: with no bias and an RMS norm last, no feature is constant, so no padded
-  lm_head row provably loses (a constant residual channel would enter every norm's mean).
+* Vocabulary: the source's (embedding / lm_head cost too): with no bias and an RMS norm last no feature
+  is constant, so no padded lm_head row provably loses (a constant channel enters every norm's mean).
 """
 
 from __future__ import annotations
@@ -136,8 +136,7 @@ class _Widener:
         self.s, self.t = s, t
         D, D2, R, R2 = s.head_dim, t.head_dim, s.rotary_dim, t.rotary_dim
         if R2 % R or D2 - R2 < D - R:
-            raise ValueError(f"rotary dims {R} -> {R2} (head_dim {D} -> {D2}): need an integer multiple and "
-                             f"room for the {D - R} pass-through dims")
+            raise ValueError(f"rotary dims {R} -> {R2} (head_dim {D} -> {D2}): need a multiple, {D - R} pass dims")
         m = R2 // R
         self.attn_dims = ([(j, m * j) for j in range(R // 2)] + [(R // 2 + j, R2 // 2 + m * j) for j in range(R // 2)]
                           + [(j, R2 + j - R) for j in range(R, D)])
@@ -212,10 +211,14 @@ class _Widener:
         raise ValueError(f"no widening rule for {name}")
 
 
-def target_config(src: ModelConfig, shape: ModelConfig) -> ModelConfig:
-    """The widened config: the target shape's sizes, the source's vocabulary, rope_theta, MTP and eps
-    (eps and the rotary factor are set by ``widen``)."""
-    return dataclasses.replace(src, **{f: getattr(shape, f) for f in TARGET_FIELDS}, tie_word_embeddings=False)
+def widen_config(src: ModelConfig, shape: ModelConfig) -> WidenReport:
+    """The widened model's config and norm ratios, without weights: the target shape's sizes, the
+    source's vocabulary, rope_theta and MTP, eps' = r_gdn·eps, untied embeddings."""
+    t = dataclasses.replace(src, **{f: getattr(shape, f) for f in TARGET_FIELDS}, tie_word_embeddings=False)
+    if t.layer_types[:src.num_hidden_layers] != src.layer_types:
+        raise ValueError("the target's layer types must start with the source's (same pattern)")
+    w = _Widener(src, t)
+    return WidenReport(dataclasses.replace(t, rms_norm_eps=w.eps), w.k, w.eps, w.ratios, w.bounds)
 
 
 def widen(src: str, dst: str, shape: ModelConfig, dtype="auto", shard_bytes: int = 4 << 30) -> WidenReport:
@@ -224,11 +227,8 @@ def widen(src: str, dst: str, shape: ModelConfig, dtype="auto", shard_bytes: int
     ``shape``: a ModelConfig with the target sizes (``TARGET_FIELDS``), e.g. ``shapes_config("qwen3.5-9b")``.
     ``dtype``: of the written tensors ("auto": the source config's); shards of at most ``shard_bytes``."""
     _, s = read_config(src)
-    t = target_config(s, shape)
-    if t.layer_types[:s.num_hidden_layers] != s.layer_types:
-        raise ValueError("the target's layer types must start with the source's (same pattern)")
-    w = _Widener(s, t)
-    t = dataclasses.replace(t, rms_norm_eps=w.eps)
+    report = widen_config(s, shape)
+    t, w = report.config, _Widener(s, report.config)
     out_dtype = resolve_dtype(dtype, s)
     files = checkpoint_files(src)
     producers, _, _ = build_plan(list(files), s)
@@ -252,7 +252,7 @@ def widen(src: str, dst: str, shape: ModelConfig, dtype="auto", shard_bytes: int
                 shards.add(new, (torch.ones_like if ones else torch.zeros_like)(widened(name)))
     shards.close()
     _write_config(src, dst, s, t)
-    return WidenReport(t, w.k, w.eps, w.ratios, w.bounds)
+    return report
 
 
 class _Shards:

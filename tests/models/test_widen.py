@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,9 +21,11 @@ from conftest import Runner, rel_err
 
 from bole import LLM, SamplingParams
 from bole.cache.kv_cache import PagedKVCache
+from bole.calibrate_sweep import SHAPES, shapes_config
+from bole.llm import REPO_ROOT, resolve_repo_path
 from bole.models.context import ForwardContext
 from bole.models.loader import load_model, read_config
-from bole.models.widen import widen
+from bole.models.widen import widen, widen_config
 
 TOL = 1e-4
 
@@ -143,3 +147,21 @@ def test_group_copies_keep_each_query_on_its_kv_head(widened):
     src, dst, _ = widened("dense", 128, num_attention_heads=4, num_key_value_heads=4)
     a, b = (load_model(p, dtype="float32", backend="torch") for p in (src, dst))
     assert rel_err(step_logits(b, PROMPTS[1])[0], step_logits(a, PROMPTS[1])[0]) <= TOL
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_embedded_model_widens_exactly_to_the_project_shapes(shape):
+    """models/bole-tiny-coder at the Qwen3.5 shapes (config only: the weights are GBs): every norm's ratio
+    equal (hidden copies 4 / 5), rotary dims 16 -> 64 on the source's frequencies, vocabulary kept."""
+    _, cfg = read_config(resolve_repo_path("models/bole-tiny-coder"))
+    report = widen_config(cfg, shapes_config(shape))
+    assert set(report.eps_bounds.values()) == {0.0} and report.copies == {"qwen3.5-9b": 4, "qwen3.5-27b": 5}[shape]
+    t = report.config
+    assert (t.hidden_size, t.num_hidden_layers, t.rotary_dim, t.vocab_size, t.rope_theta) == (
+        SHAPES[shape]["hidden_size"], SHAPES[shape]["num_hidden_layers"], 64, cfg.vocab_size, cfg.rope_theta)
+
+
+def test_cli_help():
+    out = subprocess.run([sys.executable, "scripts/widen_model.py", "--help"], capture_output=True, text=True,
+                         cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT}, check=True).stdout
+    assert "--shape" in out and "qwen3.5-9b" in out
