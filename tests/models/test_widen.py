@@ -165,3 +165,19 @@ def test_cli_help():
     out = subprocess.run([sys.executable, "scripts/widen_model.py", "--help"], capture_output=True, text=True,
                          cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT}, check=True).stdout
     assert "--shape" in out and "qwen3.5-9b" in out
+
+
+@pytest.mark.skipif(not os.path.exists(resolve_repo_path("models/bole-tiny-coder/model.safetensors")),
+                    reason="the embedded model's weights are not checked out")
+def test_embedded_model_widened_logits_equal(tmp_path):
+    """The trained embedded model (real weight statistics), widened x4 in hidden size (2 copies), heads x2,
+    head dims x2, 16 -> 20 layers, in fp32: the logits of a 40-token prefill are the source's."""
+    src = resolve_repo_path("models/bole-tiny-coder")
+    _, cfg = read_config(src)
+    shape = dataclasses.replace(cfg, hidden_size=1024, num_hidden_layers=20, layer_types=(cfg.layer_types * 2)[:20],
+                                num_attention_heads=8, num_key_value_heads=4, head_dim=128, linear_num_key_heads=8,
+                                linear_num_value_heads=16, linear_key_head_dim=128, intermediate_size=1536)
+    widen(src, str(tmp_path), shape, dtype="float32")
+    a, b = (load_model(p, dtype="float32", backend="torch") for p in (src, str(tmp_path)))
+    prompt = list(range(100, 140))
+    assert rel_err(step_logits(b, prompt, steps=(7,))[0], step_logits(a, prompt, steps=(7,))[0]) <= TOL
