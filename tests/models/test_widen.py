@@ -4,12 +4,14 @@ Tiny random checkpoints (hidden 64, 4 layers, vocab 128, one MTP layer) are wide
 (1 or 2 copies of the hidden stream), 8 layers (4 pass-throughs), attention heads 4/2 -> 6/3, head_dim
 16 -> 32 (rotary dims 4 -> 8), GDN heads 2/4 -> 3/6, key head dim 16 -> 32, FFN / expert widths x2; the
 logits of prefill and decode steps, the MTP drafter's logits and greedy generation through bole.LLM
-must match the source model's.
+must match the source model's. The trained embedded model is checked too (widened in fp32, and through
+scripts/widen_model.py at a small shape of the Qwen3.5 family), and its config at the project's shapes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -28,6 +30,9 @@ from bole.models.loader import load_model, read_config
 from bole.models.widen import widen, widen_config
 
 TOL = 1e-4
+_CLI = importlib.util.spec_from_file_location("widen_model", os.path.join(REPO_ROOT, "scripts", "widen_model.py"))
+widen_model = importlib.util.module_from_spec(_CLI)
+_CLI.loader.exec_module(widen_model)
 
 
 def target_shape(cfg, hidden=128, **overrides):
@@ -181,3 +186,23 @@ def test_embedded_model_widened_logits_equal(tmp_path):
     a, b = (load_model(p, dtype="float32", backend="torch") for p in (src, str(tmp_path)))
     prompt = list(range(100, 140))
     assert rel_err(step_logits(b, prompt, steps=(7,))[0], step_logits(a, prompt, steps=(7,))[0]) <= TOL
+
+
+@pytest.mark.skipif(not os.path.exists(resolve_repo_path("models/bole-tiny-coder/model.safetensors")),
+                    reason="the embedded model's weights are not checked out")
+def test_cli_widens_the_embedded_model(tmp_path, monkeypatch):
+    """scripts/widen_model.py on the embedded model at a small shape of the Qwen3.5 family (its head dims
+    256 / 128, rotary factor 0.25): the folder serves text like the source, with the source's logits."""
+    monkeypatch.setitem(SHAPES, "mini", dict(hidden_size=1024, num_hidden_layers=20, linear_num_key_heads=4,
+                                             linear_num_value_heads=8, num_attention_heads=4, num_key_value_heads=2,
+                                             intermediate_size=1024))
+    src, dst = resolve_repo_path("models/bole-tiny-coder"), str(tmp_path / "mini")
+    widen_model.main(["--model", src, "--shape", "mini", "--out", dst, "--dtype", "float32"])
+    a, b = (load_model(p, dtype="float32", backend="torch") for p in (src, dst))
+    assert b.config.head_dim == 256 and b.config.linear_key_head_dim == 128
+    prompt = list(range(100, 130))
+    assert rel_err(step_logits(b, prompt, steps=())[0], step_logits(a, prompt, steps=())[0]) <= TOL
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    opts = dict(mode="ar", device="cpu", dtype="float32", num_blocks=64, block_size=16, max_num_seqs=2)
+    texts = [LLM(p, **opts).generate("def add(a, b):", sp)[0].text for p in (src, dst)]
+    assert texts[0] == texts[1] and texts[0]
