@@ -16,11 +16,11 @@ Per tensor (original channels keep their index in each widened axis; anything no
   value: ``k`` is chosen so that r is the same for all three norm families (hidden, attention q/k, GDN
   output), and then every norm is exact. Otherwise eps' = r_gdn·eps (the GDN norm has the smallest
   inputs), a family f sees eps'/r_f for eps, and its output's relative error is at most
-  |eps'/r_f - eps| / (2·mean x²) (``WidenReport.eps_bounds``). Stored in bf16, the rescaled norm
-  weights round (relative 2^-9).
-* Gated attention: head_dim D -> D' zero padded. The q/k norms' padding factor is sqrt(r); the softmax
-  scale 1/sqrt(D') is compensated by sqrt(D'/D) on q, so q_norm keeps (1 + w) and k_norm gets
-  (1 + w)·sqrt(D/D'). Partial RoPE: the rotary dims R -> R' = D'·p' must be an integer multiple m of R;
+  |eps'/r_f - eps| / (2·mean x²) (``WidenReport.eps_bounds``). In bf16 the rescaled norm weights round
+  (2^-9): the embedded model's bf16 widening, run in fp32, moves its logits by ~1e-3 relative.
+* Gated attention: head_dim D -> D' zero padded, r = D/D' for the q/k norms; the softmax scale 1/sqrt(D')
+  is compensated by sqrt(D'/D) on q, so q_norm keeps (1 + w)·sqrt(r)·sqrt(D'/D) = (1 + w) and k_norm
+  gets (1 + w)·sqrt(D/D'). Partial RoPE: the rotary dims R -> R' = D'·p' must be an integer multiple m of R;
   rope_theta stays the source's, and rotate-half pair (j, j + R/2) moves to (m·j, m·j + R'/2), whose
   frequency theta^(-2mj/R') is the original theta^(-2j/R) bit for bit; pass-through dims follow R'.
 * Grouped heads (GQA, and GDN value heads per key head): with ratio r' >= r, original query (value) head
@@ -32,7 +32,8 @@ Per tensor (original channels keep their index in each widened axis; anything no
   channels zero; extra heads: A_log 0, dt_bias 1 (their outputs are zero anyway).
 * MLP / MoE: FFN width zero padded (down_proj columns zero); experts and the router keep their count.
 * Layers: the source's layers keep their index (the target's layer-type pattern must start with the
-  source's); extra layers are residual pass-throughs: all matrices zero, so each adds exactly 0.
+  source's); extra layers are residual pass-throughs: all matrices zero (norms 1, dt_bias 1), so each
+  adds exactly 0 to the residual stream.
 * MTP: its layer is widened like a full-attention layer; fc reads both halves as readers, writes copies.
 * Vocabulary: the source's (embedding / lm_head cost too): with no bias and an RMS norm last no feature
   is constant, so no padded lm_head row provably loses (a constant channel enters every norm's mean).
@@ -56,11 +57,10 @@ from bole.models.loader import INDEX_FILE, _Reader, build_plan, checkpoint_files
 
 HIDDEN_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight", "mtp.norm.weight",
                 "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")  # the others are per head
-# the fields of a target shape that widen() takes (everything else is the source's)
 TARGET_FIELDS = ("hidden_size", "num_hidden_layers", "layer_types", "num_attention_heads", "num_key_value_heads",
                  "head_dim", "partial_rotary_factor", "linear_num_key_heads", "linear_num_value_heads",
                  "linear_key_head_dim", "linear_value_head_dim", "intermediate_size", "moe_intermediate_size",
-                 "shared_expert_intermediate_size")
+                 "shared_expert_intermediate_size")  # what a target shape sets (the rest is the source's)
 
 
 @dataclass
