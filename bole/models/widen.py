@@ -1,0 +1,299 @@
+"""Widened models: a small Qwen3.5 hybrid checkpoint embedded in a larger text shape, same function.
+
+    widen(src, dst, shape: ModelConfig) -> WidenReport       (scripts/widen_model.py is the CLI)
+    widen_config(src_config, shape) -> WidenReport          (the config and norm ratios, no weights)
+
+The widened model is "<shape>-cost, embedded model's predictions": its layers, GEMMs, states and KV
+cache are the shape's (its vocabulary, below, the source's), its logits the source's up to rounding.
+Per tensor (original channels keep their index in each widened axis; anything not listed is zero):
+
+* Hidden stream: H -> H' holds k copies of the original channels (copy c of channel i at c·H + i), the
+  rest zero. Writers (embedding, o_proj, out_proj, down_proj, experts, mtp.fc) write every copy;
+  readers (all input projections, router, lm_head, mtp.fc) read each copy with weight / k, so W'x' = Wx.
+* Norms. A norm whose input grows from d to d' channels by zeros or copies sees mean(x'²) = r·mean(x²)
+  (r = k·H/H' for the hidden stream, d/d' for zero padding); with eps' = r·eps it is exact once its
+  weights undo the change: (1 + w)·sqrt(r) (zero-centred; padded channels 0, stored -1). eps is one
+  value: ``k`` is chosen so that r is the same for all three norm families (hidden, attention q/k, GDN
+  output), and then every norm is exact. Otherwise eps' = r_gdn·eps (the GDN norm has the smallest
+  inputs), a family f sees eps'/r_f for eps, and its output's relative error is at most
+  |eps'/r_f - eps| / (2·mean x²) (``WidenReport.eps_bounds``). In bf16 the rescaled norm weights round
+  (2^-9): the embedded model's bf16 widening, run in fp32, moves its logits by ~1e-3 relative.
+* Gated attention: head_dim D -> D' zero padded, r = D/D' for the q/k norms; the softmax scale 1/sqrt(D')
+  is compensated by sqrt(D'/D) on q, so q_norm keeps (1 + w)·sqrt(r)·sqrt(D'/D) = (1 + w) and k_norm
+  gets (1 + w)·sqrt(D/D'). Partial RoPE: the rotary dims R -> R' = D'·p' must be an integer multiple m of R;
+  rope_theta stays the source's, and rotate-half pair (j, j + R/2) moves to (m·j, m·j + R'/2), whose
+  frequency theta^(-2mj/R') is the original theta^(-2j/R) bit for bit; pass-through dims follow R'.
+* Grouped heads (GQA, and GDN value heads per key head): with ratio r' >= r, original query (value) head
+  h goes to (h // r)·r' + h % r and kv (key) heads keep their index; with r % r' == 0 query heads keep
+  their index and each new kv head is a copy of the original one its queries read. Extra heads: zero.
+* GDN: key dims K -> K' zero padded (q, k are L2-normalised: exact), value dims zero padded. The kernel's
+  scale 1/sqrt(K') shrinks o by sqrt(K/K') and o only feeds the per-head gated norm, which removes a
+  scale: its mean(o²) shrinks by r_gdn = (K/K')·(V/V') and its weight becomes w·sqrt(V/V'). conv1d: padded
+  channels zero; extra heads: A_log 0, dt_bias 1 (their outputs are zero anyway).
+* MLP / MoE: FFN width zero padded (down_proj columns zero); experts and the router keep their count.
+* Layers: the source's layers keep their index (the target's layer-type pattern must start with the
+  source's); extra layers are residual pass-throughs: all matrices zero (norms 1, dt_bias 1), so each
+  adds exactly 0 to the residual stream.
+* MTP: its layer is widened like a full-attention layer; fc reads both halves as readers, writes copies.
+* Vocabulary: the source's (embedding / lm_head cost too): with no bias and an RMS norm last no feature
+  is constant, so no padded lm_head row provably loses (a constant channel enters every norm's mean).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from contextlib import ExitStack
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+from safetensors.torch import save_file
+
+from bole.config import ModelConfig
+from bole.models.loader import INDEX_FILE, _Reader, build_plan, checkpoint_files, read_config, resolve_dtype
+
+HIDDEN_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight", "mtp.norm.weight",
+                "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")  # the others are per head
+TARGET_FIELDS = ("hidden_size", "num_hidden_layers", "layer_types", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "partial_rotary_factor", "linear_num_key_heads", "linear_num_value_heads",
+                 "linear_key_head_dim", "linear_value_head_dim", "intermediate_size", "moe_intermediate_size",
+                 "shared_expert_intermediate_size")  # what a target shape sets (the rest is the source's)
+
+
+@dataclass
+class WidenReport:
+    """The widened config, k copies of the hidden stream, its eps, r per norm family and per family
+    |eps'/r - eps| (0: exact; over 2·mean x² it bounds the norm's relative error)."""
+    config: ModelConfig
+    copies: int
+    eps: float
+    ratios: dict
+    eps_bounds: dict
+
+
+@dataclass
+class Axis:
+    """One axis of a widened tensor, source size n -> size: per entry a source index, a destination
+    index and a scale (1, or 1/k where a reader reads k copies)."""
+    n: int
+    size: int
+    src: list
+    dst: list
+    scale: list
+
+    def __add__(self, other: "Axis") -> "Axis":
+        """Concatenated segments (q | k | v, gate | up, mtp.fc's two halves)."""
+        return Axis(self.n + other.n, self.size + other.size, self.src + [i + self.n for i in other.src],
+                    self.dst + [j + self.size for j in other.dst], self.scale + other.scale)
+
+
+def pad(n: int, n2: int) -> Axis:
+    if n2 < n:
+        raise ValueError(f"cannot shrink an axis from {n} to {n2}")
+    return Axis(n, n2, list(range(n)), list(range(n)), [1.0] * n)
+
+
+def heads(pairs: list, dims: list, d: int, d2: int, n: int, n2: int) -> Axis:
+    """Head-major axis [n heads x d] -> [n2 x d2]: ``pairs`` (source head, new head), ``dims`` (src, dst)."""
+    src = [h * d + i for h, _ in pairs for i, _ in dims]
+    dst = [g * d2 + j for _, g in pairs for _, j in dims]
+    return Axis(n * d, n2 * d2, src, dst, [1.0] * len(src))
+
+
+def group_pairs(nkv: int, nq: int, nkv2: int, nq2: int, what: str) -> tuple[list, list]:
+    """(query-head pairs, kv-head pairs) keeping every query head on (a copy of) its original kv head."""
+    r, r2 = nq // nkv, nq2 // nkv2
+    if r2 >= r and nkv2 >= nkv:
+        return [(h, (h // r) * r2 + h % r) for h in range(nq)], [(j, j) for j in range(nkv)]
+    if r % r2 == 0 and nq2 >= nq:
+        return [(h, h) for h in range(nq)], [((j * r2) // r, j) for j in range(nq // r2)]
+    raise ValueError(f"{what}: {nq}/{nkv} heads cannot be grouped as {nq2}/{nkv2} (need r' >= r or r % r' == 0)")
+
+
+def apply(t: torch.Tensor, dim: int, ax: Axis) -> torch.Tensor:
+    if t.shape[dim] != ax.n:
+        raise ValueError(f"axis {dim} of a {tuple(t.shape)} tensor is not {ax.n}")
+    t = t.index_select(dim, torch.tensor(ax.src, dtype=torch.long))
+    shape = [1] * t.dim()
+    shape[dim] = -1
+    t = t * torch.tensor(ax.scale, dtype=t.dtype).view(shape)
+    out = t.new_zeros(t.shape[:dim] + (ax.size,) + t.shape[dim + 1:])
+    return out.index_copy(dim, torch.tensor(ax.dst, dtype=torch.long), t)
+
+
+def norm_weight(w: torch.Tensor, ax: Axis, scale: float, centred: bool = True) -> torch.Tensor:
+    """A norm's weight on axis ``ax`` times ``scale``; padded channels weight 0 (stored -1 if centred)."""
+    return apply(w.float() + float(centred), 0, ax) * scale - float(centred)
+
+
+class _Widener:
+    """The axes of every widened tensor kind, from the source and target configs (module docstring)."""
+
+    def __init__(self, s: ModelConfig, t: ModelConfig):
+        self.s, self.t = s, t
+        D, D2, R, R2 = s.head_dim, t.head_dim, s.rotary_dim, t.rotary_dim
+        if R2 % R or D2 - R2 < D - R:
+            raise ValueError(f"rotary dims {R} -> {R2} (head_dim {D} -> {D2}): need a multiple, {D - R} pass dims")
+        m = R2 // R
+        self.attn_dims = ([(j, m * j) for j in range(R // 2)] + [(R // 2 + j, R2 // 2 + m * j) for j in range(R // 2)]
+                          + [(j, R2 + j - R) for j in range(R, D)])
+        self.q_pairs, self.kv_pairs = group_pairs(s.num_key_value_heads, s.num_attention_heads,
+                                                  t.num_key_value_heads, t.num_attention_heads, "attention")
+        self.v_pairs, self.k_pairs = group_pairs(s.linear_num_key_heads, s.linear_num_value_heads,
+                                                 t.linear_num_key_heads, t.linear_num_value_heads, "GDN")
+        K, K2, V, V2 = s.linear_key_head_dim, t.linear_key_head_dim, s.linear_value_head_dim, t.linear_value_head_dim
+        r_attn, r_gdn = Fraction(D, D2), Fraction(K, K2) * Fraction(V, V2)
+        H, H2 = s.hidden_size, t.hidden_size
+        k = r_gdn * Fraction(H2, H)  # copies that give the hidden norms the GDN norm's ratio
+        self.k = int(k) if r_attn == r_gdn and k.denominator == 1 and 1 <= k <= H2 // H else 1
+        self.ratios = dict(hidden=float(Fraction(self.k * H, H2)), attention=float(r_attn), gdn=float(r_gdn))
+        self.eps = s.rms_norm_eps * float(r_gdn)
+        self.bounds = {f: abs(self.eps / r - s.rms_norm_eps) for f, r in self.ratios.items()}
+        hid = [(i, c * H + i) for c in range(self.k) for i in range(H)]
+        self.h_out = Axis(H, H2, [i for i, _ in hid], [j for _, j in hid], [1.0] * len(hid))
+        self.h_in = Axis(H, H2, self.h_out.src, self.h_out.dst, [1.0 / self.k] * len(hid))
+        HK, HK2, HV, HV2 = s.linear_num_key_heads, t.linear_num_key_heads, s.linear_num_value_heads, \
+            t.linear_num_value_heads
+        self.gdn_k = heads(self.k_pairs, [(i, i) for i in range(K)], K, K2, HK, HK2)
+        self.gdn_v = heads(self.v_pairs, [(i, i) for i in range(V)], V, V2, HV, HV2)
+        self.gdn_vh = heads(self.v_pairs, [(0, 0)], 1, 1, HV, HV2)
+        Hq, Hq2, Hkv, Hkv2 = s.num_attention_heads, t.num_attention_heads, s.num_key_value_heads, t.num_key_value_heads
+        gate_dims = self.attn_dims + [(D + i, D2 + j) for i, j in self.attn_dims]  # per head: D q rows, D gate rows
+        self.q_rows, self.q_cols = (heads(self.q_pairs, gate_dims, 2 * D, 2 * D2, Hq, Hq2),
+                                    heads(self.q_pairs, self.attn_dims, D, D2, Hq, Hq2))
+        self.kv_rows = heads(self.kv_pairs, self.attn_dims, D, D2, Hkv, Hkv2)
+        self.head_dims = heads([(0, 0)], self.attn_dims, D, D2, 1, 1)
+
+    def _mat(self, t, rows: Axis | None, cols: Axis | None, rdim=0):  # rows on dim rdim, columns last
+        t = t if rows is None else apply(t, rdim, rows)
+        return t if cols is None else apply(t, t.dim() - 1, cols)
+
+    def tensor(self, name: str, t: torch.Tensor) -> torch.Tensor:  # one source tensor (model naming)
+        s, tg, hin, hout, m = self.s, self.t, self.h_in, self.h_out, self._mat
+        if name.endswith(HIDDEN_NORMS):
+            return norm_weight(t, hout, math.sqrt(self.ratios["hidden"]))
+        if name.endswith(("A_log", "dt_bias")):  # extra heads: the layers' initial values
+            out, keep = apply(t, 0, self.gdn_vh), torch.zeros(self.gdn_vh.size, dtype=torch.bool)
+            keep[self.gdn_vh.dst] = True
+            return out.masked_fill(~keep, 1.0 if name.endswith("dt_bias") else 0.0)
+        qkv, V, V2 = self.gdn_k + self.gdn_k + self.gdn_v, s.linear_value_head_dim, tg.linear_value_head_dim
+        shared = ".shared_expert." in name
+        ffn = pad(*((s.shared_expert_intermediate_size, tg.shared_expert_intermediate_size) if shared else
+                    (s.intermediate_size or 0, tg.intermediate_size or 0)))
+        moe = pad(s.moe_intermediate_size, tg.moe_intermediate_size)
+        rules = {  # name suffix -> the widened tensor
+            "embed_tokens.weight": lambda: apply(t, 1, hout), "lm_head.weight": lambda: apply(t, 1, hin),
+            "mtp.fc.weight": lambda: m(t, hout, hin + hin),
+            "self_attn.q_proj.weight": lambda: m(t, self.q_rows, hin),
+            "self_attn.k_proj.weight": lambda: m(t, self.kv_rows, hin),
+            "self_attn.v_proj.weight": lambda: m(t, self.kv_rows, hin),
+            "self_attn.o_proj.weight": lambda: m(t, hout, self.q_cols),
+            "self_attn.q_norm.weight": lambda: norm_weight(t, self.head_dims, 1.0),
+            "self_attn.k_norm.weight": lambda: norm_weight(t, self.head_dims, math.sqrt(self.ratios["attention"])),
+            "linear_attn.in_proj_qkv.weight": lambda: m(t, qkv, hin),
+            "linear_attn.conv1d.weight": lambda: apply(t, 0, qkv),
+            "linear_attn.in_proj_z.weight": lambda: m(t, self.gdn_v, hin),
+            "linear_attn.in_proj_b.weight": lambda: m(t, self.gdn_vh, hin),
+            "linear_attn.in_proj_a.weight": lambda: m(t, self.gdn_vh, hin),
+            "linear_attn.norm.weight": lambda: norm_weight(t, pad(V, V2), math.sqrt(V / V2), centred=False),
+            "linear_attn.out_proj.weight": lambda: m(t, hout, self.gdn_v),
+            "experts.gate_up_proj": lambda: m(t, moe + moe, hin, rdim=1),
+            "experts.down_proj": lambda: m(t, hout, moe, rdim=1),
+            "gate_proj.weight": lambda: m(t, ffn, hin), "up_proj.weight": lambda: m(t, ffn, hin),
+            "down_proj.weight": lambda: m(t, hout, ffn),
+            "mlp.gate.weight": lambda: apply(t, 1, hin), "shared_expert_gate.weight": lambda: apply(t, 1, hin)}
+        for suffix, rule in rules.items():
+            if name.endswith(suffix):
+                return rule()
+        raise ValueError(f"no widening rule for {name}")
+
+
+def widen_config(src: ModelConfig, shape: ModelConfig) -> WidenReport:
+    """The widened model's config and norm ratios, without weights: the target shape's sizes, the
+    source's vocabulary, rope_theta and MTP, eps' = r_gdn·eps, untied embeddings."""
+    t = dataclasses.replace(src, **{f: getattr(shape, f) for f in TARGET_FIELDS}, tie_word_embeddings=False)
+    if t.layer_types[:src.num_hidden_layers] != src.layer_types:
+        raise ValueError("the target's layer types must start with the source's (same pattern)")
+    w = _Widener(src, t)
+    return WidenReport(dataclasses.replace(t, rms_norm_eps=w.eps), w.k, w.eps, w.ratios, w.bounds)
+
+
+def widen(src: str, dst: str, shape: ModelConfig, dtype="auto", shard_bytes: int = 4 << 30) -> WidenReport:
+    """Write the widened checkpoint of folder ``src`` to folder ``dst`` (config.json + model.safetensors).
+
+    ``shape``: a ModelConfig with the target sizes (``TARGET_FIELDS``), e.g. ``shapes_config("qwen3.5-9b")``.
+    ``dtype``: of the written tensors ("auto": the source config's); shards of at most ``shard_bytes``."""
+    _, s = read_config(src)
+    report = widen_config(s, shape)
+    t, w = report.config, _Widener(s, report.config)
+    out_dtype = resolve_dtype(dtype, s)
+    files = checkpoint_files(src)
+    producers, _, _ = build_plan(list(files), s)
+    if s.tie_word_embeddings:
+        producers["lm_head.weight"] = producers["model.embed_tokens.weight"]
+    os.makedirs(dst, exist_ok=True)
+    shards = _Shards(dst, shard_bytes)
+    with ExitStack() as stack, torch.no_grad():
+        reader = _Reader(files, stack)
+        widened = lambda name: w.tensor(name, producers[name](reader).float()).to(out_dtype)
+        for name in producers:
+            shards.add(name, widened(name))
+        for i in range(s.num_hidden_layers, t.num_hidden_layers):  # pass-through layers, a source layer's shapes
+            j = next((j for j in range(s.num_hidden_layers) if s.layer_types[j] == t.layer_types[i]
+                      and s.is_moe_layer(j) == t.is_moe_layer(i)), None)
+            if j is None:
+                raise ValueError(f"extra layer {i}: no source layer has its type and MLP kind")
+            for name in [n for n in producers if n.startswith(f"model.layers.{j}.")]:
+                new = name.replace(f"layers.{j}.", f"layers.{i}.", 1)
+                ones = new.endswith(("dt_bias", "linear_attn.norm.weight"))  # zero matrices, unit norms
+                shards.add(new, (torch.ones_like if ones else torch.zeros_like)(widened(name)))
+    shards.close()
+    _write_config(src, dst, s, t)
+    return report
+
+
+class _Shards:
+    """safetensors shards of at most ``limit`` bytes each, with the index the loader reads."""
+
+    def __init__(self, dst: str, limit: int):
+        self.dst, self.limit, self.files, self.weight_map, self.pending, self.size = dst, limit, [], {}, {}, 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if self.pending and self.size + t.numel() * t.element_size() > self.limit:
+            self._flush()
+        self.pending[name] = t.contiguous()
+        self.size += t.numel() * t.element_size()
+
+    def _flush(self) -> None:
+        file = f"model-{len(self.files) + 1:05d}.safetensors"
+        save_file(self.pending, os.path.join(self.dst, file), metadata={"format": "pt"})
+        self.files.append(file)
+        self.weight_map.update({n: file for n in self.pending})
+        self.pending, self.size = {}, 0
+
+    def close(self) -> None:
+        if not self.files:  # one file
+            return save_file(self.pending, os.path.join(self.dst, "model.safetensors"), metadata={"format": "pt"})
+        self._flush()
+        with open(os.path.join(self.dst, INDEX_FILE), "w") as fh:
+            json.dump({"metadata": {}, "weight_map": self.weight_map}, fh, indent=1)
+
+
+def _write_config(src: str, dst: str, s: ModelConfig, t: ModelConfig) -> None:
+    with open(os.path.join(src, "config.json")) as fh:
+        raw = json.load(fh)
+    text, factor = raw.get("text_config", raw), t.rotary_dim / t.head_dim
+    for f in TARGET_FIELDS:
+        if f != "partial_rotary_factor" and (f in text or getattr(t, f)):
+            text[f] = list(getattr(t, f)) if f == "layer_types" else getattr(t, f)
+    text.update(rms_norm_eps=t.rms_norm_eps, tie_word_embeddings=False, partial_rotary_factor=factor)
+    raw["tie_word_embeddings"] = False
+    rope = text.get("rope_parameters") or {}
+    rope["partial_rotary_factor"] = factor
+    if "mrope_section" in rope:  # text-only M-RoPE sections sum to R/2: scaled by m with the rotary dims
+        rope["mrope_section"] = [t.rotary_dim // s.rotary_dim * x for x in rope["mrope_section"]]
+    with open(os.path.join(dst, "config.json"), "w") as fh:
+        json.dump(raw, fh, indent=2)

@@ -1,0 +1,42 @@
+#!/usr/bin/env python
+"""Widen a Qwen3.5 hybrid checkpoint to a larger text shape computing the same function
+(``bole.models.widen``): a "<shape>-cost, embedded model's predictions" checkpoint for timing runs.
+
+    python scripts/widen_model.py --model models/bole-tiny-coder --shape qwen3.5-9b --out /tmp/w9b
+
+Shapes are ``bole.calibrate_sweep.SHAPES``; the vocabulary stays the source's. The tokenizer and
+generation files are copied, so the widened folder serves like the source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+
+from bole.calibrate_sweep import SHAPES, shapes_config
+from bole.models.widen import widen
+
+COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+          "chat_template.jinja", "vocab.json", "merges.txt")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="source checkpoint folder (config.json + safetensors)")
+    ap.add_argument("--shape", required=True, choices=sorted(SHAPES), help="target text shape")
+    ap.add_argument("--out", required=True, help="output folder")
+    ap.add_argument("--dtype", default="auto", help="dtype of the written tensors (auto: the source's)")
+    args = ap.parse_args(argv)
+    report = widen(args.model, args.out, shapes_config(args.shape), dtype=args.dtype)
+    for name in COPIED:
+        if os.path.exists(os.path.join(args.model, name)):
+            shutil.copy(os.path.join(args.model, name), os.path.join(args.out, name))
+    cfg = report.config
+    exact = "every norm exact" if not any(report.eps_bounds.values()) else f"eps bounds {report.eps_bounds}"
+    print(f"{args.out}: {args.shape} shapes (hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, vocab "
+          f"{cfg.vocab_size}), {report.copies} hidden copies, eps {report.eps:g}, {exact}")
+
+
+if __name__ == "__main__":
+    main()
