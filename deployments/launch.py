@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     from deployments.overlay import load_config
 
     try:
-        cfg = load_config(a.config, a.overlay)
+        cfg = load_config(a.config, a.overlay, serve_schema=not a.no_ray)
     except ValueError as e:
         print(f"make serve: {e}", file=sys.stderr)
         return 2

@@ -10,7 +10,9 @@ fleet: only what the overlay names changes. ``load_config(base, [overlay, ...])`
   anything else      the overlay's value replaces the base's (bundle lists, scalars)
 
 The result is validated as Serve's ``ServeDeploySchema`` and every application's ``args`` as
-``deployments.app.AppConfig``, the same checks ``serve run`` / ``make serve`` apply. Ray resources of
+``deployments.app.AppConfig``, the same checks ``serve run`` / ``make serve`` apply;
+``serve_schema=False`` (``--no-ray``, which serves the first group in-process on a machine that may
+lack Ray) checks the ``args`` only. Ray resources of
 the replica deployments are best overridden in the application's ``deployments:`` section, Serve's
 own per-deployment override mechanism (it takes precedence over what ``build_app`` sets).
 """
@@ -64,10 +66,8 @@ def _read(path: str) -> dict:
     return data
 
 
-def load_config(path: str, overlays: list[str] | tuple[str, ...] = ()) -> dict:
+def load_config(path: str, overlays: list[str] | tuple[str, ...] = (), serve_schema: bool = True) -> dict:
     """The Serve config at ``path`` with ``overlays`` applied in order, validated; a plain dict."""
-    from ray.serve.schema import ServeDeploySchema
-
     from deployments.app import AppConfig
 
     cfg = _read(path)
@@ -75,7 +75,10 @@ def load_config(path: str, overlays: list[str] | tuple[str, ...] = ()) -> dict:
         cfg = merge(cfg, _read(o))
     where = " + ".join([path, *overlays])
     try:
-        ServeDeploySchema.model_validate(cfg)
+        if serve_schema:
+            from ray.serve.schema import ServeDeploySchema
+
+            ServeDeploySchema.model_validate(cfg)
         for app in cfg.get("applications") or []:
             AppConfig(**(app.get("args") or {}))
     except ValueError as e:  # pydantic's ValidationError is a ValueError

@@ -70,6 +70,13 @@ class ServerMetrics:
                              "ingress sent them elsewhere), since the replica started", rep, registry=r),
             "num_prefix_blocks": Gauge("bole_prefix_summary_blocks", "Block hashes in the replica's prefix "
                                        "summary", rep, registry=r),
+            # totals since the replica started, so a load run reads its own share as a difference
+            "preemptions": Gauge("bole_engine_preemptions", "Requests preempted by recompute (KV blocks ran "
+                                 "out), since the replica started", rep, registry=r),
+            "prefix_hit_tokens": Gauge("bole_prefix_cache_hit_tokens", "Prompt tokens of finished requests "
+                                       "served from the prefix cache, since the replica started", rep, registry=r),
+            "prompt_tokens": Gauge("bole_engine_prompt_tokens", "Prompt tokens of finished requests, since the "
+                                   "replica started", rep, registry=r),
         }
         self.table = Gauge("bole_calibration_table_info", "Calibration table in use (value 1); mismatch: the "
                            "fields (model, dtype, tp_size, hardware) it was not measured for, '' if none",

@@ -209,6 +209,34 @@ def test_metrics_health_ready(server, oai):
     assert mat and float(mat[0].split()[-1]) >= 1.0
 
 
+def _gauge(text: str, name: str) -> float:
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{")]
+    assert len(values) == 1, (name, values)
+    return values[0]
+
+
+def test_metrics_count_preemptions_and_prefix_hits(tiny_model, serve_app):
+    """The totals a load run differences (benchmarks/run_gpu_agent.sh): KV blocks for about two of
+    four concurrent requests force preemptions, and a repeated prompt is served from the prefix cache."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = LocalEngineClient(AsyncEngine(build_engine(tiny_model, **{**ENGINE_OPTIONS, "num_blocks": 12})))
+    with serve_app(openai_app(client, MODEL, api_key="")) as srv:
+        oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda p: oai.completions.create(model=MODEL, prompt=p, **greedy(12)), PROMPTS[:4]))
+        repeated = "def add(a, b):\n    return a + b\n\ndef sub(a, b):"
+        for _ in range(2):
+            oai.completions.create(model=MODEL, prompt=repeated, **greedy(2))
+        assert wait_idle(client)
+        text = httpx.get(srv.url + "/metrics").text
+        stats = client.async_engine.stats()
+        assert stats.preemptions > 0 and stats.prefix_hit_tokens > 0
+        assert _gauge(text, "bole_engine_preemptions") == stats.preemptions
+        assert _gauge(text, "bole_prefix_cache_hit_tokens") == stats.prefix_hit_tokens
+        assert _gauge(text, "bole_engine_prompt_tokens") == stats.prompt_tokens > stats.prefix_hit_tokens
+
+
 def test_auth_overload_and_drain(tiny_model, serve_app):
     client = make_client(tiny_model, max_pending=1)
     with serve_app(openai_app(client, MODEL, api_key="sekret")) as srv:

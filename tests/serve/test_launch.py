@@ -148,6 +148,24 @@ def run_no_ray_case(launch, port, sig, env) -> None:
     print(f"--no-ray exit after {sig.name}: {took:.1f} s")
 
 
+def test_no_ray_serves_where_ray_is_not_installed(tiny_model, tmp_path):
+    """The GPU machine has no Ray: ``--no-ray`` checks the config without Serve's schema and serves."""
+    shim = tmp_path / "no_ray"
+    (shim / "ray").mkdir(parents=True)
+    (shim / "ray" / "__init__.py").write_text("raise ImportError('ray is not installed (test shim)')\n")
+    config, port = write_config(tmp_path, tiny_model)
+    env = {**env_with_key(), "PYTHONPATH": os.pathsep.join([str(shim), REPO_ROOT])}
+    launch = Launch(config, "--no-ray", env=env)
+    try:
+        text = launch.wait_for_banner(120)
+        assert f"http://127.0.0.1:{port}/v1" in text
+        r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)
+        assert r.status_code == 200
+        launch.stop(signal.SIGINT, EXIT_BOUND_S["no_ray"])
+    finally:
+        launch.kill()
+
+
 @pytest.mark.slow
 def test_ray_serve_a_signal_drains_and_exits(tiny_model, tmp_path):
     config, port = write_config(tmp_path, tiny_model)

@@ -1,0 +1,67 @@
+"""benchmarks/serve_modes.py (what benchmarks/run_gpu_agent.sh runs) end to end on the CPU: a real
+``deployments.launch --no-ray`` server per mode on the tiny served model, serve_load.py's multi-turn
+workload through the openai client, the server's /metrics differenced per phase."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tests", "serve"))
+
+from tiny_model import make_tiny_model  # noqa: E402
+
+from benchmarks.serve_modes import prompt_slices, server_delta  # noqa: E402
+
+
+def test_prompt_slices_and_deltas():
+    slices, overlap = prompt_slices(list("abcde"), [2, 2])
+    assert slices == [["a", "b"], ["c", "d"]] and not overlap
+    slices, overlap = prompt_slices(list("abc"), [2, 2])
+    assert slices == [["a", "b"], ["c", "a"]] and overlap
+    before = {"bole_engine_preemptions": 1, "bole_prefix_cache_hit_tokens": 10, "bole_engine_prompt_tokens": 100,
+              "bole_request_mean_accepted_tokens_sum": 2.0, "bole_request_mean_accepted_tokens_count": 1}
+    after = {"bole_engine_preemptions": 3, "bole_prefix_cache_hit_tokens": 40, "bole_engine_prompt_tokens": 160,
+             "bole_request_mean_accepted_tokens_sum": 11.0, "bole_request_mean_accepted_tokens_count": 4}
+    d = server_delta(before, after)
+    assert (d["preemptions"], d["prefix_hit_tokens"], d["prompt_tokens"]) == (2, 30, 60)
+    assert d["prefix_hit_rate"] == 0.5 and d["mean_mat"] == 3.0 and d["mean_queue_wait_ms"] is None
+
+
+def test_serve_modes_on_the_cpu(tmp_path):
+    for module in ("fastapi", "uvicorn", "openai"):   # the serving stack (absent on kernel-only machines)
+        pytest.importorskip(module)
+    model = make_tiny_model(tmp_path / "model")
+    out = tmp_path / "serve_modes.json"
+    cmd = [sys.executable, "benchmarks/serve_modes.py", "--model", model, "--device", "cpu", "--modes", "ar",
+           "--rates", "8", "--num-requests", "4", "--warmup-requests", "2", "--turns", "2", "--max-tokens", "6",
+           "--num-blocks", "256", "--max-num-seqs", "4", "--calibration-table", "calibration_tables/default.yaml",
+           "--engine-option", "block_size=4", "--log-dir", str(tmp_path / "logs"), "--out", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    doc = json.loads(r.stdout.strip().splitlines()[-1])
+    assert json.loads(out.read_text()) == doc
+    rec = doc["modes"]["ar"]
+    assert "error" not in rec and rec["exit_code"] == 0, rec
+    assert rec["engine_options"]["mode"] == "ar" and rec["engine_options"]["block_size"] == 4
+    assert rec["warmup"]["client"]["completed"] == 2
+    (row,) = rec["rates"]
+    c, s = row["client"], row["server"]
+    assert (c["requests"], c["completed"], c["failed"]) == (4, 4, 0)
+    # the server counted what the clients sent: every generated token, every prompt token
+    assert s["generation_tokens"] == c["output_tokens"] == 4 * 6
+    assert s["prompt_tokens"] == c["prompt_tokens"]
+    # the second turn of a conversation re-sends the first: served from the prefix cache
+    assert s["prefix_hit_tokens"] > 0 and 0 < s["prefix_hit_rate"] < 1
+    assert s["preemptions"] == 0 and s["mean_mat"] == 1.0
+    (summary,) = doc["summary"]
+    for key in ("ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms"):
+        assert summary[key] > 0, key
+    assert summary["req_per_s"] > 0 and not doc["settings"]["prompt_slices_overlap"]
+    assert (tmp_path / "logs" / "server_ar.log").exists()
