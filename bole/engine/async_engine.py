@@ -184,6 +184,7 @@ class AsyncEngine:
             with self._lock:
                 if self._stopped:
                     self._apply_inbox(stopping=True)   # releases / aborts sent just before shutdown
+                    self._publish()
                     return
                 self._apply_inbox()
                 busy = self.engine.has_unfinished()

@@ -267,7 +267,7 @@ class LLMEngine:
         """Metrics, queue and budget state as of the last step (between steps)."""
         running = [(r.request_id, r.num_computed) for r in self.scheduler.running]
         return budget_stats(self.metrics.snapshot(), self.calibration, self.config.spec.depth, running,
-                            len(self.scheduler.waiting))
+                            len(self.scheduler.waiting), len(self.requests))
 
     def limits(self) -> EngineLimits:
         """The model's positions or the KV capacity less one step's lookahead, whichever is smaller,
@@ -275,7 +275,7 @@ class LLMEngine:
         cfg = self.config
         kv = self.capacity_tokens - self.lookahead
         max_len = min(kv, int(getattr(self.model.config, "max_position_embeddings", kv)))
-        return EngineLimits(cfg.max_num_seqs, max_len, self.model.config.vocab_size, cfg.cache.block_size,
+        return EngineLimits(cfg.max_num_seqs, max_len, kv, self.model.config.vocab_size, cfg.cache.block_size,
                             cfg.device, cfg.dtype, cfg.tp_size)
 
     def request_timings(self, request_id: str) -> dict:
