@@ -7,7 +7,6 @@ import inspect
 import pickle
 
 import pytest
-
 from conftest import ENGINE_OPTIONS
 
 from bole.engine.async_engine import AsyncEngine

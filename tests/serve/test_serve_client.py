@@ -3,9 +3,9 @@
 import asyncio
 
 from bole.engine.core import EngineStats
+from deployments.replica_stats import ReplicaStats
 from deployments.routing_policy import FleetView, RouterPolicyConfig, process_fleet
 from deployments.serve_client import ServeEngineClient
-from deployments.replica_stats import ReplicaStats
 from deployments.server_metrics import ServerMetrics
 
 
