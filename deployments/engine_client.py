@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol, Sequence
 
 from bole.engine.async_engine import AsyncEngine
+from bole.engine.core import RequestTimings
 from bole.engine.output import RequestOutput
 from bole.hardware import detect_hardware, table_mismatch
 from bole.llm import resolve_repo_path
@@ -68,8 +69,11 @@ class ServedOutput(RequestOutput):
     engine_queue_s: float | None = None
 
     @staticmethod
-    def wrap(out: RequestOutput, hardware: str, **timings) -> "ServedOutput":
-        return ServedOutput(**vars(out), hardware_class=hardware, **timings)
+    def wrap(out: RequestOutput, hardware: str, timings: RequestTimings | None = None) -> "ServedOutput":
+        if timings is None:
+            return ServedOutput(**vars(out), hardware_class=hardware)
+        return ServedOutput(**vars(out), hardware_class=hardware, prefill_s=timings.prefill_s,
+                            engine_queue_s=timings.engine_queue_s)
 
 
 class EngineOverloaded(RuntimeError):
@@ -229,9 +233,9 @@ class LocalEngineClient:
         first = True
         async for out in self.async_engine.generate(sub.prompt_token_ids, sub.params, sub.request_id):
             # the request stays in the engine until its stream ends
-            timings = self.async_engine.request_timings(sub.request_id) if first and out.new_token_ids else {}
+            timings = self.async_engine.request_timings(sub.request_id) if first and out.new_token_ids else None
             first = first and not out.new_token_ids
-            yield ServedOutput.wrap(out, self.hardware_class, **timings)
+            yield ServedOutput.wrap(out, self.hardware_class, timings)
 
     async def is_alive(self) -> bool:
         return self.async_engine.is_alive()

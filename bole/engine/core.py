@@ -3,9 +3,9 @@
 ``EngineCore`` is a structural protocol (like Ray Serve LLM's engine protocol): ``LLMEngine`` (one
 process) and ``deployments.tp.TPEngine`` (a driver of tensor-parallel ranks) both satisfy it, and
 nothing above the engine reaches past it (no scheduler, no model, no metrics object). What an
-engine reports crosses that line as two frozen dataclasses: ``EngineLimits`` (fixed at start) and
-``EngineStats`` (as of the last step: metrics, queue, where the batch stands in the budget table).
-Both pickle, so they cross Ray's actor boundaries as they are (TP ranks, Serve handles); the serving
+engine reports crosses that line as frozen dataclasses: ``EngineLimits`` (fixed at start),
+``EngineStats`` (as of the last step: metrics, queue, where the batch stands in the budget table) and
+``RequestTimings`` (a request's clock at its first token). They pickle, so they cross Ray's actor boundaries as they are (TP ranks, Serve handles); the serving
 layer carries ``EngineStats`` inside ``deployments.replica_stats.ReplicaStats``, whose ``to_dict`` is
 the one place it becomes a plain mapping (Serve's routing stats, /metrics).
 """
@@ -32,6 +32,14 @@ class EngineLimits:
     device: str
     dtype: str
     tp_size: int
+
+
+@dataclass(frozen=True)
+class RequestTimings:
+    """A request's engine clock at its first token."""
+
+    prefill_s: float        # scheduled -> first token: compute, not waiting
+    engine_queue_s: float   # arrival -> scheduled: the wait in the engine's queue
 
 
 @dataclass(frozen=True)
@@ -113,7 +121,7 @@ class EngineCore(Protocol):
 
     def limits(self) -> EngineLimits: ...
 
-    def request_timings(self, request_id: str) -> dict: ...
+    def request_timings(self, request_id: str) -> RequestTimings | None: ...
 
     def cached_prefix_hashes(self, limit: int | None = None) -> list[int]: ...
 

@@ -41,7 +41,7 @@ from bole.cache.checkpoints import publish_committed
 from bole.cache.prefix_cache import PrefixCache
 from bole.config import EngineConfig
 from bole.engine import sampler
-from bole.engine.core import EngineLimits, EngineStats, budget_stats
+from bole.engine.core import EngineLimits, EngineStats, RequestTimings, budget_stats
 from bole.engine.detokenizer import IncrementalDetokenizer
 from bole.engine.graphs.tree import tree_widths
 from bole.engine.metrics import EngineMetrics, StepStats
@@ -278,16 +278,14 @@ class LLMEngine:
         return EngineLimits(cfg.max_num_seqs, max_len, kv, self.model.config.vocab_size, cfg.cache.block_size,
                             cfg.device, cfg.dtype, cfg.tp_size)
 
-    def request_timings(self, request_id: str) -> dict:
-        """A request's engine clock at its first token: ``prefill_s`` (scheduled to first token) and
-        ``engine_queue_s`` (arrival to scheduled); {} before it. These floats are written once, so
-        they may be read while a step runs; the request stays until ``pop_finished``."""
+    def request_timings(self, request_id: str) -> RequestTimings | None:
+        """A request's engine clock at its first token; None before it. Its floats are written once,
+        so they may be read while a step runs; the request stays until ``pop_finished``."""
         req = self.requests.get(request_id)
         m = None if req is None else req.metrics
         if m is None or m.scheduled_time is None or m.first_token_time is None:
-            return {}
-        return {"prefill_s": m.first_token_time - m.scheduled_time,
-                "engine_queue_s": m.scheduled_time - m.arrival_time}
+            return None
+        return RequestTimings(m.first_token_time - m.scheduled_time, m.scheduled_time - m.arrival_time)
 
     def recalibrate(self, quick: bool = True, **kw) -> CalibrationTable:
         """Two validated sweeps (``bole.recalibration.recalibrate``'s keywords); the new table, not

@@ -10,7 +10,7 @@ import pytest
 from conftest import ENGINE_OPTIONS
 
 from bole.engine.async_engine import AsyncEngine
-from bole.engine.core import EngineCore, EngineLimits, EngineStats
+from bole.engine.core import EngineCore, EngineLimits, EngineStats, RequestTimings
 from bole.engine.engine import LLMEngine
 from bole.llm import build_engine
 from bole.sampling_params import SamplingParams
@@ -40,10 +40,14 @@ def test_async_engine_publishes_engine_stats(tiny_model):
     aeng = AsyncEngine(build_engine(tiny_model, **ENGINE_OPTIONS))
     try:
         async def run():
+            timings = []
             async for out in aeng.generate([3, 4, 5], SamplingParams(temperature=0, max_tokens=3), "r"):
                 last = out
-            return last
-        assert asyncio.run(run()).finished
+                timings.append(aeng.request_timings("r"))   # the request stays until its stream ends
+            return last, timings
+        last, timings = asyncio.run(run())
+        assert last.finished and len(timings) == 3 and timings[0] is not None
+        assert type(timings[0]) is RequestTimings and timings[0].prefill_s > 0 and timings[0].engine_queue_s >= 0
         stats = aeng.stats()
         assert type(stats) is EngineStats and stats.finished == 1 and stats.peak_batch == 1
         assert aeng.is_alive()
@@ -51,6 +55,7 @@ def test_async_engine_publishes_engine_stats(tiny_model):
         aeng.shutdown()
     assert not aeng.is_alive()
     assert aeng.stats().held == 0   # the release sent as the stream ended was applied, and published
+    assert aeng.request_timings("r") is None   # released: nothing left to time
 
 
 def test_tp_engine_class_implements_every_member():
