@@ -5,9 +5,10 @@ process) and ``deployments.tp.TPEngine`` (a driver of tensor-parallel ranks) bot
 nothing above the engine reaches past it (no scheduler, no model, no metrics object). What an
 engine reports crosses that line as frozen dataclasses: ``EngineLimits`` (fixed at start),
 ``EngineStats`` (as of the last step: metrics, queue, where the batch stands in the budget table) and
-``RequestTimings`` (a request's clock at its first token). They pickle, so they cross Ray's actor boundaries as they are (TP ranks, Serve handles); the serving
-layer carries ``EngineStats`` inside ``deployments.replica_stats.ReplicaStats``, whose ``to_dict`` is
-the one place it becomes a plain mapping (Serve's routing stats, /metrics).
+``RequestTimings`` (a request's clock at its first token). They pickle, so they cross Ray's actor
+boundaries as they are (TP ranks, Serve handles); the serving layer carries ``EngineStats`` inside
+``deployments.replica_stats.ReplicaStats``, whose ``to_dict`` is the one place it becomes a plain
+mapping (Serve's routing stats, /metrics).
 """
 
 from __future__ import annotations
