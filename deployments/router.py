@@ -86,8 +86,8 @@ class BoleRequestRouter(RequestRouter):
         self.policy = RouterPolicyConfig(**policy_kwargs)
         self.routed_memory_blocks = routed_memory_blocks
         self._routed: dict[str, PrefixSummary] = {}
-        # replica -> (id of its routing-stats dict, that dict as ReplicaStats, its prefix blocks as a set)
-        self._reported: dict[str, tuple[int, ReplicaStats | None, set]] = {}
+        # replica -> (its routing-stats dict, that dict as ReplicaStats, its prefix blocks as a set)
+        self._reported: dict[str, tuple[dict, ReplicaStats | None, set]] = {}
         self.decisions: dict[str, int] = {}
         # through the module: Serve pickles this class by value, a module reference stays shared
         self.fleet = routing_policy.process_fleet()
@@ -96,9 +96,9 @@ class BoleRequestRouter(RequestRouter):
     def _reported_stats(self, r: RunningReplica) -> tuple[ReplicaStats | None, set]:
         """The replica's last routing stats, parsed once per report (``ReplicaStats.from_dict``)."""
         rid, raw = r.replica_id.unique_id, r.routing_stats
-        if rid not in self._reported or self._reported[rid][0] != id(raw):
+        if rid not in self._reported or self._reported[rid][0] is not raw:   # held, so never a reused id
             stats = ReplicaStats.from_dict(raw) if raw else None   # {} until the first report
-            self._reported[rid] = (id(raw), stats, set(stats.prefix_blocks) if stats else set())
+            self._reported[rid] = (raw, stats, set(stats.prefix_blocks) if stats else set())
         return self._reported[rid][1:]
 
     def _view(self, r: RunningReplica) -> ReplicaView:
@@ -141,5 +141,5 @@ class BoleRequestRouter(RequestRouter):
             for rid in list(table):
                 if rid not in live:
                     del table[rid]
-        reported = {r.replica_id.unique_id: self._reported_stats(r)[0] for r in replicas}
-        self.fleet.publish(self._deployment_id.name, {rid: s for rid, s in reported.items() if s is not None})
+        self.fleet.publish(self._deployment_id.name,
+                           {r.replica_id.unique_id: self._reported_stats(r)[0] for r in replicas})

@@ -173,7 +173,8 @@ class FleetView:
             raise ValueError(f"refused_ttl_s must be >= 0, got {refused_ttl_s!r}")
         self.refused_ttl_s = refused_ttl_s
         self._lock = threading.Lock()
-        self._stats: dict[str, dict[str, ReplicaStats]] = {}   # deployment -> replica id -> its stats
+        # deployment -> replica id -> its stats (None before its first report)
+        self._stats: dict[str, dict[str, ReplicaStats | None]] = {}
         self._refused: dict[str, float] = {}   # replica id -> until when (time.monotonic()) to skip it
 
     def mark_refused(self, replica_id: str) -> None:
@@ -187,11 +188,11 @@ class FleetView:
                 del self._refused[rid]
             return set(self._refused)
 
-    def publish(self, deployment: str, stats_by_replica: dict[str, ReplicaStats]) -> None:
+    def publish(self, deployment: str, stats_by_replica: dict[str, ReplicaStats | None]) -> None:
         with self._lock:
             self._stats[deployment] = dict(stats_by_replica)
 
-    def stats(self) -> dict[str, dict[str, ReplicaStats]]:
+    def stats(self) -> dict[str, dict[str, ReplicaStats | None]]:
         with self._lock:
             return {d: dict(r) for d, r in self._stats.items()}
 

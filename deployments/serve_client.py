@@ -62,9 +62,9 @@ class ServeEngineClient:
         owner, views = {}, []
         for dep, replicas in fleet.items():
             for rid, stats in replicas.items():
-                if stats.accepting:  # a draining replica (recalibration, shutdown) is skipped
+                if stats is None or stats.accepting:  # a draining replica (recalibration, shutdown) is skipped
                     owner[rid] = dep
-                    views.append(view_from_stats(rid, stats, None, set(stats.prefix_blocks)))
+                    views.append(view_from_stats(rid, stats, None, set(stats.prefix_blocks) if stats else set()))
         if views:
             hashes = prefix_block_hashes(prompt_token_ids, self.policy.block_size)
             ranks = choose_replicas(hashes, views, self.policy).ranks
@@ -137,7 +137,8 @@ class ServeEngineClient:
         """Every replica's stats as the routers last saw them, tagged with its deployment; before any
         router has, one replica's own per group."""
         fleet = self.fleet.stats()
-        out = [replace(stats, deployment=dep) for dep in self.handles for stats in fleet.get(dep, {}).values()]
+        out = [replace(stats, deployment=dep) for dep in self.handles for stats in fleet.get(dep, {}).values()
+               if stats is not None]
         if not out:
             stats = await asyncio.gather(*(h.stats.remote() for h in self.handles.values()))
             out = [replace(s, deployment=dep) for dep, s in zip(self.handles, stats, strict=True)]
