@@ -67,7 +67,6 @@ def op_row(fla, name, lens, HK=4, HV=8, K=64, V=64) -> dict:
 
 def engine_rows(reps: int, device: str = "cuda") -> list[dict]:
     from bole import LLM, SamplingParams
-    from bole.engine.sequence import RequestStatus
 
     prompts = [json.loads(line)["prompt"] for line in open(PROMPTS)][:16]
     real = backend_mod.short_to_recurrent
@@ -93,7 +92,7 @@ def engine_rows(reps: int, device: str = "cuda") -> list[dict]:
                 sync()
                 t0 = time.perf_counter()
                 steps = 0
-                while any(eng.requests[rid].status != RequestStatus.FINISHED for rid in rids) and steps < 64:
+                while eng.has_unfinished() and steps < 64:   # the engine holds only these requests
                     eng.step()
                     steps += 1
                 sync()

@@ -119,8 +119,9 @@ def _engine(mode: str, args, device, graphs: bool, batch: int):
     for i in range(batch):
         eng.add_request(llm.encode(json.loads(lines[i % len(lines)])["prompt"]),
                         SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True))
-    while any(not r.prefilled for r in eng.requests.values()):
-        eng.step()  # prefill (and the first steps)
+    started: set[str] = set()
+    while len(started) < batch:   # a request's first output comes with the end of its prefill
+        started.update(o.request_id for o in eng.step())
     for g in eng.runner.all_graphs():
         g.capture_all(batch, 1024)
     return eng

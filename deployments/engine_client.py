@@ -10,7 +10,7 @@ The ingress never touches ``LLMEngine``; it holds an ``EngineClient``:
                        early aborts every sub-request still running
     is_alive()         whether the engine loop runs (GET /health)
     is_ready()         whether new requests are accepted (GET /ready; False while draining)
-    fleet_stats()      one dict per replica for /metrics (hardware class, MAT, budget, queue, ...)
+    fleet_stats()      one ``ReplicaStats`` per replica for /metrics (engine stats, admission, ...)
     start() / drain(timeout) / close()   the app's lifespan: before the first request, then
                        finish what is in flight, then stop
 
@@ -19,7 +19,7 @@ engine request with its own id (and seed), and they travel together as one call,
 admitted together (all or none) and reach one replica. They must not be N concurrent Serve calls:
 Serve gives every call made while handling one HTTP request that request's internal id, and its
 request router keeps one pending entry per internal id, so the second of two calls that wait for a
-replica at the same moment was never assigned (the ``n > 1`` hang of issue 22).
+replica at the same moment was never assigned.
 
 ``LocalEngineClient`` wraps an ``AsyncEngine`` in this process (tests, single-process serving, and
 inside each replica); ``deployments.serve_client.ServeEngineClient`` forwards to Ray Serve replicas.
@@ -37,10 +37,12 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol, Sequence
 
 from bole.engine.async_engine import AsyncEngine
+from bole.engine.core import RequestTimings
 from bole.engine.output import RequestOutput
 from bole.hardware import detect_hardware, table_mismatch
 from bole.llm import resolve_repo_path
 from bole.sampling_params import SamplingParams
+from deployments.replica_stats import ReplicaStats
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +69,11 @@ class ServedOutput(RequestOutput):
     engine_queue_s: float | None = None
 
     @staticmethod
-    def wrap(out: RequestOutput, hardware: str, **timings) -> "ServedOutput":
-        return ServedOutput(**vars(out), hardware_class=hardware, **timings)
+    def wrap(out: RequestOutput, hardware: str, timings: RequestTimings | None = None) -> "ServedOutput":
+        if timings is None:
+            return ServedOutput(**vars(out), hardware_class=hardware)
+        return ServedOutput(**vars(out), hardware_class=hardware, prefill_s=timings.prefill_s,
+                            engine_queue_s=timings.engine_queue_s)
 
 
 class EngineOverloaded(RuntimeError):
@@ -109,7 +114,7 @@ class EngineClient(Protocol):
 
     async def is_alive(self) -> bool: ...
 
-    async def fleet_stats(self) -> list[dict]: ...
+    async def fleet_stats(self) -> list[ReplicaStats]: ...
 
     async def start(self) -> None: ...
 
@@ -193,6 +198,7 @@ class LocalEngineClient:
         limits = async_engine.limits()
         self.tokenizer = async_engine.tokenizer
         self.max_model_len, self.vocab_size = limits.max_model_len, limits.vocab_size
+        self.block_size = limits.block_size
         self.max_pending = max_pending if max_pending is not None else default_max_pending(limits.max_num_seqs)
         self.max_choices = self.max_pending
         self.hardware_class = hardware or hardware_class(limits.device)
@@ -227,9 +233,9 @@ class LocalEngineClient:
         first = True
         async for out in self.async_engine.generate(sub.prompt_token_ids, sub.params, sub.request_id):
             # the request stays in the engine until its stream ends
-            timings = self.async_engine.request_timings(sub.request_id) if first and out.new_token_ids else {}
+            timings = self.async_engine.request_timings(sub.request_id) if first and out.new_token_ids else None
             first = first and not out.new_token_ids
-            yield ServedOutput.wrap(out, self.hardware_class, **timings)
+            yield ServedOutput.wrap(out, self.hardware_class, timings)
 
     async def is_alive(self) -> bool:
         return self.async_engine.is_alive()
@@ -252,19 +258,17 @@ class LocalEngineClient:
         except asyncio.TimeoutError:
             return False
 
-    def stats(self) -> dict:
-        snap = self.async_engine.stats().to_dict()
-        snap.update(hardware_class=self.hardware_class, pending=self.num_pending, accepting=self.accepting,
-                    refused=self.num_refused, max_pending=self.max_pending)
+    def stats(self) -> ReplicaStats:
+        """The engine's stats as of its last step, with this client's admission state."""
         table = self.async_engine.calibration
         if self._checked_table is not table:  # recomputed only when the table object changes
             self._checked_table = table
             self._mismatch = ",".join(calibration_mismatch(self.async_engine, self.hardware_class))
-        snap["calibration_mismatch"] = self._mismatch   # e.g. "dtype,tp_size"; "" when the table matches
-        return snap
+        return ReplicaStats(self.async_engine.stats(), self.replica_id, self.hardware_class, self.block_size,
+                            self.max_pending, self.num_pending, self.accepting, self.num_refused, self._mismatch)
 
-    async def fleet_stats(self) -> list[dict]:
-        return [{"replica": "local", **self.stats()}]
+    async def fleet_stats(self) -> list[ReplicaStats]:
+        return [self.stats()]
 
 
 def default_max_pending(max_num_seqs: int) -> int:

@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass
 from bole.recalibration import TableChecks
 from deployments import surge
 from deployments.checks import require_at_least
+from deployments.engine_client import unwrap_remote_error
 from deployments.recalibrate_report import ClassReport, ReplicaEvent, RollingReport, bucket_rows, format_report
 
 logger = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ async def recalibrate_replica(handle, app: str, deployment: str, replica_id: str
             ev.table_path = _write_table(res["table"], opts.table_dir, deployment, replica_id)
         ev.ok = True
     except Exception as e:  # noqa: BLE001 - recorded; the replica is resumed (old table) and the job goes on
-        cause = getattr(e, "cause", None) or e   # a RayTaskError carries the replica's exception
+        cause = unwrap_remote_error(e)   # a RayTaskError carries the replica's exception
         ev.error = f"{type(cause).__name__}: {cause}"
         logger.error("recalibration of %s failed: %s", replica_id, ev.error)
     finally:

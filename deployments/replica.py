@@ -7,10 +7,11 @@ options of its hardware group (resources, autoscaling, ``request_router_config``
   generate_many(subs)     streaming (sub-request index, ``ServedOutput``) for a list of
                           ``SubRequest`` (the n choices / prompts of one HTTP request, admitted
                           together); cancelling the call (client gone) aborts their engine requests
-  record_routing_stats()  hardware class, calibration table id, current bucket and B_ver, the
-                          B_ver per request with one more request, queue, running batch, MAT, and
+  stats()                 ``ReplicaStats`` (``deployments.replica_stats``): the engine's stats and
+                          this replica's admission state, typed across the Serve handle
+  record_routing_stats()  the same as Serve's routing-stats dict (``ReplicaStats.to_dict``) with
                           ``prefix_blocks``: the chain hashes of the prefix blocks this replica's
-                          engine has cached (see below)
+                          engine has cached (see below); the routers read it back as ReplicaStats
   reconfigure(user_config)  ``{"calibration_table": path | mapping}`` swaps the table between
                             engine steps, no restart (rolling recalibration pushes tables this way)
   drain(timeout) / resume()  stop admitting (reported as ``accepting: False`` in the routing stats,
@@ -48,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from dataclasses import replace
 
 from bole.cache.block_hash import prefix_block_hashes
 from bole.engine.async_engine import AsyncEngine
@@ -61,6 +63,7 @@ from deployments.engine_client import (
     model_tokenizer,
     warn_if_mismatched,
 )
+from deployments.replica_stats import ReplicaStats
 from deployments.routing_policy import PrefixSummary
 
 logger = logging.getLogger(__name__)
@@ -109,7 +112,7 @@ class BoleReplica:
                 "hardware_class": self.hardware_class, "model_path": self.model_path,
                 "replica_id": self.replica_id, "tp_size": self.tp_size}
 
-    def stats(self) -> dict:
+    def stats(self) -> ReplicaStats:
         return self.client.stats()
 
     def _cached_prefix_blocks(self) -> list[int]:
@@ -118,15 +121,12 @@ class BoleReplica:
         return self.engine.cached_prefix_hashes(self.prefix.capacity)
 
     def record_routing_stats(self) -> dict:
-        stats = self.client.stats()
-        stats["block_size"] = self.block_size
+        """``ReplicaStats.to_dict()`` with the prefix blocks: Serve carries routing stats as a dict."""
         # What the engine really holds; else where prompts were recently computed (a bounded LRU).
         cached = self._cached_prefix_blocks()
-        stats["prefix_blocks"] = cached or self.prefix.to_list()
-        stats["prefix_source"] = "engine_cache" if cached else "recent_prompts"
-        stats["num_prefix_blocks"] = len(stats["prefix_blocks"])
-        stats["replica_id"] = self.replica_id
-        return stats
+        stats = replace(self.client.stats(), prefix_blocks=tuple(cached or self.prefix.to_list()),
+                        prefix_source="engine_cache" if cached else "recent_prompts")
+        return stats.to_dict()
 
     async def is_ready(self) -> bool:
         return await self.client.is_ready()
@@ -156,9 +156,9 @@ class BoleReplica:
         """Where this replica stands, for the rolling job: table, admission, requests served so far."""
         self._check_target(target_replica)
         stats = self.client.stats()
-        return {"replica_id": self.replica_id, "table_id": stats["table_id"], "accepting": self.client.accepting,
-                "pending": self.client.num_pending, "hardware_class": self.hardware_class,
-                "finished": int(stats.get("finished", 0)), "mismatch": stats["calibration_mismatch"],
+        return {"replica_id": self.replica_id, "table_id": stats.engine.table_id, "accepting": stats.accepting,
+                "pending": stats.pending, "hardware_class": self.hardware_class,
+                "finished": stats.engine.finished, "mismatch": stats.calibration_mismatch,
                 "table": self.engine.calibration.to_dict()}
 
     async def recalibrate(self, quick: bool = True, checks=None, target_replica: str | None = None) -> dict:

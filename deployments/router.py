@@ -10,9 +10,9 @@ Configure it on the replica deployment (YAML ``request_router_config``)::
       request_routing_stats_period_s: 1.0
 
 The kwargs are ``RouterPolicyConfig``'s fields plus ``routed_memory_blocks``. A replica's view is
-built from its ``record_routing_stats`` dict (``deployments.replica``: hardware class, calibration
-table id, bucket, B_ver, b_ver_per_request, queue, running batch, prefix_blocks) and from Ray's
-queue-length cache (fresher than the periodic stats). Because stats are periodic, the router also
+built from its ``record_routing_stats`` dict, read back once per report as ``ReplicaStats``
+(``deployments.replica_stats``: hardware class, b_ver_per_request, queue, admission, prefix_blocks)
+and from Ray's queue-length cache (fresher than the periodic stats). Because stats are periodic, the router also
 remembers the block hashes it has just sent to each replica (``on_request_routed``), so a burst of
 requests sharing a prefix sticks to one replica before its next stats report.
 
@@ -38,6 +38,8 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from bole.cache.block_hash import prefix_block_hashes
 from deployments import routing_policy
+from deployments.engine_client import SubRequest
+from deployments.replica_stats import ReplicaStats
 from deployments.routing_policy import (
     PrefixSummary,
     ReplicaView,
@@ -56,15 +58,15 @@ def prompt_token_ids(pending_request: PendingRequest | None) -> list[int] | None
     subs = pending_request.kwargs.get("subs")
     if subs is None and pending_request.args:
         subs = pending_request.args[0]
-    ids = getattr(subs[0], "prompt_token_ids", None) if isinstance(subs, list) and subs else None
-    return ids if isinstance(ids, list) and all(isinstance(t, int) for t in ids[:4]) else None
+    return subs[0].prompt_token_ids if isinstance(subs, list) and subs and isinstance(subs[0], SubRequest) else None
 
 
-def view_from_stats(replica_id: str, stats: dict, load: int | None, cached) -> ReplicaView:
-    if load is None:
-        load = int(stats.get("running", 0)) + int(stats.get("waiting", 0))
-    return ReplicaView(replica_id, load, float(stats.get("b_ver_per_request", 0.0)),
-                       str(stats.get("hardware_class", "unknown")), cached)
+def view_from_stats(replica_id: str, stats: ReplicaStats | None, load: int | None, cached) -> ReplicaView:
+    """The policy's view of a replica from its last report (None before its first one)."""
+    if stats is None:
+        return ReplicaView(replica_id, load or 0, cached=cached)
+    return ReplicaView(replica_id, stats.load if load is None else load, stats.engine.b_ver_per_request,
+                       stats.hardware_class, cached)
 
 
 class _Cached:
@@ -84,25 +86,31 @@ class BoleRequestRouter(RequestRouter):
         self.policy = RouterPolicyConfig(**policy_kwargs)
         self.routed_memory_blocks = routed_memory_blocks
         self._routed: dict[str, PrefixSummary] = {}
-        self._reported: dict[str, tuple[int, set]] = {}   # replica -> (id of the stats list, its set)
+        # replica -> (its routing-stats dict, that dict as ReplicaStats, its prefix blocks as a set)
+        self._reported: dict[str, tuple[dict, ReplicaStats | None, set]] = {}
         self.decisions: dict[str, int] = {}
         # through the module: Serve pickles this class by value, a module reference stays shared
         self.fleet = routing_policy.process_fleet()
 
     # -- views ------------------------------------------------------------------------------------
-    def _cached(self, rid: str, stats: dict) -> _Cached:
-        blocks = stats.get("prefix_blocks") or []
-        key = id(blocks)
-        if rid not in self._reported or self._reported[rid][0] != key:
-            self._reported[rid] = (key, set(blocks))
-        routed = self._routed.setdefault(rid, PrefixSummary(self.routed_memory_blocks))
-        return _Cached(self._reported[rid][1], routed)
+    def _reported_stats(self, r: RunningReplica) -> tuple[ReplicaStats | None, set]:
+        """The replica's last routing stats, parsed once per report (``ReplicaStats.from_dict``)."""
+        rid, raw = r.replica_id.unique_id, r.routing_stats
+        if rid not in self._reported or self._reported[rid][0] is not raw:   # held, so never a reused id
+            stats = ReplicaStats.from_dict(raw) if raw else None   # {} until the first report
+            self._reported[rid] = (raw, stats, set(stats.prefix_blocks) if stats else set())
+        return self._reported[rid][1:]
 
     def _view(self, r: RunningReplica) -> ReplicaView:
         rid = r.replica_id.unique_id
-        stats = r.routing_stats or {}
+        stats, reported = self._reported_stats(r)
+        routed = self._routed.setdefault(rid, PrefixSummary(self.routed_memory_blocks))
         load = self.replica_queue_len_cache.get(r.replica_id)
-        return view_from_stats(rid, stats, load, self._cached(rid, stats))
+        return view_from_stats(rid, stats, load, _Cached(reported, routed))
+
+    def _accepting(self, r: RunningReplica) -> bool:
+        stats, _ = self._reported_stats(r)
+        return stats is None or stats.accepting
 
     # -- RequestRouter API -------------------------------------------------------------------------
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -111,8 +119,7 @@ class BoleRequestRouter(RequestRouter):
         if target is not None:  # a control call for one replica; none listed yet: back off, retry
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
         refused = self.fleet.refused()
-        accepting = [r for r in candidate_replicas if (r.routing_stats or {}).get("accepting", True)
-                     and r.replica_id.unique_id not in refused]
+        accepting = [r for r in candidate_replicas if self._accepting(r) and r.replica_id.unique_id not in refused]
         candidate_replicas = accepting or candidate_replicas
         ids = prompt_token_ids(pending_request)
         hashes = prefix_block_hashes(ids, self.policy.block_size) if ids else []
@@ -135,4 +142,4 @@ class BoleRequestRouter(RequestRouter):
                 if rid not in live:
                     del table[rid]
         self.fleet.publish(self._deployment_id.name,
-                           {r.replica_id.unique_id: dict(r.routing_stats or {}) for r in replicas})
+                           {r.replica_id.unique_id: self._reported_stats(r)[0] for r in replicas})

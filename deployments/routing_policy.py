@@ -31,9 +31,12 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from deployments.checks import require_at_least
+
+if TYPE_CHECKING:  # the policy itself stays free of the engine's imports
+    from deployments.replica_stats import ReplicaStats
 
 
 class PrefixSummary:
@@ -170,7 +173,8 @@ class FleetView:
             raise ValueError(f"refused_ttl_s must be >= 0, got {refused_ttl_s!r}")
         self.refused_ttl_s = refused_ttl_s
         self._lock = threading.Lock()
-        self._stats: dict[str, dict[str, dict]] = {}
+        # deployment -> replica id -> its stats (None before its first report)
+        self._stats: dict[str, dict[str, ReplicaStats | None]] = {}
         self._refused: dict[str, float] = {}   # replica id -> until when (time.monotonic()) to skip it
 
     def mark_refused(self, replica_id: str) -> None:
@@ -184,11 +188,11 @@ class FleetView:
                 del self._refused[rid]
             return set(self._refused)
 
-    def publish(self, deployment: str, stats_by_replica: dict[str, dict]) -> None:
+    def publish(self, deployment: str, stats_by_replica: dict[str, ReplicaStats | None]) -> None:
         with self._lock:
             self._stats[deployment] = dict(stats_by_replica)
 
-    def stats(self) -> dict[str, dict[str, dict]]:
+    def stats(self) -> dict[str, dict[str, ReplicaStats | None]]:
         with self._lock:
             return {d: dict(r) for d, r in self._stats.items()}
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 
 from bole.cache.block_hash import prefix_block_hashes
 from deployments.engine_client import EngineUnavailable, unwrap_remote_error
+from deployments.replica_stats import ReplicaStats
 from deployments.retry import RetryPolicy, retryable
 from deployments.router import view_from_stats
 from deployments.routing_policy import FleetView, RouterPolicyConfig, choose_replicas
@@ -52,16 +54,17 @@ class ServeEngineClient:
         self.vocab_size = min(i["vocab_size"] for i in infos)
         self.max_choices = min(i["max_choices"] for i in infos)
 
-    def _pick(self, prompt_token_ids: list[int]) -> str:
+    def pick_group(self, prompt_token_ids: list[int]) -> str:
+        """The deployment (hardware group) a request with this prompt goes to (see the class docstring)."""
         if len(self.handles) == 1:
             return next(iter(self.handles))
         fleet = {d: r for d, r in self.fleet.stats().items() if d in self.handles}
         owner, views = {}, []
         for dep, replicas in fleet.items():
             for rid, stats in replicas.items():
-                if stats.get("accepting", True):  # a draining replica (recalibration, shutdown) is skipped
+                if stats is None or stats.accepting:  # a draining replica (recalibration, shutdown) is skipped
                     owner[rid] = dep
-                    views.append(view_from_stats(rid, stats, None, set(stats.get("prefix_blocks") or [])))
+                    views.append(view_from_stats(rid, stats, None, set(stats.prefix_blocks) if stats else set()))
         if views:
             hashes = prefix_block_hashes(prompt_token_ids, self.policy.block_size)
             ranks = choose_replicas(hashes, views, self.policy).ranks
@@ -79,7 +82,7 @@ class ServeEngineClient:
         waits = self.retry.delays()
         attempts, start = 0, time.monotonic()
         while True:
-            name = self._pick(subs[0].prompt_token_ids)
+            name = self.pick_group(subs[0].prompt_token_ids)
             self.in_flight[name] += len(subs)
             stream = self.handles[name].options(stream=True).generate_many.remote(subs)
             attempts += 1
@@ -98,7 +101,7 @@ class ServeEngineClient:
                 self.in_flight[name] -= len(subs)
                 if not complete:
                     stream.cancel()   # the replica's generator is cancelled and aborts the engine requests
-            replica = getattr(refusal, "replica_id", None)
+            replica = refusal.replica_id if isinstance(refusal, EngineUnavailable) else None
             if replica:
                 self.fleet.mark_refused(replica)
             wait = next(waits, None)
@@ -106,7 +109,7 @@ class ServeEngineClient:
                 raise EngineUnavailable(
                     f"no replica accepted the request: {attempts} attempts over {time.monotonic() - start:.1f} s "
                     f"(the last: {type(refusal).__name__}: {refusal})",
-                    retry_after_s=getattr(refusal, "retry_after_s", 1.0)) from None
+                    retry_after_s=refusal.retry_after_s if isinstance(refusal, EngineUnavailable) else 1.0) from None
             logger.info("request %s refused by %s (%s); again in %.2f s", subs[0].request_id,
                         replica or name, type(refusal).__name__, wait)
             await asyncio.sleep(wait)
@@ -130,16 +133,13 @@ class ServeEngineClient:
             return False
         return any(oks)
 
-    async def fleet_stats(self) -> list[dict]:
+    async def fleet_stats(self) -> list[ReplicaStats]:
+        """Every replica's stats as the routers last saw them, tagged with its deployment; before any
+        router has, one replica's own per group."""
         fleet = self.fleet.stats()
-        out = []
-        for dep in self.handles:
-            for rid, stats in fleet.get(dep, {}).items():
-                if stats:
-                    out.append({"replica": rid, "deployment": dep,
-                                **{k: v for k, v in stats.items() if k != "prefix_blocks"}})
-        if not out:  # no router has seen stats yet: ask one replica per group
+        out = [replace(stats, deployment=dep) for dep in self.handles for stats in fleet.get(dep, {}).values()
+               if stats is not None]
+        if not out:
             stats = await asyncio.gather(*(h.stats.remote() for h in self.handles.values()))
-            out = [{"replica": f"{dep}/?", "deployment": dep, **s}
-                   for dep, s in zip(self.handles, stats, strict=True)]
+            out = [replace(s, deployment=dep) for dep, s in zip(self.handles, stats, strict=True)]
         return out

@@ -15,12 +15,14 @@ middleware, before the body is read or validated; ``deployments.http_guards.ARRI
                                      (non-streaming client went away), stream_closed (a streaming
                                      client went away), deadline (the server-side request timeout)
 
-The per-replica gauges are refreshed from the fleet's stats on every scrape (``export``).
+The per-replica gauges are refreshed from the fleet's ``ReplicaStats`` on every scrape (``export``).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from deployments.replica_stats import ReplicaStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 ABORT_REASONS = ("client_disconnected", "stream_closed", "deadline")
@@ -99,14 +101,14 @@ class ServerMetrics:
         if num_steps:
             self.mat.labels(*labels).observe((num_tokens - 1) / num_steps)
 
-    def export(self, fleet: list[dict]) -> bytes:
+    def export(self, fleet: list[ReplicaStats]) -> bytes:
+        """The registry's text, the per-replica gauges set from ``fleet`` (its ``to_dict`` keys)."""
         for g in (*self.gauges.values(), self.table):
             g.clear()
         for s in fleet:
-            labels = (self.model_name, str(s.get("replica", "?")), str(s.get("hardware_class", "unknown")))
+            row = s.to_dict()
+            labels = (self.model_name, s.replica_id, s.hardware_class)
             for key, g in self.gauges.items():
-                if key in s:
-                    g.labels(*labels).set(float(s[key]))
-            if "table_id" in s:
-                self.table.labels(*labels, str(s["table_id"]), str(s.get("calibration_mismatch", ""))).set(1)
+                g.labels(*labels).set(float(row[key]))
+            self.table.labels(*labels, s.engine.table_id, s.calibration_mismatch).set(1)
         return generate_latest(self.registry)

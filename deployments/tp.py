@@ -33,7 +33,7 @@ from dataclasses import replace
 import ray
 
 from bole.config import EngineConfig
-from bole.engine.core import EngineLimits, EngineStats
+from bole.engine.core import EngineLimits, EngineStats, RequestTimings
 from bole.engine.output import RequestOutput
 from bole.sampling_params import SamplingParams
 from bole.spec.budget import CalibrationTable
@@ -155,8 +155,8 @@ class TPEngine:
         """Rank 0's stats as of the last step (every rank schedules alike)."""
         return self._stats
 
-    def request_timings(self, request_id: str) -> dict:
-        return {}  # the ranks keep their requests' clocks; the driver does not fetch them per token
+    def request_timings(self, request_id: str) -> RequestTimings | None:
+        return None  # the ranks keep their requests' clocks; the driver does not fetch them per token
 
     def cached_prefix_hashes(self, limit: int | None = None) -> list[int]:
         return []  # rank 0's prefix cache stays on its worker; the replica falls back to recent prompts

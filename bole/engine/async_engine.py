@@ -24,7 +24,7 @@ import logging
 import threading
 from typing import AsyncIterator
 
-from bole.engine.core import EngineCore, EngineLimits, EngineStats
+from bole.engine.core import EngineCore, EngineLimits, EngineStats, RequestTimings
 from bole.engine.output import RequestOutput
 from bole.sampling_params import SamplingParams
 from bole.spec.budget import CalibrationTable
@@ -90,7 +90,7 @@ class AsyncEngine:
     def limits(self) -> EngineLimits:
         return self._limits
 
-    def request_timings(self, request_id: str) -> dict:
+    def request_timings(self, request_id: str) -> RequestTimings | None:
         """A request's prefill and queue times once it has its first token (``EngineCore``)."""
         return self.engine.request_timings(request_id)
 
@@ -184,6 +184,7 @@ class AsyncEngine:
             with self._lock:
                 if self._stopped:
                     self._apply_inbox(stopping=True)   # releases / aborts sent just before shutdown
+                    self._publish()
                     return
                 self._apply_inbox()
                 busy = self.engine.has_unfinished()

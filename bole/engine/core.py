@@ -3,8 +3,12 @@
 ``EngineCore`` is a structural protocol (like Ray Serve LLM's engine protocol): ``LLMEngine`` (one
 process) and ``deployments.tp.TPEngine`` (a driver of tensor-parallel ranks) both satisfy it, and
 nothing above the engine reaches past it (no scheduler, no model, no metrics object). What an
-engine reports crosses that line as two frozen dataclasses: ``EngineLimits`` (fixed at start) and
-``EngineStats`` (as of the last step: metrics, queue, where the batch stands in the budget table).
+engine reports crosses that line as frozen dataclasses: ``EngineLimits`` (fixed at start),
+``EngineStats`` (as of the last step: metrics, queue, where the batch stands in the budget table) and
+``RequestTimings`` (a request's clock at its first token). They pickle, so they cross Ray's actor
+boundaries as they are (TP ranks, Serve handles); the serving layer carries ``EngineStats`` inside
+``deployments.replica_stats.ReplicaStats``, whose ``to_dict`` is the one place it becomes a plain
+mapping (Serve's routing stats, /metrics).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ class EngineLimits:
     """What an engine can take, fixed when it starts."""
 
     max_num_seqs: int       # the running batch's bound
-    max_model_len: int      # prompt + max_tokens must fit (model positions, KV capacity less lookahead)
+    max_model_len: int      # prompt + max_tokens must fit: the smaller of the model's positions and kv_tokens
+    kv_tokens: int          # the KV cache's tokens less one step's lookahead (the draft tree's reserve)
     vocab_size: int         # prompt token ids lie in [0, vocab_size)
     block_size: int         # KV block tokens: the prefix hashes' granularity
     device: str
@@ -31,13 +36,23 @@ class EngineLimits:
 
 
 @dataclass(frozen=True)
+class RequestTimings:
+    """A request's engine clock at its first token."""
+
+    prefill_s: float        # scheduled -> first token: compute, not waiting
+    engine_queue_s: float   # arrival -> scheduled: the wait in the engine's queue
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """An engine's metrics (``EngineMetrics.snapshot``), queue and budget state after its last step.
 
     ``bucket`` / ``b_ver`` are the calibration table's cell for the running batch and
     ``b_ver_per_request`` the share each request would get with one more: what the router weighs
-    (docs/DESIGN.md §5). ``batch`` / ``peak_batch`` are the last step's batch and the largest one,
-    filled in by ``AsyncEngine``."""
+    (docs/DESIGN.md §5). ``held`` counts every request the engine still holds: running, waiting, and
+    finished ones not yet released (``pop_finished``); 0 when it is idle and has forgotten everything.
+    ``batch`` / ``peak_batch`` are the last step's batch and the largest one, filled in by
+    ``AsyncEngine``."""
 
     steps: int = 0
     mat: float = 0.0
@@ -57,6 +72,7 @@ class EngineStats:
     finished: int = 0
     running: int = 0
     waiting: int = 0
+    held: int = 0
     running_ids: tuple[str, ...] = ()
     table_id: str = ""
     bucket: int = 0
@@ -65,20 +81,17 @@ class EngineStats:
     batch: int = 0
     peak_batch: int = 0
 
-    def to_dict(self) -> dict:
-        """The plain mapping the Serve layer sends (routing stats, /metrics): every field but the ids."""
-        return {k: v for k, v in vars(self).items() if k != "running_ids"}
-
 
 def budget_stats(metrics: dict, calibration: CalibrationTable, depth: int, running: list[tuple[str, int]],
-                 waiting: int) -> EngineStats:
+                 waiting: int, held: int) -> EngineStats:
     """``EngineStats`` of a batch: ``running`` as (request id, tokens computed), ``depth`` the draft
-    depth (a tree has depth + 1 levels), ``metrics`` an ``EngineMetrics.snapshot``."""
+    depth (a tree has depth + 1 levels), ``metrics`` an ``EngineMetrics.snapshot``, ``held`` the
+    requests the engine holds."""
     n = len(running)
     kv_len = max((k for _, k in running), default=0)
     bucket, b_ver = calibration.lookup(max(n, 1), kv_len, depth + 1)
     _, b_next = calibration.lookup(n + 1, kv_len, depth + 1)
-    return EngineStats(**metrics, running=n, waiting=waiting, running_ids=tuple(r for r, _ in running),
+    return EngineStats(**metrics, running=n, waiting=waiting, held=held, running_ids=tuple(r for r, _ in running),
                        table_id=calibration.table_id, bucket=bucket, b_ver=b_ver,
                        b_ver_per_request=b_next / (n + 1))
 
@@ -109,7 +122,7 @@ class EngineCore(Protocol):
 
     def limits(self) -> EngineLimits: ...
 
-    def request_timings(self, request_id: str) -> dict: ...
+    def request_timings(self, request_id: str) -> RequestTimings | None: ...
 
     def cached_prefix_hashes(self, limit: int | None = None) -> list[int]: ...
 

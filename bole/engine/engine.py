@@ -41,7 +41,7 @@ from bole.cache.checkpoints import publish_committed
 from bole.cache.prefix_cache import PrefixCache
 from bole.config import EngineConfig
 from bole.engine import sampler
-from bole.engine.core import EngineLimits, EngineStats, budget_stats
+from bole.engine.core import EngineLimits, EngineStats, RequestTimings, budget_stats
 from bole.engine.detokenizer import IncrementalDetokenizer
 from bole.engine.graphs.tree import tree_widths
 from bole.engine.metrics import EngineMetrics, StepStats
@@ -267,7 +267,7 @@ class LLMEngine:
         """Metrics, queue and budget state as of the last step (between steps)."""
         running = [(r.request_id, r.num_computed) for r in self.scheduler.running]
         return budget_stats(self.metrics.snapshot(), self.calibration, self.config.spec.depth, running,
-                            len(self.scheduler.waiting))
+                            len(self.scheduler.waiting), len(self.requests))
 
     def limits(self) -> EngineLimits:
         """The model's positions or the KV capacity less one step's lookahead, whichever is smaller,
@@ -275,19 +275,17 @@ class LLMEngine:
         cfg = self.config
         kv = self.capacity_tokens - self.lookahead
         max_len = min(kv, int(getattr(self.model.config, "max_position_embeddings", kv)))
-        return EngineLimits(cfg.max_num_seqs, max_len, self.model.config.vocab_size, cfg.cache.block_size,
+        return EngineLimits(cfg.max_num_seqs, max_len, kv, self.model.config.vocab_size, cfg.cache.block_size,
                             cfg.device, cfg.dtype, cfg.tp_size)
 
-    def request_timings(self, request_id: str) -> dict:
-        """A request's engine clock at its first token: ``prefill_s`` (scheduled to first token) and
-        ``engine_queue_s`` (arrival to scheduled); {} before it. These floats are written once, so
-        they may be read while a step runs; the request stays until ``pop_finished``."""
+    def request_timings(self, request_id: str) -> RequestTimings | None:
+        """A request's engine clock at its first token; None before it. Its floats are written once,
+        so they may be read while a step runs; the request stays until ``pop_finished``."""
         req = self.requests.get(request_id)
         m = None if req is None else req.metrics
         if m is None or m.scheduled_time is None or m.first_token_time is None:
-            return {}
-        return {"prefill_s": m.first_token_time - m.scheduled_time,
-                "engine_queue_s": m.scheduled_time - m.arrival_time}
+            return None
+        return RequestTimings(m.first_token_time - m.scheduled_time, m.scheduled_time - m.arrival_time)
 
     def recalibrate(self, quick: bool = True, **kw) -> CalibrationTable:
         """Two validated sweeps (``bole.recalibration.recalibrate``'s keywords); the new table, not

@@ -391,7 +391,7 @@ def test_recalibrate_through_async_engine_between_steps(model):
         tokens, swapped = asyncio.run(run())
     finally:
         aeng.shutdown()
-    assert [tokens] == reference and aeng.engine.calibration is swapped
+    assert [tokens] == reference and aeng.calibration is swapped
 
 
 def test_sweep_api_records_hardware_override(model):

@@ -134,7 +134,8 @@ def test_stochastic_distribution_matches_target(ckpt):
 def test_state_after_every_commit_equals_autoregressive(ckpt):
     path, _ = ckpt("dense")
     eng = engine(path, "bole")
-    ref = engine(path, "ar", enable_prefix_cache=False)  # a plain full prefill is the reference
+    # a plain full prefill is the reference: one chunk (the token budget holds every committed prefix)
+    ref = engine(path, "ar", enable_prefix_cache=False, max_num_batched_tokens=256)
     rid = eng.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
     checked = 0
     while eng.has_unfinished():
@@ -143,16 +144,16 @@ def test_state_after_every_commit_equals_autoregressive(ckpt):
         if req.is_finished or not req.prefilled:
             continue
         # prefill the committed tokens in a fresh AR engine and compare the GDN pools
-        r2 = ref.add_request(req.all_token_ids[: req.num_computed], SamplingParams(max_tokens=1, ignore_eos=True),
+        r2 = ref.add_request(req.all_token_ids[: req.num_computed], SamplingParams(max_tokens=2, ignore_eos=True),
                              request_id=f"ref{checked}")
         ref_req = ref.requests[r2]
-        ref.scheduler.schedule()  # admit (allocates a slot)
-        ref.runner.prefill([(ref_req, ref_req.num_tokens)], keep_hidden=False)
+        ref.step()  # the whole prefill in one forward, then its first token (not computed yet: the state is P's)
+        assert ref_req.prefilled and ref_req.num_computed == req.num_computed and not ref_req.is_finished
         for pool_a, pool_b in ((eng.runner.state_pool.ssm, ref.runner.state_pool.ssm),
                                (eng.runner.state_pool.conv, ref.runner.state_pool.conv)):
             a, b = pool_a[:, req.state_slot], pool_b[:, ref_req.state_slot]
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), float((a - b).abs().max())
-        ref.scheduler.finish(ref_req, "abort")
+        assert ref.abort(r2)
         checked += 1
     assert checked >= 3
 
@@ -212,7 +213,8 @@ def test_bad_requests_raise_and_lose_nothing(ckpt):
 
 def test_async_engine_streams_and_aborts(ckpt):
     path, _ = ckpt("dense")
-    aeng = AsyncEngine(engine(path, "bole"))
+    eng = engine(path, "bole")
+    aeng = AsyncEngine(eng)
 
     async def collect(prompt, n):
         toks = []
@@ -234,7 +236,6 @@ def test_async_engine_streams_and_aborts(ckpt):
     finally:
         aeng.shutdown()
     assert len(full) == 9 and len(other) == 6 and first.new_token_ids
-    eng = aeng.engine
     drop_prefix_cache(eng)
     assert eng.runner.allocator.num_free == eng.config.cache.num_blocks
     assert not eng.requests
@@ -249,7 +250,7 @@ def test_async_engine_shutdown_applies_the_last_releases_and_refuses_new_request
 
     outs = asyncio.run(collect())
     aeng.shutdown()   # right after the last release was sent: the thread applies it before it exits
-    assert outs[-1].finished and not aeng.engine.requests
+    assert outs[-1].finished and aeng.stats().held == 0   # the stats it published as it stopped
 
     async def after():
         return [o async for o in aeng.generate(PROMPTS[0], SamplingParams(max_tokens=2))]

@@ -189,4 +189,4 @@ def test_wide_tree_refusal_names_the_lookahead(ckpt):
         wide.generate([[1, 2]], GREEDY)
     with pytest.raises(ValueError, match=r"does not fit the KV cache \(64 tokens = num_blocks 16 x block_size 4\)"):
         wide.generate([[1, 2]], SamplingParams(max_tokens=100))
-    assert not wide.engine.requests
+    assert wide.engine.stats().held == 0

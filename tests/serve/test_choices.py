@@ -27,7 +27,7 @@ def idle(client, timeout=10.0) -> bool:
     deadline = time.time() + timeout
     while time.time() < deadline:
         stats = eng.stats()
-        if not eng.engine.requests and not stats.running and not stats.waiting and not client.num_pending:
+        if not stats.held and not stats.running and not stats.waiting and not client.num_pending:
             return True
         time.sleep(0.05)
     return False

@@ -53,7 +53,7 @@ def wait_idle(client, timeout=10.0):
     deadline = time.time() + timeout
     while time.time() < deadline:
         stats = eng.stats()
-        if not eng.engine.requests and not stats.running and not stats.waiting and not client.num_pending:
+        if not stats.held and not stats.running and not stats.waiting and not client.num_pending:
             return True
         time.sleep(0.05)
     return False
@@ -267,7 +267,7 @@ def test_bole_mode_is_served_token_identically(tiny_model, serve_app, offline):
         oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
         chunks = oai.completions.create(model=MODEL, prompt=PROMPTS[0], stream=True, **greedy(6))
         text = "".join(c.choices[0].text for c in chunks if c.choices)
-        stats = client.stats()
+        stats = client.stats().engine
     ref = offline.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
     assert text == ref.text
-    assert stats["mean_b_ver"] > 0 and stats["table_id"].startswith("any/any")
+    assert stats.mean_b_ver > 0 and stats.table_id.startswith("any/any")

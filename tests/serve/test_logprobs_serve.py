@@ -168,8 +168,8 @@ def test_bole_mode_serves_the_same_logprobs_and_penalised_text(oai, tiny_model, 
     with serve(tiny_model, serve_app, mode="bole") as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
         chunks = list(client.completions.create(stream=True, **kw))
-        stats = srv.engine_client.stats()
-    assert stats["mean_b_ver"] > 0 and stats["mat"] >= 1.0   # verify steps ran
+        stats = srv.engine_client.stats().engine
+    assert stats.mean_b_ver > 0 and stats.mat >= 1.0   # verify steps ran
     parts = [c.choices[0] for c in chunks if c.choices]
     assert "".join(p.text for p in parts) == ref.text
     got = [x for p in parts if p.logprobs for x in p.logprobs.token_logprobs]

@@ -1,6 +1,7 @@
 """The replica's routing stats report the engine prefix cache's real block hashes (no Ray needed)."""
 
 import asyncio
+from dataclasses import replace
 
 from conftest import ENGINE_OPTIONS
 
@@ -8,13 +9,15 @@ from bole.cache.block_hash import prefix_block_hashes
 from bole.sampling_params import SamplingParams
 from deployments.engine_client import SubRequest
 from deployments.replica import BoleReplica
+from deployments.replica_stats import ReplicaStats
 
 
 def test_routing_stats_carry_the_engine_prefix_cache(tiny_model):
     replica = BoleReplica(tiny_model, dict(ENGINE_OPTIONS), hardware="cpu")
     try:
-        stats = replica.record_routing_stats()
-        assert stats["prefix_blocks"] == [] and stats["prefix_source"] == "recent_prompts"
+        stats = ReplicaStats.from_dict(replica.record_routing_stats())   # Serve's dict, read back as the router does
+        assert stats.prefix_blocks == () and stats.prefix_source == "recent_prompts"
+        assert stats == replace(replica.stats(), prefix_source="recent_prompts")
         prompt = list(range(3, 3 + 4 * 5))  # five full blocks of 4
 
         async def run():
@@ -22,10 +25,11 @@ def test_routing_stats_carry_the_engine_prefix_cache(tiny_model):
             async for _ in replica.generate_many([sub]):
                 pass
         asyncio.run(run())
-        stats = replica.record_routing_stats()
-        assert stats["prefix_source"] == "engine_cache"
-        cached = set(stats["prefix_blocks"])
+        raw = replica.record_routing_stats()
+        stats = ReplicaStats.from_dict(raw)
+        assert stats.prefix_source == "engine_cache" and stats.engine.finished == 1 and stats.replica_id == "local"
+        cached = set(stats.prefix_blocks)
         assert prefix_block_hashes(prompt, replica.block_size)[0] in cached
-        assert stats["num_prefix_blocks"] == len(stats["prefix_blocks"]) >= 4
+        assert raw["num_prefix_blocks"] == len(stats.prefix_blocks) >= 4
     finally:
         replica.engine.shutdown()
