@@ -13,7 +13,7 @@ Three kinds of forward per step (DESIGN.md §2), all batched over requests:
   on the committed positions it has not seen, then grows each request's candidate tree
   (``bole.spec.drafter.expand_tree``); the budget (``select_nodes``) keeps at most B_ver nodes for
   the whole batch; the target verifies every request's tree in ONE forward: node 0 of each tree is
-  the pending root token, the kept drafts hang below it (so draft depth d sits at tree depth d+1).
+  the pending root token, the kept drafts hang below it (``DraftBatch``: one node list to the commit).
   ``commit`` then materialises the accepted path (factorized GDN commit for all layers in one
   launch, conv windows, K/V moved into place).
 
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class VerifyResult:
-    logits: torch.Tensor          # [B, 1 + T, V]: row 0 the root node, row i+1 draft node i
+    logits: torch.Tensor          # [B, T, V]: row i tree node i (0: the root)
     ctx: ForwardContext
     hidden: torch.Tensor          # [N, H] flat over the forest
     forest: PackedForest
@@ -205,28 +205,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def verify(self, reqs: list[Request], batch: DraftBatch) -> VerifyResult:
-        """Target forward over every request's tree: root (pending token) + kept drafts."""
-        # Each tree: node 0 = the pending root token, the kept drafts below it (draft depth d -> d + 1).
+        """Target forward over every request's tree (``batch``: node 0 the pending root token, the kept
+        drafts below it): logits row i is node i's."""
         B, T = batch.tokens.shape
         vg = self.verify_graphs
-        if vg is not None and vg.supports(reqs, T + 1):
+        if vg is not None and vg.supports(reqs, T):
             logits, hidden, ctx, g = vg.run(reqs, batch)
             return VerifyResult(logits=logits, ctx=ctx, hidden=hidden, forest=ctx.forest, graph=g)
-        dev = batch.tokens.device
-        roots = torch.tensor([r.all_token_ids[r.num_computed] for r in reqs], device=dev)
-        tokens = torch.cat([roots[:, None], batch.tokens], 1)                        # [B, 1 + T]
-        parents = torch.cat([torch.full_like(roots[:, None], -1), batch.parents + 1], 1)
-        counts = batch.num_nodes + 1
-        valid = torch.arange(T + 1, device=dev)[None] < counts[:, None]
-        depth = int(batch.depth.max()) + 1 if T else 1
-        forest = PackedForest.from_padded(parents, counts, depth).to(self.device)
+        valid = torch.arange(T, device=batch.tokens.device)[None] < batch.num_nodes[:, None]
+        forest = PackedForest.from_padded(batch.parents, batch.num_nodes, int(batch.depth.max()) + 1).to(self.device)
         ctx = ForwardContext.build("verify", None, [r.num_computed for r in reqs], [r.state_slot for r in reqs],
                                    [r.block_table for r in reqs], self.kv_cache, self.state_pool,
                                    forest=forest, factors=self.factors.narrow(forest.num_nodes),
                                    device=self.device)
-        hidden = self.model(tokens[valid].to(self.device), ctx)
+        hidden = self.model(batch.tokens[valid].to(self.device), ctx)
         flat = self.model.compute_logits(hidden)
-        logits = flat.new_zeros(B, T + 1, flat.shape[-1])
+        logits = flat.new_zeros(B, T, flat.shape[-1])
         logits[valid.to(flat.device)] = flat
         return VerifyResult(logits=logits, ctx=ctx, hidden=hidden, forest=forest)
 
@@ -235,16 +229,16 @@ class ModelRunner:
                keep_hidden: bool, lengths: list[int] | None = None):
         """Materialise each request's accepted path (root + accepted drafts); advance num_computed.
 
-        ``accepted_node``: each request's deepest accepted draft (-1: none), a host list or the
+        ``accepted_node``: each request's deepest accepted node (0: the root only), a host list or the
         acceptance's device tensor; with ``lengths`` (root + accepted drafts, on the host) as well, the
         commit runs without a host sync."""
         pad = res.forest.num_requests - len(reqs)  # a graph's padding rows: nothing
         if isinstance(accepted_node, torch.Tensor):
-            local = accepted_node.to(res.forest.device).long() + 1  # the root (node 0) is always accepted
+            local = accepted_node.to(res.forest.device).long()
             if pad:
                 local = torch.cat([local, local.new_full((pad,), -1)])
         else:
-            local = [a + 1 for a in accepted_node] + [-1] * pad
+            local = list(accepted_node) + [-1] * pad
         lengths = self.model.commit(res.ctx, local, None if lengths is None else list(lengths) + [0] * pad)
         paths = res.forest.accepted_path_nodes(local) if keep_hidden else None
         for b, r in enumerate(reqs):
@@ -284,7 +278,7 @@ class ModelRunner:
         ``pad_slot``: a slot of ``pool`` never used otherwise, for a graph's padding rows.
         """
         pad = res.forest.num_requests - len(accepted_node)  # a graph's padding rows: nothing
-        paths = res.forest.accepted_path_nodes([a + 1 for a in accepted_node] + [-1] * pad)
+        paths = res.forest.accepted_path_nodes(list(accepted_node) + [-1] * pad)
         out = torch.tensor(list(slots) + [pad_slot] * pad, dtype=torch.long, device=self.device)
         self.model.commit_paths(res.ctx, path_prefixes(paths, torch.tensor(list(keep) + [0] * pad)), out=(pool, out))
 
@@ -335,8 +329,9 @@ class ModelRunner:
     @torch.inference_mode()
     def draft_batch(self, reqs: list[Request], depth: int, topk: int, beam: int, b_ver: int,
                     max_per_request: int | None = None) -> DraftBatch:
-        """Draft (``draft``), keep ``b_ver`` nodes for the batch (``select_nodes``) and compact them:
-        the step's ``DraftBatch`` [B, T_max] (untrimmed). From the draft graph when it applies."""
+        """Draft (``draft``), keep ``b_ver`` nodes for the batch (``select_nodes``) and compact them below
+        the pending root tokens: the step's ``DraftBatch`` [B, 1 + T_max] (untrimmed). From the draft
+        graph when it applies."""
         dg = self.draft_graphs
         if dg is not None and (dg.depth, dg.topk, dg.beam, dg.max_per_request) == \
                 (depth, topk, beam, max_per_request):
@@ -345,7 +340,8 @@ class ModelRunner:
                 return dg.run(reqs, b_ver)
         cand = self.draft(reqs, depth, topk, beam)
         keep = select_nodes(cand.rho, cand.parents, cand.valid, cand.depth, b_ver, max_per_request=max_per_request)
-        return compact(cand, keep)
+        roots = torch.tensor([r.all_token_ids[r.num_computed] for r in reqs], device=self.device)
+        return compact(cand, keep, roots)
 
     @torch.inference_mode()
     def draft(self, reqs: list[Request], depth: int, topk: int, beam: int):

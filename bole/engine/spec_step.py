@@ -54,13 +54,13 @@ class SpeculativeStep:
         # penalties too (the tails would need [B, V] counts): eager acceptance
         pen = sampler.penalties(reqs, self.vocab_size, self.runner.device)
         plain = no_min and pen is None
-        # the root (the pending token) is verified too: drafts <= MAX_TREE_NODES - 1 per request
+        # the root (the pending token, node 0) is verified too: drafts <= MAX_TREE_NODES - 1 per request
         batch = self.runner.draft_batch(reqs, spec.depth, spec.topk, spec.beam, b_ver,
                                         max_per_request=MAX_TREE_NODES - 1)
-        batch = batch.trimmed(bound if no_sync else None)
+        batch = batch.trimmed(bound + 1 if no_sync else None)
         res = self.runner.verify(reqs, batch)
         D = spec.depth
-        B, T1 = res.logits.shape[:2]
+        B, T = res.logits.shape[:2]
         if plain and self.runner.can_accept_in_graph(res, sampled=not greedy):
             # acceptance (greedy, or sampled with each request's parameters and seed), commit and
             # checkpoints inside the verify graph's captured tail
@@ -69,14 +69,14 @@ class SpeculativeStep:
                 reqs, res, slots, sampling))
             if done is not None:  # the tail leaves the verify logits in place: logprobs read them
                 return done[0], self._path_logprobs(reqs, res, res.logits, done[1], done[0], None)
-        row_depth = torch.cat([torch.zeros_like(batch.depth[:, :1]), batch.depth], 1).clamp(max=D)
+        row_depth = batch.depth.clamp(max=D)  # node r's depth (the root 0) picks its uniform
         if greedy:  # argmax walk: no uniforms, no per-request parameters (no host-to-device copies)
             temp = top_k = top_p = 0.0
-            uniforms = torch.zeros(B, T1, device=res.logits.device)
+            uniforms = torch.zeros(B, T, device=res.logits.device)
         else:
             st = sampler.SamplingTensors.of(reqs, self.runner.device)
             temp, top_k, top_p = st.temperature, st.top_k, st.top_p
-            # Row 0 draws token index n+1 (n = num_computed), row i+1 draws index n+1+depth(i).
+            # Node r (the root r = 0) draws token index n+1+depth(r) (n = num_computed).
             n = torch.tensor([r.num_computed for r in reqs], device=st.seed.device)
             u_by_depth = counter_uniforms(st.seed, n + 1, D + 1)  # [B, D+1]
             uniforms = u_by_depth.gather(1, row_depth)
@@ -95,13 +95,13 @@ class SpeculativeStep:
         # path length (root + accepted drafts) = emitted tokens
         self.runner.commit(reqs, res, acc.accepted_node, keep_hidden=True, lengths=num)
         publish_committed(self.prefix_cache, reqs, pending, emitted)
-        stats.tree_nodes = int(batch.num_nodes.sum()) + len(reqs)
+        stats.tree_nodes = int(batch.num_nodes.sum())
         return emitted, self._path_logprobs(reqs, res, logits, accepted, emitted, pen)
 
     def _path_logprobs(self, reqs: list[Request], res, logits: torch.Tensor, accepted: list[int],
                        emitted: list[list[int]], pen) -> list[list[TokenLogprob] | None] | None:
-        """Logprobs of a speculative step's emitted tokens from the verify logits [B, 1 + T, V] along
-        each accepted path (the root's row, then each accepted node's): no extra forward."""
+        """Logprobs of a speculative step's emitted tokens from the verify logits [B, T, V] along each
+        accepted path (the root's row, then each accepted node's): no extra forward."""
         if not any(r.params.logprobs is not None for r in reqs):
             return None
         rows = path_rows(res.forest, accepted, len(reqs)).to(logits.device)       # [B, D]
@@ -130,7 +130,7 @@ class SpeculativeStep:
         emitted = [h[2:2 + h[1]] for h in host]
         pending = self.checkpoints.settle_tail(plan, starts, [h[1] for h in host]) if plan.reserved else None
         publish_committed(self.prefix_cache, reqs, pending, emitted)
-        stats.tree_nodes = sum(h[-1] for h in host) + len(reqs)
+        stats.tree_nodes = sum(h[-1] for h in host)
         return emitted, [h[0] for h in host]
 
     def _checkpoint_paths(self, reqs: list[Request], res, accepted: list[int], lengths: list[int]

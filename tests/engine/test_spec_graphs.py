@@ -75,6 +75,11 @@ def test_full_padded_forest_matches_from_padded():
     assert torch.equal(blank.anc, ref.anc) and torch.equal(blank.depth, ref.depth)
 
 
+def _roots(reqs) -> list[int]:
+    """The requests' pending root tokens (node 0 of their trees)."""
+    return [r.all_token_ids[r.num_computed] for r in reqs]
+
+
 def _assert_same_commits(eager, graph, re, rg, tol, device):
     """Two runners' requests after the same commits: GDN state, conv windows, layer-0 K/V of every
     committed position and the drafter's pending hiddens agree within tol."""
@@ -100,12 +105,13 @@ def _compare_verify(path, device, capture, tol):
     for batch_prompts, drafts in ((PROMPTS[:1], 6), (PROMPTS[:3], 20), (PROMPTS, 33)):
         B = len(batch_prompts)
         re, rg = _requests(eager, batch_prompts), _requests(graph, batch_prompts)
-        batch = synthetic_batch(drafts, B, DEPTH, 64, gen, device)
+        batch = synthetic_batch(drafts, B, DEPTH, 64, gen, device, _roots(re))
         T = batch.tokens.shape[1]
-        assert vg.supports(rg, T + 1)
+        assert vg.supports(rg, T)
         r1, r2 = eager.verify(re, batch), graph.verify(rg, batch)
-        assert r2.logits.shape == r1.logits.shape == (B, T + 1, 64)
-        valid = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=device), batch.tokens >= 0], 1)
+        assert r2.logits.shape == r1.logits.shape == (B, T, 64)
+        valid = batch.tokens >= 0  # the root and the drafts
+        assert valid[:, 0].all()
         err = float((r2.logits - r1.logits)[valid].abs().max())
         assert err <= tol, (B, err)
         # commit the deepest node of each tree (a different path length per request)
@@ -149,11 +155,11 @@ def test_static_verify_reads_nothing_on_the_host():
         r = Request(f"r{i}", [1, 2, 3, 4, 5 + i], SamplingParams(), seed=0)
         r.block_table, r.state_slot, r.num_computed = runner.allocator.allocate(3), runner.state_pool.allocate(), 4
         reqs.append(r)
-    batch = synthetic_batch(9, 3, DEPTH, 64, torch.Generator().manual_seed(0), "cpu")
+    batch = synthetic_batch(9, 3, DEPTH, 64, torch.Generator().manual_seed(0), "cpu", _roots(reqs))
     batch = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to("meta")
                                           for f in dataclasses.fields(batch)})
     logits, hidden, ctx, _ = vg.run(reqs, batch)
-    assert logits.shape == (3, batch.tokens.shape[1] + 1, 64) and logits.device.type == "meta"
+    assert logits.shape == (3, batch.tokens.shape[1], 64) and logits.device.type == "meta"
     assert hidden.shape == (4 * 8, 32) and ctx.forest.num_requests == 4
 
 
@@ -188,7 +194,9 @@ def _compare_draft(path, device, capture, tol, tree_attention=None):
                 assert torch.equal(getattr(d1, f), getattr(d2, f)), (step, f)
             assert float((d1.rho - d2.rho).nan_to_num(0, 0, 0).abs().max()) <= tol
             assert [(r.mtp_computed, r.pending_hidden) for r in re] == [(r.num_computed, None) for r in rg]
-            assert int(d2.num_nodes.sum()) == min(b_ver, 15 * len(batch_prompts))  # T_max = 3 + 6 + 6
+            # T_max = 3 + 6 + 6 drafts, and each tree's root
+            assert int(d2.num_nodes.sum()) == min(b_ver, 15 * len(batch_prompts)) + len(batch_prompts)
+            assert d1.tokens[:, 0].tolist() == _roots(re) and (d1.parents[:, 0] == -1).all()
             # verify the kept drafts, commit each request's deepest node (paths of different lengths)
             for runner, reqs, d in ((eager, re, d1), (graph, rg, d2)):
                 batch = d.trimmed()
@@ -300,10 +308,10 @@ def _greedy_drafts(runner: ModelRunner, reqs, batch):
         for b, row in enumerate(par):
             seen = set()
             for i, p in enumerate(row):
-                if int(tok[b, i]) < 0:
+                if i == 0 or int(tok[b, i]) < 0:  # node 0 is the root, not a draft
                     continue
-                want = am[b][p + 1]
-                t = want if p not in seen else (want + 1 + i) % 64
+                want = am[b][p]
+                t = want if p not in seen else (want + i) % 64
                 seen.add(p)
                 tok[b, i] = t
     return dataclasses.replace(batch, tokens=tok)
@@ -332,9 +340,9 @@ def _compare_tail(path, device, capture, tol):
     for batch_prompts, drafts in ((PROMPTS[:1], 6), (PROMPTS[:3], 20)):
         B = len(batch_prompts)
         re, rg = _requests(eager, batch_prompts), _requests(graph, batch_prompts)
-        batch = _greedy_drafts(eager, re, synthetic_batch(drafts, B, DEPTH, 64, gen, device))
+        batch = _greedy_drafts(eager, re, synthetic_batch(drafts, B, DEPTH, 64, gen, device, _roots(re)))
         r1, r2 = eager.verify(re, batch), graph.verify(rg, batch)
-        acc = accept_tree(batch.tokens, batch.parents, torch.zeros(B, batch.tokens.shape[1] + 1, device=device),
+        acc = accept_tree(batch.tokens, batch.parents, torch.zeros(B, batch.tokens.shape[1], device=device),
                           logits=r1.logits, temperature=0.0, top_k=0, top_p=0.0, max_depth=DEPTH - 1)
         starts, lengths = [r.num_computed for r in rg], acc.num_emitted.tolist()
         with torch.no_grad():
@@ -352,7 +360,7 @@ def _compare_tail(path, device, capture, tol):
                                   state_slots=torch.arange(B, device=device))
         model.commit(ctx, [int(p[c - 1]) - r1.ctx.cu_host[b] if c else -1
                            for b, (p, c) in enumerate(zip(r1.forest.accepted_path_nodes(
-                               (acc.accepted_node + 1).tolist()).tolist(), cuts, strict=True))])
+                               acc.accepted_node.tolist()).tolist(), cuts, strict=True))])
         for b, c in enumerate(cuts):
             if c:
                 assert float((ck_copy.ssm[:, b] - ck_eager.ssm[:, b]).abs().max()) <= tol
