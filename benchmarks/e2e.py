@@ -418,7 +418,7 @@ def _graph_verify_ms(runner, reqs, batch, args, dev) -> float:
     from bole.engine.graphs.verify import VerifyGraphs
 
     T = batch.tokens.shape[1]
-    vg = VerifyGraphs(runner, [len(reqs)], [T + 1], TREE_DEPTH, *runner.padding(), capture=dev.type == "cuda",
+    vg = VerifyGraphs(runner, [len(reqs)], [T], TREE_DEPTH, *runner.padding(), capture=dev.type == "cuda",
                       tail=False)
     vg.run(reqs, batch)  # builds (captures) the one graph
     g = next(iter(vg.graphs.values()))
