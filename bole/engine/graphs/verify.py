@@ -29,9 +29,10 @@ by later steps, as rejected nodes are.
 The tree depth bound Dc (``max_depth``, the drafter's depth + 1 with the root) is fixed per graph, so
 the verifier runs Dc Neumann rounds whatever the step's trees look like (exact either way).
 
-Each graph has a tail (``run_tail``, captured after it over its outputs): the greedy acceptance walk
-(or, with ``sampled_tail``, the lossless sampled one) and the commit of the accepted paths, prefix-cache
-checkpoints included. The forest context is ``bole.engine.graphs.tree.StaticTree``'s.
+Each graph has a tail (``run_tail``, captured after it over its outputs): the step's acceptance and
+commit, ``bole.engine.acceptance.accept_and_commit`` (the eager step's too), greedy or, with
+``sampled_tail``, sampled, prefix-cache checkpoints included. The forest context is
+``bole.engine.graphs.tree.StaticTree``'s.
 
 ``capture=False`` runs the same static forwards without graphs (any device: CPU tests).
 """
@@ -44,7 +45,7 @@ from typing import Sequence
 
 import torch
 
-from bole.cache.prefix_cache import boundary_cut
+from bole.engine.acceptance import accept_and_commit
 from bole.engine.graphs.base import (
     _POS,
     _SLOT,
@@ -58,8 +59,6 @@ from bole.engine.graphs.base import (
 )
 from bole.engine.graphs.tree import StaticTree
 from bole.engine.sampler import SamplingTensors
-from bole.spec.sampling import accept_tree, counter_uniforms
-from bole.spec.tree import path_prefixes
 
 
 @dataclass
@@ -214,53 +213,27 @@ class VerifyGraphs(GraphFamily):
         self.checkpoints = (pool, int(interval), StaticRows(self.batch_sizes[-1], 1, self.runner.device),
                             int(scratch_slot))
 
-    # -- the tail: greedy acceptance and the commit, after a replayed forward ----------------------------
+    # -- the tail: acceptance and the commit, after a replayed forward ---------------------------------
     def _make_tail(self, g: VerifyGraph, sampled: bool = False) -> Graph:
-        """The greedy ``accept_tree`` walk over the forward's logits and the commit of the accepted paths
-        (``commit_paths``: GDN state, conv windows, K/V), writing the host's one read (``out_accept``)
-        and the path's hiddens (``out_path_hidden``); captured by ``capture``.
-
-        ``sampled``: the lossless sampled walk instead (``accept_tree`` over the processed logits, each
-        row's parameters from ``load_sampling``), with the uniforms the eager step draws: request b's
-        ``counter_uniforms(seed, num_computed + 1, depth + 1)``, target row r taking its depth's."""
+        """``bole.engine.acceptance.accept_and_commit`` over the forward's static outputs (greedy, or
+        with ``sampled`` each row's parameters from ``load_sampling``), writing the host's one read
+        (``out_accept``) and the path's hiddens (``out_path_hidden``); captured by ``capture``."""
         (Bc, Tc, _), D = g.key, self.max_depth
         V = self.out_logits.shape[1]
         logits, hidden = self.out_logits[:Bc * Tc].view(Bc, Tc, V), self.out_hidden[:Bc * Tc]
         tokens, parents = self.draft_tokens[:Bc, :Tc], self.draft_parents[:Bc, :Tc]
         inp, out, out_h = self.rows.device[:Bc], self.out_accept[:Bc], self.out_path_hidden[:Bc]
         model, forest, ctx = self.model, g.ctx.forest, g.ctx
-        accept = model.backend.greedy_accept   # accept_tree's greedy walk (kernels.greedy_accept on the GPU)
-        if sampled:
-            st = self._sampling(Bc)
-
-            def accept(tokens, parents, logits, max_depth):
-                row_depth = (forest.depth.view(Bc, Tc).long() - 1).clamp(0, max_depth)  # the root 0, drafts theirs
-                u = counter_uniforms(st.seed, inp[:, _POS] + 1, max_depth + 1).gather(1, row_depth)
-                # the native logits: process_logits upcasts only the rows the walk visits, to the values the
-                # eager step's fp32 copy holds (no [Bc, Tc, V] fp32 copy kept in the graph's pool)
-                return accept_tree(tokens, parents, u, logits=logits, temperature=st.temperature, top_k=st.top_k,
-                                   top_p=st.top_p, max_depth=max_depth)
-
-        ckpt = self.checkpoints
+        st = self._sampling(Bc) if sampled else None
+        ck = self.checkpoints
+        ckpt = None if ck is None else (ck[0], ck[1], ck[2].device[:Bc, 0])
 
         def run():
-            acc = accept(tokens, parents, logits, max_depth=D - 1)
+            # the forest counts levels (the root 1): node depths for the sampled uniforms
+            depth = forest.depth.view(Bc, Tc) - 1 if sampled else None
             # padding rows (the pad state slot) commit nothing; a real row always keeps its root
-            real = inp[:, _SLOT] != self.pad_slot
-            local = torch.where(real, acc.accepted_node, -1)
-            paths = forest.accepted_path_nodes(local)                          # [Bc, D] global ids
-            if ckpt is not None:
-                # the path prefix up to the last checkpoint boundary strictly inside the commit of
-                # [start, start + n) (PrefixCache.path_cut), committed into the row's checkpoint slot
-                pool_c, interval, slots_c = ckpt[0], ckpt[1], ckpt[2].device[:Bc, 0]
-                cut = torch.where(real, boundary_cut(inp[:, _POS], acc.num_emitted, interval), 0)
-                model.commit_paths(ctx, path_prefixes(paths, cut), out=(pool_c, slots_c))
-            model.commit_paths(ctx, paths)
-            out_h.copy_(hidden[paths.clamp(min=0).long()])
-            out[:, 0] = acc.accepted_node
-            out[:, 1] = acc.num_emitted
-            out[:, 2:2 + D] = acc.tokens
-            out[:, 2 + D] = (tokens >= 0).sum(1)  # verified nodes, root included (the step's statistics)
+            accept_and_commit(model, ctx, logits, hidden, tokens, parents, depth, inp[:, _SLOT] != self.pad_slot,
+                              inp[:, _POS], D - 1, sampling=st, checkpoint=ckpt, out=out, out_hidden=out_h)
 
         return Graph(g.key, run, ctx)
 
