@@ -18,17 +18,8 @@ from __future__ import annotations
 import torch
 
 from bole.cache.prefix_cache import boundary_cut
-from bole.spec.sampling import Penalties, accept_tree, counter_uniforms
+from bole.spec.sampling import Penalties, accept_tree, position_uniforms
 from bole.spec.tree import path_prefixes
-
-
-def step_uniforms(seed: torch.Tensor, num_computed: torch.Tensor, depth: torch.Tensor, max_depth: int
-                  ) -> torch.Tensor:
-    """float32 [B, T] uniforms of a step's tree nodes: request b's ``counter_uniforms(seed, num_computed
-    + 1, max_depth + 1)`` (one per emitted position), node r taking its depth's (``depth`` [B, T], the
-    root 0): the same draws as an ``ar`` step at each position (docs/DESIGN.md §6)."""
-    u = counter_uniforms(seed, num_computed + 1, max_depth + 1)
-    return u.gather(1, depth.long().clamp(0, max_depth))
 
 
 def accept_and_commit(model, ctx, logits: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor,
@@ -67,8 +58,9 @@ def accept_and_commit(model, ctx, logits: torch.Tensor, hidden: torch.Tensor, to
         acc = accept_tree(tokens, parents, torch.zeros(tokens.shape, device=logits.device), logits=logits,
                           temperature=0.0, top_k=0, top_p=0.0, max_depth=max_depth, penalties=penalties)
     else:
-        # the native logits: process_logits upcasts only the rows the walk visits
-        u = step_uniforms(sampling.seed, num_computed, depth, max_depth)
+        # node r draws the token at position num_computed + 1 + depth(r): an ar step's uniform there
+        # (docs/DESIGN.md §6); the native logits: process_logits upcasts only the rows the walk visits
+        u = position_uniforms(sampling.seed, num_computed + 1, depth, max_depth)
         acc = accept_tree(tokens, parents, u, logits=logits, temperature=sampling.temperature,
                           top_k=sampling.top_k, top_p=sampling.top_p, max_depth=max_depth, penalties=penalties)
     B, pad = tokens.shape[0], ctx.forest.num_requests - tokens.shape[0]

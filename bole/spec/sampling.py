@@ -202,6 +202,15 @@ def counter_uniforms(seed: torch.Tensor, offset: torch.Tensor, n: int) -> torch.
     return _srl(_mix64(z), 40).to(torch.float32) * (1.0 / (1 << 24))
 
 
+def position_uniforms(seed: torch.Tensor, first: torch.Tensor, depth: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """The module's seeding convention, the one place it is spelled out: float32 [B, T] uniforms of
+    tree nodes whose depth-0 node draws the token at absolute position ``first[b]`` (int [B]); node r
+    at depth d (``depth`` int [B, T], clamped to 0..max_depth) draws position first + d's uniform,
+    ``counter_uniforms(seed, first, max_depth + 1)[:, d]``. An ``ar`` step is the one-node tree."""
+    u = counter_uniforms(seed, first, max_depth + 1)
+    return u.gather(1, depth.long().clamp(0, max_depth))
+
+
 @dataclass(frozen=True)
 class TreeAcceptance:
     """Result of ``accept_tree`` for B requests (all int64 tensors on the input device).

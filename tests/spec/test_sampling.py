@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from bole.spec.sampling import accept_tree, counter_uniforms, process_logits, sample_from_probs
+from bole.spec.sampling import accept_tree, counter_uniforms, position_uniforms, process_logits, sample_from_probs
 from bole.spec.tree import random_tree
 
 
@@ -219,6 +219,19 @@ def test_tree_walk_equals_autoregressive_sampling(temp, top_k, top_p):
             ar.append(int(sample_from_probs(probs, counter_uniforms(seeds[b:b + 1], n[b:b + 1] + j, 1)[0])))
             ctx.append(ar[-1])
         assert res.tokens[b, : len(ar)].tolist() == ar
+
+
+def test_position_uniforms_are_the_positions_counter_uniforms():
+    """Node r at depth d draws the uniform of token position first + d (depths past the bound clamp):
+    what an ar step at that position draws."""
+    seeds, first = torch.tensor([3, 17, 3]), torch.tensor([5, 0, 9])
+    depth = torch.tensor([[0, 1, 1, 2, 7], [0, 2, 1, 0, 0], [0, 0, 3, 1, 2]])
+    got = position_uniforms(seeds, first, depth, 3)
+    for b in range(3):
+        for r in range(5):
+            d = min(int(depth[b, r]), 3)
+            assert got[b, r] == counter_uniforms(seeds[b:b + 1], first[b:b + 1] + d, 1)[0, 0]
+    assert not torch.equal(got[0], got[2])  # the same seed at other positions draws other values
 
 
 def test_padding_and_empty_trees():
