@@ -418,7 +418,7 @@ def _graph_verify_ms(runner, reqs, batch, args, dev) -> float:
     from bole.engine.graphs.verify import VerifyGraphs
 
     T = batch.tokens.shape[1]
-    vg = VerifyGraphs(runner, [len(reqs)], [T + 1], TREE_DEPTH, *runner.padding(), capture=dev.type == "cuda",
+    vg = VerifyGraphs(runner, [len(reqs)], [T], TREE_DEPTH, *runner.padding(), capture=dev.type == "cuda",
                       tail=False)
     vg.run(reqs, batch)  # builds (captures) the one graph
     g = next(iter(vg.graphs.values()))
@@ -444,7 +444,8 @@ def section_gdn_share(rep: Report, tgt: Target, args, decode_ms: dict, t_end: fl
         t0 = time.time()
         reqs = tgt.reqs[:B]
         runner.factors = full_factors if mode == "serial_tree" else dataclasses.replace(full_factors, snapshots=None)
-        batch = synthetic_batch(B * (T - 1), B, TREE_DEPTH, tgt.cfg.vocab_size, tgt.gen, dev)
+        batch = synthetic_batch(B * (T - 1), B, TREE_DEPTH, tgt.cfg.vocab_size, tgt.gen, dev,
+                                [r.all_token_ids[r.num_computed] for r in reqs])
         verify = lambda reqs=reqs, batch=batch: runner.verify(reqs, batch)
         graph = lambda reqs=reqs, batch=batch: _graph_verify_ms(runner, reqs, batch, args, dev)
         try:
@@ -459,8 +460,7 @@ def section_gdn_share(rep: Report, tgt: Target, args, decode_ms: dict, t_end: fl
                     no_rec = time_ms(verify, args.warmup, args.reps, dev)
                     no_rec_g = graph()
             res = runner.verify(reqs, batch)
-            deepest = [int(torch.argmax(torch.where(batch.tokens[b] >= 0, batch.depth[b], -1))) + 1
-                       if int(batch.num_nodes[b]) else 0 for b in range(B)]
+            deepest = [int(torch.argmax(torch.where(batch.tokens[b] >= 0, batch.depth[b], -1))) for b in range(B)]
             commit = time_ms(lambda res=res, deepest=deepest: model.commit(res.ctx, deepest),
                              args.warmup, args.reps, dev)
             res = None

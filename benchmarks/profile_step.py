@@ -99,7 +99,8 @@ def case_target(name: str, args, device) -> dict:
         runner.enable_cuda_graphs([1], capture=device.type == "cuda")
         runner.decode_forward(reqs)
         return profile(lambda: runner.decode_forward(reqs), device)
-    batch = synthetic_batch(63, 1, 8, tgt.cfg.vocab_size, tgt.gen, device)
+    batch = synthetic_batch(63, 1, 8, tgt.cfg.vocab_size, tgt.gen, device,
+                            [r.all_token_ids[r.num_computed] for r in reqs])
     if name == "verify9b_graph":
         runner.enable_verify_graphs([1], [64], 9, capture=device.type == "cuda")
         runner.verify(reqs, batch)

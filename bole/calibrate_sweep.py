@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -142,24 +143,28 @@ def time_ms(fns: dict, warmup: int, iters: int, device: torch.device, tick=lambd
 
 
 def synthetic_batch(num_drafts: int, batch: int, depth: int, vocab: int, gen: torch.Generator,
-                    device) -> DraftBatch:
-    """N drafts split evenly over B requests as random EAGLE-like trees of depth <= depth - 1."""
+                    device, roots: Sequence[int]) -> DraftBatch:
+    """N drafts split evenly over B requests as random EAGLE-like trees of depth <= depth - 1, below
+    the roots ``roots[b]`` (node 0, the requests' pending tokens)."""
     shares = [t - 1 for t in split_nodes(num_drafts, batch)]
-    T = max(1, max(shares))
+    T = 1 + max(shares)
     tokens = torch.full((batch, T), -1, dtype=torch.long)
     parents = torch.full((batch, T), -1, dtype=torch.long)
     depths = torch.zeros(batch, T, dtype=torch.long)
+    tokens[:, 0] = torch.as_tensor(list(roots), dtype=torch.long)
     for b, n in enumerate(shares):
         if n:
             tree = random_tree(n, depth - 1, generator=gen)
-            parents[b, :n] = torch.tensor(tree.parents)
-            depths[b, :n] = torch.tensor(tree.depths)
-            tokens[b, :n] = torch.randint(vocab, (n,), generator=gen)
+            # the drafts are nodes 1..n: a draft tree's root children hang below node 0
+            parents[b, 1:n + 1] = torch.tensor([p + 1 for p in tree.parents])
+            depths[b, 1:n + 1] = torch.tensor(tree.depths)
+            tokens[b, 1:n + 1] = torch.randint(vocab, (n,), generator=gen)
     valid = tokens >= 0
+    drafts = valid & (torch.arange(T) > 0)
     return DraftBatch(tokens=tokens.to(device), parents=parents.to(device), depth=depths.to(device),
                       rho=torch.where(valid, 0.0, float("-inf")).to(device),
-                      source_index=torch.where(valid, torch.arange(T).expand(batch, T), -1).to(device),
-                      num_nodes=torch.tensor(shares, device=device))
+                      source_index=torch.where(drafts, torch.arange(T).expand(batch, T) - 1, -1).to(device),
+                      num_nodes=torch.tensor([n + 1 for n in shares], device=device))
 
 
 def _dummy_requests(runner: ModelRunner, batch: int, kv: int, max_nodes: int, vocab: int,
@@ -193,7 +198,8 @@ def _point_fns(runner: ModelRunner, reqs: list[Request], kv: int, depth: int, ca
 
     fns = {"dec": decode}
     for n in feasible_capacities(capture_set, len(reqs)):  # a tree never exceeds MAX_TREE_NODES
-        batch = synthetic_batch(n, len(reqs), depth, runner.cfg.vocab_size, gen, runner.device)
+        batch = synthetic_batch(n, len(reqs), depth, runner.cfg.vocab_size, gen, runner.device,
+                                [r.all_token_ids[r.num_computed] for r in reqs])
         fns[n] = (lambda batch=batch: runner.verify(reqs, batch))
     return fns
 

@@ -31,11 +31,11 @@ def greedy_accept_kernel(amax, tokens, parents, path_out, tok_out, node_out, num
     tok = tl.load(tokens + b * s_tb + o, mask=m, other=-1).to(tl.int64)
     par = tl.load(parents + b * s_pb + o, mask=m, other=-2).to(tl.int64)
     real = m & (tok >= 0)
-    cur = tl.full([], -1, tl.int64)
+    cur = tl.full([], 0, tl.int64)   # node 0: the root
     alive = tl.full([], 1, tl.int32)
     n_acc = tl.full([], 0, tl.int64)
     for step in tl.static_range(D + 1):
-        x = tl.load(amax + b * s_ab + cur + 1).to(tl.int64)
+        x = tl.load(amax + b * s_ab + cur).to(tl.int64)
         tl.store(tok_out + b * (D + 1) + step, tl.where(alive != 0, x, PAD))
         if step < D:
             hit = real & (par == cur) & (tok == x)
@@ -51,7 +51,9 @@ def greedy_accept_kernel(amax, tokens, parents, path_out, tok_out, node_out, num
 
 def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, max_depth: int,
                   pad_token: int = -1) -> tuple[torch.Tensor, ...]:
-    """``greedy_accept_ref`` in two launches; graph-capturable (no host sync). Returns the fields of
+    """``greedy_accept_ref`` in two launches; graph-capturable (no host sync). Trees as ``accept_tree``
+    takes them: tokens, parents [B, T] with node 0 the root (parent -1), logits [B, T, V] (row i: after
+    node i). Returns the fields of
     ``bole.spec.sampling.TreeAcceptance`` in its order (accepted_path, num_accepted, accepted_node,
     tokens, num_emitted), which ``bole.backend`` wraps."""
     dev = tokens.device
@@ -60,18 +62,18 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Ten
     B, T = tokens.shape
     if parents.shape != tokens.shape:
         raise ValueError(f"parents {tuple(parents.shape)} must match tokens {tuple(tokens.shape)}")
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or tuple(logits.shape[:2]) != (B, T + 1):
-        raise ValueError(f"logits must be [B, T+1, V] = [{B}, {T + 1}, V], got {tuple(getattr(logits, 'shape', ()))}")
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or tuple(logits.shape[:2]) != (B, T):
+        raise ValueError(f"logits must be [B, T, V] = [{B}, {T}, V], got {tuple(getattr(logits, 'shape', ()))}")
     if logits.device != dev:
         raise ValueError(f"logits are on {logits.device}, expected {dev}")
     D = int(max_depth)
     if not 0 <= D <= 64:
         raise ValueError(f"max_depth must be in 0..64, got {max_depth}")
     if T < 1:
-        raise ValueError(f"trees of {T} draft nodes: at least one is needed")
+        raise ValueError("trees of 0 nodes: node 0 (the root) is needed")
     tokens = tokens if tokens.stride(1) == 1 else tokens.contiguous()
     parents = parents if parents.stride(1) == 1 else parents.contiguous()
-    amax = logits.argmax(-1)                                       # [B, T+1] int64
+    amax = logits.argmax(-1)                                       # [B, T] int64
     path = torch.empty(B, D, dtype=torch.int64, device=dev)
     toks = torch.empty(B, D + 1, dtype=torch.int64, device=dev)
     node = torch.empty(B, dtype=torch.int64, device=dev)

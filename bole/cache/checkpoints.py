@@ -6,14 +6,11 @@ length is a multiple of the prefix cache's ``interval``, hung on the cached bloc
 the request's state slot (``PrefixCache.checkpoint``). A speculative commit of a path of n nodes from
 ``num_computed`` may instead jump over a boundary: the state there never sits in the request's slot,
 so the accepted path cut at the boundary is committed into a checkpoint slot (one per request and
-step, the deepest boundary). Two ways, by where acceptance runs:
-
-* eagerly (``plan_paths``): the accepted paths are known on the host, so a slot is reserved for each
-  path that crosses and the runner commits the cut path there before the commit itself;
-* in a CUDA graph's tail (``reserve_tail``, then ``settle_tail``): acceptance happens on the device,
-  so a slot is reserved beforehand for every request whose longest possible path could cross. A free
-  slot when there is one, else the slot of a least recently used checkpoint (its *victim*), which
-  stays intact unless the path really crosses. Afterwards unused free slots are given back.
+step, the deepest boundary) by the step's acceptance and commit (``bole.engine.acceptance``), on the
+device, in a CUDA graph's tail or eagerly alike: so a slot is reserved beforehand (``reserve_tail``)
+for every request whose longest possible path could cross. A free slot when there is one, else the
+slot of a least recently used checkpoint (its *victim*), which stays intact unless the path really
+crosses. Afterwards (``settle_tail``) unused free slots are given back.
 """
 
 from __future__ import annotations
@@ -35,8 +32,8 @@ class PendingCheckpoint:
 
 @dataclass(frozen=True)
 class Reservation:
-    """A checkpoint slot a graph's tail may write for one request: a free slot (``victim`` None, given
-    back if unused) or the slot of ``victim``'s checkpoint (dropped only if the tail writes it)."""
+    """A checkpoint slot a step's commit may write for one request: a free slot (``victim`` None, given
+    back if unused) or the slot of ``victim``'s checkpoint (dropped only if the commit writes it)."""
 
     slot: int
     victim: CachedBlock | None = None
@@ -44,25 +41,15 @@ class Reservation:
 
 @dataclass(frozen=True)
 class TailPlan:
-    """Per request of a graph step, its reservation (None: its paths cannot cross a boundary); empty
-    when no request's can."""
+    """Per request of a speculative step, its reservation (None: its paths cannot cross a boundary);
+    empty when no request's can."""
 
     reserved: tuple[Reservation | None, ...] = ()
 
     @property
     def slots(self) -> list[int | None] | None:
-        """The tail's checkpoint slot per request (the runner's argument); None when nothing is reserved."""
+        """The commit's checkpoint slot per request (the runner's argument); None when nothing is reserved."""
         return [r and r.slot for r in self.reserved] if self.reserved else None
-
-
-@dataclass(frozen=True)
-class PathPlan:
-    """An eager step's checkpoints: commit the first ``keep[b]`` path nodes into checkpoint slot
-    ``targets[b]`` (the scratch slot where ``keep[b]`` is 0), then attach ``pending[b]``."""
-
-    keep: tuple[int, ...]
-    targets: tuple[int, ...]
-    pending: tuple[PendingCheckpoint | None, ...]
 
 
 class CheckpointPlanner:
@@ -73,8 +60,9 @@ class CheckpointPlanner:
 
     def reserve_tail(self, starts: Sequence[int], longest: int, tail_takes_checkpoints: bool) -> TailPlan | None:
         """Reserve a slot for every request (committed length ``starts[b]``) whose path of up to
-        ``longest`` nodes could cross a boundary. None when the tail cannot take them (it has no
-        checkpoints, or there is no slot to write): the caller steps eagerly."""
+        ``longest`` nodes could cross a boundary. None when the commit cannot take them (a graph tail
+        without checkpoints, or no slot to write): a graph step goes on eagerly, an eager step takes
+        no checkpoint."""
         cache = self.cache
         may = [cache.path_cut(s, longest) > 0 for s in starts]
         if not any(may):
@@ -106,7 +94,7 @@ class CheckpointPlanner:
 
     def settle_tail(self, plan: TailPlan, starts: Sequence[int], lengths: Sequence[int]
                     ) -> list[PendingCheckpoint | None] | None:
-        """After the tail committed paths of ``lengths`` nodes: a pending checkpoint per request whose
+        """After the commit of paths of ``lengths`` nodes: a pending checkpoint per request whose
         path crossed (a victim's checkpoint is dropped, its slot now holds the new state), None for the
         others (their free slots given back); None overall when nothing was reserved."""
         if not plan.reserved:
@@ -122,21 +110,6 @@ class CheckpointPlanner:
                     cache.checkpoints.free(r.slot)
                 out.append(None)
         return out
-
-    def plan_paths(self, starts: Sequence[int], lengths: Sequence[int]) -> PathPlan | None:
-        """Before an eager commit of paths of ``lengths`` nodes (root included) from ``starts``: a slot
-        for each path that jumps over a boundary (evicting LRU checkpoints when the pool is full); None
-        when no path crosses or no slot could be had."""
-        cache = self.cache
-        # a path of n nodes commits [start, start + n)
-        cuts = [cache.path_cut(s, n) for s, n in zip(starts, lengths, strict=True)]
-        slots = [cache.reserve_checkpoint() if c else None for c in cuts]
-        if all(s is None for s in slots):
-            return None
-        keep = tuple(c if s is not None else 0 for c, s in zip(cuts, slots, strict=True))
-        return PathPlan(keep, tuple(cache.scratch_slot if s is None else s for s in slots),
-                        tuple(None if s is None else PendingCheckpoint(start + c, s)
-                              for start, c, s in zip(starts, keep, slots, strict=True)))
 
 
 def publish_committed(cache: PrefixCache | None, reqs: Sequence,

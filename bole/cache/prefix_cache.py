@@ -16,7 +16,7 @@ budget, hung on the node at whose end it was taken. Checkpoints sit at multiples
   * in prefill: the scheduler ends a chunk at the last boundary it crosses (``align_chunk``);
   * after decode / verify commits: when the committed length lands on a boundary, by copying the
     request's slot; when a speculative commit jumps over one, the accepted path cut at that
-    boundary is materialised into the checkpoint slot (``ModelRunner.commit_path_prefix``), so
+    boundary is materialised into the checkpoint slot (``bole.engine.acceptance``), so
     only accepted tokens ever reach a checkpoint. A commit crossing several boundaries keeps the
     deepest (one per request and step). ``bole.cache.checkpoints`` plans those slots.
 A match is cut back to the deepest node holding a checkpoint and leaves at least one token to run

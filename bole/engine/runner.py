@@ -13,9 +13,10 @@ Three kinds of forward per step (DESIGN.md §2), all batched over requests:
   on the committed positions it has not seen, then grows each request's candidate tree
   (``bole.spec.drafter.expand_tree``); the budget (``select_nodes``) keeps at most B_ver nodes for
   the whole batch; the target verifies every request's tree in ONE forward: node 0 of each tree is
-  the pending root token, the kept drafts hang below it (so draft depth d sits at tree depth d+1).
-  ``commit`` then materialises the accepted path (factorized GDN commit for all layers in one
-  launch, conv windows, K/V moved into place).
+  the pending root token, the kept drafts hang below it (``DraftBatch``: one node list to the commit).
+  ``accept_commit`` (eager) or ``accept_commit_in_graph`` (the verify graph's tail) then accept and
+  materialise the accepted path, both through ``bole.engine.acceptance.accept_and_commit``
+  (factorized GDN commit for all layers in one launch, conv windows, K/V moved into place).
 
 The drafter's forward over a partial tree recomputes the shallower draft nodes at each depth (the
 MTP is a single decoder layer, so this costs little and keeps its KV handling the same as the
@@ -32,6 +33,7 @@ import torch
 
 from bole.cache.kv_cache import PagedKVCache
 from bole.cache.state_pool import StatePool
+from bole.engine.acceptance import accept_and_commit
 from bole.engine.drafting import empty_factors, grow_draft_tree
 from bole.engine.graphs.base import graphs_unsupported
 from bole.engine.graphs.decode import DecodeGraphs
@@ -43,17 +45,18 @@ from bole.engine.sequence import Request
 from bole.models.context import ForwardContext, TreeFactors
 from bole.spec.budget import select_nodes
 from bole.spec.drafter import DraftBatch, compact
-from bole.spec.tree import PackedForest, path_prefixes
+from bole.spec.tree import PackedForest
 
 logger = logging.getLogger(__name__)
 
 @dataclass
 class VerifyResult:
-    logits: torch.Tensor          # [B, 1 + T, V]: row 0 the root node, row i+1 draft node i
+    logits: torch.Tensor          # [B, T, V]: row i tree node i (0: the root)
     ctx: ForwardContext
     hidden: torch.Tensor          # [N, H] flat over the forest
     forest: PackedForest
     graph: object = None          # the verify graph replayed (``VerifyGraphs``), None when eager
+    tree: DraftBatch | None = None  # the trees verified (node 0 the root)
 
 
 class ModelRunner:
@@ -205,53 +208,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def verify(self, reqs: list[Request], batch: DraftBatch) -> VerifyResult:
-        """Target forward over every request's tree: root (pending token) + kept drafts."""
-        # Each tree: node 0 = the pending root token, the kept drafts below it (draft depth d -> d + 1).
+        """Target forward over every request's tree (``batch``: node 0 the pending root token, the kept
+        drafts below it): logits row i is node i's."""
         B, T = batch.tokens.shape
         vg = self.verify_graphs
-        if vg is not None and vg.supports(reqs, T + 1):
+        if vg is not None and vg.supports(reqs, T):
             logits, hidden, ctx, g = vg.run(reqs, batch)
-            return VerifyResult(logits=logits, ctx=ctx, hidden=hidden, forest=ctx.forest, graph=g)
-        dev = batch.tokens.device
-        roots = torch.tensor([r.all_token_ids[r.num_computed] for r in reqs], device=dev)
-        tokens = torch.cat([roots[:, None], batch.tokens], 1)                        # [B, 1 + T]
-        parents = torch.cat([torch.full_like(roots[:, None], -1), batch.parents + 1], 1)
-        counts = batch.num_nodes + 1
-        valid = torch.arange(T + 1, device=dev)[None] < counts[:, None]
-        depth = int(batch.depth.max()) + 1 if T else 1
-        forest = PackedForest.from_padded(parents, counts, depth).to(self.device)
+            return VerifyResult(logits=logits, ctx=ctx, hidden=hidden, forest=ctx.forest, graph=g, tree=batch)
+        valid = torch.arange(T, device=batch.tokens.device)[None] < batch.num_nodes[:, None]
+        forest = PackedForest.from_padded(batch.parents, batch.num_nodes, int(batch.depth.max()) + 1).to(self.device)
         ctx = ForwardContext.build("verify", None, [r.num_computed for r in reqs], [r.state_slot for r in reqs],
                                    [r.block_table for r in reqs], self.kv_cache, self.state_pool,
                                    forest=forest, factors=self.factors.narrow(forest.num_nodes),
                                    device=self.device)
-        hidden = self.model(tokens[valid].to(self.device), ctx)
+        hidden = self.model(batch.tokens[valid].to(self.device), ctx)
         flat = self.model.compute_logits(hidden)
-        logits = flat.new_zeros(B, T + 1, flat.shape[-1])
+        logits = flat.new_zeros(B, T, flat.shape[-1])
         logits[valid.to(flat.device)] = flat
-        return VerifyResult(logits=logits, ctx=ctx, hidden=hidden, forest=forest)
-
-    @torch.inference_mode()
-    def commit(self, reqs: list[Request], res: VerifyResult, accepted_node: "list[int] | torch.Tensor",
-               keep_hidden: bool, lengths: list[int] | None = None):
-        """Materialise each request's accepted path (root + accepted drafts); advance num_computed.
-
-        ``accepted_node``: each request's deepest accepted draft (-1: none), a host list or the
-        acceptance's device tensor; with ``lengths`` (root + accepted drafts, on the host) as well, the
-        commit runs without a host sync."""
-        pad = res.forest.num_requests - len(reqs)  # a graph's padding rows: nothing
-        if isinstance(accepted_node, torch.Tensor):
-            local = accepted_node.to(res.forest.device).long() + 1  # the root (node 0) is always accepted
-            if pad:
-                local = torch.cat([local, local.new_full((pad,), -1)])
-        else:
-            local = [a + 1 for a in accepted_node] + [-1] * pad
-        lengths = self.model.commit(res.ctx, local, None if lengths is None else list(lengths) + [0] * pad)
-        paths = res.forest.accepted_path_nodes(local) if keep_hidden else None
-        for b, r in enumerate(reqs):
-            if keep_hidden:
-                r.queue_hidden(res.hidden[paths[b, : lengths[b]].long()])
-            r.num_computed += lengths[b]
-        return lengths[:len(reqs)]
+        return VerifyResult(logits=logits, ctx=ctx, hidden=hidden, forest=forest, tree=batch)
 
     def can_accept_in_graph(self, res: VerifyResult, sampled: bool = False) -> bool:
         """Whether ``accept_commit_in_graph`` applies: the verify forward was a replayed graph with a tail
@@ -262,31 +236,40 @@ class ModelRunner:
     def accept_commit_in_graph(self, reqs: list[Request], res: VerifyResult,
                                checkpoint_slots: list[int | None] | None = None,
                                sampling: SamplingTensors | None = None) -> list[list[int]]:
-        """Acceptance + commit of every request from the verify graph's captured tail
+        """``accept_and_commit`` of every request in the verify graph's captured tail
         (``VerifyGraphs.run_tail``, with its prefix-cache checkpoint slots; greedy, or sampled with
-        ``sampling``: the requests' ``SamplingTensors``, on the host); advances num_computed and queues
-        the accepted path's hiddens for the drafter. Returns per request [accepted node, emitted count,
-        the tokens (the first ``emitted count`` are emitted), verified drafts]."""
+        ``sampling``: the requests' ``SamplingTensors``, on the host); then ``_advance``. Returns per
+        request [accepted node, emitted count, the tokens (the first ``emitted count`` are emitted),
+        verified nodes]."""
         host = self.verify_graphs.run_tail(res.graph, len(reqs), checkpoint_slots, sampling)
-        path_hidden = self.verify_graphs.out_path_hidden[:len(reqs)].clone()  # [B, D, H]
-        for b, r in enumerate(reqs):
-            r.queue_hidden(path_hidden[b, :host[b][1]])
-            r.num_computed += host[b][1]
+        self._advance(reqs, host, self.verify_graphs.out_path_hidden[:len(reqs)].clone())  # [B, D, H]
         return host
 
     @torch.inference_mode()
-    def commit_path_prefix(self, res: VerifyResult, accepted_node: list[int], keep: list[int],
-                           pool: StatePool, slots: list[int], pad_slot: int) -> None:
-        """Materialise the first ``keep[b]`` nodes of each accepted path (root first) into ``pool`` slot
-        ``slots[b]``, GDN state and conv window only, the request's own slot read only (out of place:
-        ``commit_paths(out=...)``); ``keep[b] == 0`` writes nothing there. Call before ``commit``
-        (which overwrites S_pre): the prefix cache checkpoints a block boundary a commit jumps over.
-        ``pad_slot``: a slot of ``pool`` never used otherwise, for a graph's padding rows.
-        """
-        pad = res.forest.num_requests - len(accepted_node)  # a graph's padding rows: nothing
-        paths = res.forest.accepted_path_nodes([a + 1 for a in accepted_node] + [-1] * pad)
-        out = torch.tensor(list(slots) + [pad_slot] * pad, dtype=torch.long, device=self.device)
-        self.model.commit_paths(res.ctx, path_prefixes(paths, torch.tensor(list(keep) + [0] * pad)), out=(pool, out))
+    def accept_commit(self, reqs: list[Request], res: VerifyResult, logits: torch.Tensor, max_depth: int,
+                      sampling: SamplingTensors | None = None, penalties=None, checkpoint=None) -> list[list[int]]:
+        """``accept_and_commit`` of every request eagerly, over ``logits`` (the verify logits after the
+        step's preprocessing) and the verified trees (``res.tree``); ``sampling`` on the device (None:
+        greedy); ``checkpoint`` as ``accept_and_commit`` takes it. Then ``_advance``; returns what
+        ``accept_commit_in_graph`` returns (one device-to-host read)."""
+        B, dev = len(reqs), logits.device
+        need_counts = sampling is not None or checkpoint is not None   # the uniforms' counters, the cut
+        num_computed = torch.tensor([r.num_computed for r in reqs], device=dev) if need_counts else None
+        out, path_hidden = accept_and_commit(
+            self.model, res.ctx, logits, res.hidden, res.tree.tokens, res.tree.parents, res.tree.depth,
+            torch.ones(B, dtype=torch.bool, device=dev), num_computed, max_depth, sampling=sampling,
+            penalties=penalties, checkpoint=checkpoint)
+        host = out.tolist()
+        self._advance(reqs, host, path_hidden)
+        return host
+
+    @staticmethod
+    def _advance(reqs: list[Request], host: list[list[int]], path_hidden: torch.Tensor) -> None:
+        """After a commit: each request's committed length grows by its path (the emitted count), and
+        the path's target hiddens [B, D, H] are queued for the drafter."""
+        for b, r in enumerate(reqs):
+            r.queue_hidden(path_hidden[b, :host[b][1]])
+            r.num_computed += host[b][1]
 
     # -- drafting ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -335,8 +318,9 @@ class ModelRunner:
     @torch.inference_mode()
     def draft_batch(self, reqs: list[Request], depth: int, topk: int, beam: int, b_ver: int,
                     max_per_request: int | None = None) -> DraftBatch:
-        """Draft (``draft``), keep ``b_ver`` nodes for the batch (``select_nodes``) and compact them:
-        the step's ``DraftBatch`` [B, T_max] (untrimmed). From the draft graph when it applies."""
+        """Draft (``draft``), keep ``b_ver`` nodes for the batch (``select_nodes``) and compact them below
+        the pending root tokens: the step's ``DraftBatch`` [B, 1 + T_max] (untrimmed). From the draft
+        graph when it applies."""
         dg = self.draft_graphs
         if dg is not None and (dg.depth, dg.topk, dg.beam, dg.max_per_request) == \
                 (depth, topk, beam, max_per_request):
@@ -345,7 +329,8 @@ class ModelRunner:
                 return dg.run(reqs, b_ver)
         cand = self.draft(reqs, depth, topk, beam)
         keep = select_nodes(cand.rho, cand.parents, cand.valid, cand.depth, b_ver, max_per_request=max_per_request)
-        return compact(cand, keep)
+        roots = torch.tensor([r.all_token_ids[r.num_computed] for r in reqs], device=self.device)
+        return compact(cand, keep, roots)
 
     @torch.inference_mode()
     def draft(self, reqs: list[Request], depth: int, topk: int, beam: int):

@@ -21,7 +21,7 @@ import torch
 
 from bole.engine.sequence import Request
 from bole.spec.logprobs import TokenLogprob, emitted_logprobs, prompt_logprobs, to_entries
-from bole.spec.sampling import Penalties, apply_penalties, counter_uniforms, process_logits, sample_from_probs
+from bole.spec.sampling import Penalties, apply_penalties, position_uniforms, process_logits, sample_from_probs
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def sample_next(reqs: list[Request], logits: torch.Tensor, pen: Penalties | None
     else:
         st = SamplingTensors.of(reqs, logits.device)
         offset = torch.tensor([r.num_tokens for r in reqs], device=st.seed.device)
-        u = counter_uniforms(st.seed, offset, 1)[:, 0]
+        u = position_uniforms(st.seed, offset, torch.zeros_like(offset)[:, None], 0)[:, 0]  # the token at num_tokens
         tokens = sample_from_probs(process_logits(logits.float(), st.temperature, st.top_k, st.top_p, pen), u)
     toks = tokens.tolist()
     return toks, step_logprobs(reqs, logits[:, None], [[t] for t in toks], pen)

@@ -2,16 +2,17 @@
 
 The budget B_ver comes from the calibration table's bucket (docs/DESIGN.md §5); the MTP drafter's
 trees are verified in one forward over the packed forest and accepted losslessly (docs/DESIGN.md §6).
-Acceptance and commit run where they can without a host round trip: in the verify graph's captured
-tail, else eagerly on the host (min_tokens, penalties, or no graph). Prefix-cache checkpoints of
-boundaries a commit jumps over are planned by ``bole.cache.checkpoints`` on every path.
+Acceptance and commit are one function, ``bole.engine.acceptance.accept_and_commit``: captured in
+the verify graph's tail, or called eagerly (min_tokens, penalties, or no graph) after the eager-only
+logits preprocessing. Prefix-cache checkpoints of boundaries a commit jumps over are reserved and
+settled by ``bole.cache.checkpoints`` around it on both paths.
 """
 
 from __future__ import annotations
 
 import torch
 
-from bole.cache.checkpoints import CheckpointPlanner, PendingCheckpoint, TailPlan, publish_committed
+from bole.cache.checkpoints import CheckpointPlanner, TailPlan, publish_committed
 from bole.cache.prefix_cache import PrefixCache
 from bole.config import SpecConfig
 from bole.engine import sampler
@@ -20,7 +21,6 @@ from bole.engine.runner import ModelRunner
 from bole.engine.sequence import Request
 from bole.spec.budget import CalibrationTable
 from bole.spec.logprobs import TokenLogprob, path_rows
-from bole.spec.sampling import accept_tree, counter_uniforms
 from bole.spec.tree import MAX_TREE_NODES
 
 
@@ -54,73 +54,64 @@ class SpeculativeStep:
         # penalties too (the tails would need [B, V] counts): eager acceptance
         pen = sampler.penalties(reqs, self.vocab_size, self.runner.device)
         plain = no_min and pen is None
-        # the root (the pending token) is verified too: drafts <= MAX_TREE_NODES - 1 per request
+        # the root (the pending token, node 0) is verified too: drafts <= MAX_TREE_NODES - 1 per request
         batch = self.runner.draft_batch(reqs, spec.depth, spec.topk, spec.beam, b_ver,
                                         max_per_request=MAX_TREE_NODES - 1)
-        batch = batch.trimmed(bound if no_sync else None)
+        batch = batch.trimmed(bound + 1 if no_sync else None)
         res = self.runner.verify(reqs, batch)
-        D = spec.depth
-        B, T1 = res.logits.shape[:2]
         if plain and self.runner.can_accept_in_graph(res, sampled=not greedy):
             # acceptance (greedy, or sampled with each request's parameters and seed), commit and
             # checkpoints inside the verify graph's captured tail
             sampling = None if greedy else sampler.SamplingTensors.of(reqs, "cpu")
-            done = self._step_in_graph(reqs, stats, lambda slots: self.runner.accept_commit_in_graph(
+            done = self._accept_commit(reqs, stats, True, lambda slots: self.runner.accept_commit_in_graph(
                 reqs, res, slots, sampling))
             if done is not None:  # the tail leaves the verify logits in place: logprobs read them
                 return done[0], self._path_logprobs(reqs, res, res.logits, done[1], done[0], None)
-        row_depth = torch.cat([torch.zeros_like(batch.depth[:, :1]), batch.depth], 1).clamp(max=D)
-        if greedy:  # argmax walk: no uniforms, no per-request parameters (no host-to-device copies)
-            temp = top_k = top_p = 0.0
-            uniforms = torch.zeros(B, T1, device=res.logits.device)
-        else:
-            st = sampler.SamplingTensors.of(reqs, self.runner.device)
-            temp, top_k, top_p = st.temperature, st.top_k, st.top_p
-            # Row 0 draws token index n+1 (n = num_computed), row i+1 draws index n+1+depth(i).
-            n = torch.tensor([r.num_computed for r in reqs], device=st.seed.device)
-            u_by_depth = counter_uniforms(st.seed, n + 1, D + 1)  # [B, D+1]
-            uniforms = u_by_depth.gather(1, row_depth)
+        # eagerly: the same acceptance and commit (``accept_and_commit``) after the logits' preprocessing
+        sampling = None if greedy else sampler.SamplingTensors.of(reqs, self.runner.device)
         logits = res.logits
         if not no_min:
-            # row r samples output index len(output) + depth(r) (the root x_n is the last output so far)
+            # node r samples output index len(output) + depth(r) (the root x_n is the last output so far)
             n_out = torch.tensor([r.num_output_tokens for r in reqs], device=logits.device)
-            logits = sampler.mask_early_stops(reqs, logits, n_out[:, None] + row_depth.to(logits.device))
-        acc = accept_tree(batch.tokens, batch.parents, uniforms, logits=logits if greedy else logits.float(),
-                          temperature=temp, top_k=top_k, top_p=top_p, max_depth=D, penalties=pen)
-        # the step's one device-to-host read: accepted node, emitted count and tokens of every request
-        host = torch.cat([acc.accepted_node[:, None], acc.num_emitted[:, None], acc.tokens], 1).tolist()
-        accepted, num = [h[0] for h in host], [h[1] for h in host]
-        emitted = [h[2:2 + h[1]] for h in host]
-        pending = self._checkpoint_paths(reqs, res, accepted, num)
-        # path length (root + accepted drafts) = emitted tokens
-        self.runner.commit(reqs, res, acc.accepted_node, keep_hidden=True, lengths=num)
-        publish_committed(self.prefix_cache, reqs, pending, emitted)
-        stats.tree_nodes = int(batch.num_nodes.sum()) + len(reqs)
+            logits = sampler.mask_early_stops(reqs, logits, n_out[:, None] + batch.depth.to(logits.device))
+        cache = self.prefix_cache
+
+        def eager(slots):  # slots per request; a graph forward's padding rows write the scratch slot
+            pad = res.forest.num_requests - len(reqs)
+            ckpt = None if slots is None else (cache.checkpoints, cache.interval, torch.tensor(
+                [cache.scratch_slot if s is None else s for s in slots] + [cache.scratch_slot] * pad,
+                device=logits.device))
+            return self.runner.accept_commit(reqs, res, logits, spec.depth, sampling, pen, ckpt)
+
+        emitted, accepted = self._accept_commit(reqs, stats, False, eager)
         return emitted, self._path_logprobs(reqs, res, logits, accepted, emitted, pen)
 
     def _path_logprobs(self, reqs: list[Request], res, logits: torch.Tensor, accepted: list[int],
                        emitted: list[list[int]], pen) -> list[list[TokenLogprob] | None] | None:
-        """Logprobs of a speculative step's emitted tokens from the verify logits [B, 1 + T, V] along
-        each accepted path (the root's row, then each accepted node's): no extra forward."""
+        """Logprobs of a speculative step's emitted tokens from the verify logits [B, T, V] along each
+        accepted path (the root's row, then each accepted node's): no extra forward."""
         if not any(r.params.logprobs is not None for r in reqs):
             return None
         rows = path_rows(res.forest, accepted, len(reqs)).to(logits.device)       # [B, D]
         along = logits[torch.arange(len(reqs), device=logits.device)[:, None], rows.clamp(min=0)]
         return sampler.step_logprobs(reqs, along, emitted, pen)
 
-    def _step_in_graph(self, reqs: list[Request], stats: StepStats, run
+    def _accept_commit(self, reqs: list[Request], stats: StepStats, in_graph: bool, run
                        ) -> tuple[list[list[int]], list[int]] | None:
-        """Acceptance, commit and prefix-cache checkpoints in a graph's tail: ``run(checkpoint slots)``
-        (the step graph, or the verify graph's tail) returns the tail's rows (one device-to-host read);
-        returns the emitted tokens and accepted nodes. None when the tail cannot take this step's
-        checkpoints (the caller goes on eagerly)."""
+        """Acceptance, commit and prefix-cache checkpoints: ``run(checkpoint slots)`` (the verify graph's
+        tail when ``in_graph``, else the eager ``accept_commit``) returns the step's rows (one
+        device-to-host read); returns the emitted tokens and accepted nodes. Checkpoint slots are
+        reserved before (acceptance happens on the device), settled after. None when the graph's tail
+        cannot take this step's checkpoints (the caller goes on eagerly); eagerly, a step without a
+        slot to write takes no checkpoint."""
         starts = [r.num_computed for r in reqs]
         plan = TailPlan()
         if self.checkpoints is not None:
-            plan = self.checkpoints.reserve_tail(starts, self.spec.depth + 1,
-                                                 self.runner.verify_graphs.checkpoints is not None)
-            if plan is None:
+            takes = self.runner.verify_graphs.checkpoints is not None if in_graph else True
+            plan = self.checkpoints.reserve_tail(starts, self.spec.depth + 1, takes)
+            if plan is None and in_graph:
                 return None
+            plan = plan or TailPlan()
         try:
             host = run(plan.slots)
         except BaseException:
@@ -130,17 +121,5 @@ class SpeculativeStep:
         emitted = [h[2:2 + h[1]] for h in host]
         pending = self.checkpoints.settle_tail(plan, starts, [h[1] for h in host]) if plan.reserved else None
         publish_committed(self.prefix_cache, reqs, pending, emitted)
-        stats.tree_nodes = sum(h[-1] for h in host) + len(reqs)
+        stats.tree_nodes = sum(h[-1] for h in host)
         return emitted, [h[0] for h in host]
-
-    def _checkpoint_paths(self, reqs: list[Request], res, accepted: list[int], lengths: list[int]
-                          ) -> list[PendingCheckpoint | None] | None:
-        """Before an eager commit: checkpoint the block boundary each accepted path of ``lengths``
-        nodes jumps over, by committing the path cut there into a checkpoint slot."""
-        plan = self.checkpoints and self.checkpoints.plan_paths([r.num_computed for r in reqs], lengths)
-        if plan is None:
-            return None
-        cache = self.prefix_cache
-        self.runner.commit_path_prefix(res, accepted, list(plan.keep), cache.checkpoints, list(plan.targets),
-                                       cache.scratch_slot)
-        return list(plan.pending)

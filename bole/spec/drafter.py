@@ -12,8 +12,10 @@ One step of drafting for B requests:
    T_max = k + Σ_{d=2..D} min(beam, size of block d-1) * k, k = min(topk, V): all Python ints.
 2. ``bole.spec.budget.select_nodes(c.rho, c.parents, c.valid, c.depth, b_ver)`` picks the nodes to
    verify (prefix-closed).
-3. ``compact(c, keep)`` re-indexes the kept nodes compactly, preserving the topological order, into
-   padded [B, T_max] tensors; ``accept_tree`` consumes that form directly.
+3. ``compact(c, keep, roots)`` re-indexes the kept nodes compactly below each request's root (node
+   0, the pending token), preserving the topological order, into padded [B, 1 + T_max] tensors: the
+   step's one node list, which verification, ``accept_tree`` and the commit all index
+   (docs/DESIGN.md §7).
 4. ``to_forest(tree)`` builds the ``PackedForest`` the verification kernels take. It is the one
    place that needs the host (variable-size trees become Python lists), once per step.
 
@@ -78,12 +80,16 @@ class DraftCandidates:
 
 @dataclass(frozen=True)
 class DraftBatch:
-    """The kept nodes of every request, compacted (padded [B, T]; node order stays topological).
+    """Every request's tree to verify: node 0 the root (the pending token), then the kept drafts,
+    compacted (padded [B, T]; node order stays topological). One node list from drafting to commit:
+    node i's target logits are row i, an accepted node i is this i (docs/DESIGN.md §7).
 
-    tokens: int64, -1 padding. parents: int64 local parent in the compact order (-1 = root, and
-    -1 on padding). depth: int64, 0 on padding. rho: float32, -inf on padding.
-    source_index: int64 index of each node in the ``DraftCandidates`` it came from (-1 padding),
-    to fetch per-candidate state such as draft hidden states. num_nodes: int64 [B].
+    tokens: int64, the root's pending token at column 0, -1 padding. parents: int64 local parent in
+    this order (-1 for the root, and -1 on padding; a first-level draft's parent is 0). depth: int64
+    (0 for the root and on padding). rho: float32 (0 for the root, -inf on padding).
+    source_index: int64 index of each draft in the ``DraftCandidates`` it came from (-1 for the root
+    and on padding), to fetch per-candidate state such as draft hidden states.
+    num_nodes: int64 [B] nodes per tree, the root included.
     """
 
     tokens: torch.Tensor
@@ -95,7 +101,8 @@ class DraftBatch:
 
     def trimmed(self, width: int | None = None) -> "DraftBatch":
         """The same batch padded only to its widest tree (one host sync): kernels tile by the width.
-        With ``width`` (a bound on every tree's size known on the host), cut there without a sync."""
+        With ``width`` (a bound on every tree's size, root included, known on the host), cut there
+        without a sync."""
         T = (int(self.num_nodes.max()) if self.num_nodes.numel() else 0) if width is None else int(width)
         return DraftBatch(*(t[:, :T] for t in (self.tokens, self.parents, self.depth, self.rho,
                                                self.source_index)), num_nodes=self.num_nodes)
@@ -171,32 +178,34 @@ def expand_tree(root_log_probs: torch.Tensor, step: Callable[[Frontier], torch.T
                            valid=valid)
 
 
-def compact(cand: DraftCandidates, keep: torch.Tensor) -> DraftBatch:
-    """Move the kept nodes to the front of each row, in their original (topological) order.
+def compact(cand: DraftCandidates, keep: torch.Tensor, roots: torch.Tensor) -> DraftBatch:
+    """Each request's tree: its root (node 0, token ``roots[b]``), then the kept candidates in their
+    original (topological) order: a [B, 1 + T_max] ``DraftBatch``.
 
-    ``keep`` [B, T] must be prefix-closed (``select_nodes`` guarantees it) and imply ``valid``.
+    ``keep`` [B, T] must be prefix-closed (``select_nodes`` guarantees it) and imply ``valid``;
+    ``roots`` int64 [B] the pending root tokens.
     """
     B, T = cand.tokens.shape
     keep = keep.bool() & cand.valid
-    new_index = keep.long().cumsum(1) - 1                              # [B, T] position if kept
-    new_parent = torch.where(cand.parents >= 0, new_index.gather(1, cand.parents.clamp(min=0)), -1)
-    dest = torch.where(keep, new_index, T)                             # dropped nodes -> slot T
+    node = keep.long().cumsum(1)                                       # [B, T] node index if kept
+    # a candidate's parent -1 is the committed root, which is node 0 of the tree
+    new_parent = torch.where(cand.parents >= 0, node.gather(1, cand.parents.clamp(min=0)), 0)
+    dest = torch.where(keep, node, T + 1)                              # dropped nodes -> slot T + 1
 
-    def move(values: torch.Tensor, fill) -> torch.Tensor:
-        out = torch.full((B, T + 1), fill, dtype=values.dtype, device=values.device)
-        return out.scatter_(1, dest, values)[:, :T]
+    def move(values: torch.Tensor, root, fill) -> torch.Tensor:
+        out = torch.full((B, T + 2), fill, dtype=values.dtype, device=values.device)
+        out[:, 0] = root
+        return out.scatter_(1, dest, values)[:, :T + 1]
 
-    return DraftBatch(tokens=move(cand.tokens, -1), parents=move(new_parent, -1),
-                      depth=move(cand.depth, 0), rho=move(cand.rho, float("-inf")),
-                      source_index=move(torch.arange(T, device=keep.device).expand(B, T), -1),
-                      num_nodes=keep.sum(1))
+    return DraftBatch(tokens=move(cand.tokens, roots, -1), parents=move(new_parent, -1, -1),
+                      depth=move(cand.depth, 0, 0), rho=move(cand.rho, 0.0, float("-inf")),
+                      source_index=move(torch.arange(T, device=keep.device).expand(B, T), -1, -1),
+                      num_nodes=keep.sum(1) + 1)
 
 
 def to_forest(batch: DraftBatch, max_depth: int | None = None) -> tuple[PackedForest, torch.Tensor]:
-    """The ``PackedForest`` of a compacted batch and its flat int64 [N] node tokens (host sync).
-
-    Raises ``ValueError`` (from ``DraftTree``) if a request kept no node.
-    """
+    """The ``PackedForest`` of a compacted batch (roots included) and its flat int64 [N] node tokens
+    (host sync)."""
     counts = batch.num_nodes.tolist()
     parents = batch.parents.tolist()
     cap = batch.tokens.shape[1] if max_depth is None else max_depth   # a depth never exceeds T

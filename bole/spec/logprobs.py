@@ -41,12 +41,12 @@ def gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, k: int):
 
 
 def path_rows(forest, accepted_node: list[int], num_rows: int) -> torch.Tensor:
-    """Local row (0 = the root, i + 1 = draft node i) of each path position of each request's
-    accepted path: int64 [num_rows, D], -1 padded. ``forest``: the verify step's ``PackedForest``
-    (a graph's may hold padding requests after the real ones); ``accepted_node``: per real request its
-    deepest accepted draft (-1: none)."""
+    """Local row (= tree node: 0 the root) of each path position of each request's accepted path:
+    int64 [num_rows, D], -1 padded. ``forest``: the verify step's ``PackedForest`` (a graph's may hold
+    padding requests after the real ones); ``accepted_node``: per real request its deepest accepted
+    node (0: the root only)."""
     pad = forest.num_requests - len(accepted_node)
-    paths = forest.accepted_path_nodes([a + 1 for a in accepted_node] + [-1] * pad).long()   # [B', D] global
+    paths = forest.accepted_path_nodes(list(accepted_node) + [-1] * pad).long()   # [B', D] global
     start = forest.cu_seqlens[:-1].long()[:, None]
     return torch.where(paths >= 0, paths - start, -1)[:num_rows]
 

@@ -10,8 +10,8 @@ Reproducible per-request seeds: ``counter_uniforms(seed, offset, n)`` is a count
 (splitmix64) of (seed, offset + j), so request b's uniforms depend only on its own seed and
 counter, not on which other requests share the batch or on the device. Recommended convention:
 one uniform per absolute token position. A step whose root sits at sequence length n draws
-``u = counter_uniforms(seed, n, D + 1)`` and gives target row r the uniform of its depth
-(``uniforms[b, r] = u[b, depth(r)]``, depth 0 for the root). A path visits one row per depth, so
+``u = counter_uniforms(seed, n, D + 1)`` and gives tree node r (its target row r) the uniform of its
+depth (``uniforms[b, r] = u[b, depth(r)]``, depth 0 for the root, node 0). A path visits one row per depth, so
 its draws stay independent; each position's uniform is used exactly once over the whole
 generation; and because inverse-CDF sampling is a deterministic function of (distribution,
 uniform), a seeded request emits the same tokens with or without speculation (tested).
@@ -202,14 +202,23 @@ def counter_uniforms(seed: torch.Tensor, offset: torch.Tensor, n: int) -> torch.
     return _srl(_mix64(z), 40).to(torch.float32) * (1.0 / (1 << 24))
 
 
+def position_uniforms(seed: torch.Tensor, first: torch.Tensor, depth: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """The module's seeding convention, the one place it is spelled out: float32 [B, T] uniforms of
+    tree nodes whose depth-0 node draws the token at absolute position ``first[b]`` (int [B]); node r
+    at depth d (``depth`` int [B, T], clamped to 0..max_depth) draws position first + d's uniform,
+    ``counter_uniforms(seed, first, max_depth + 1)[:, d]``. An ``ar`` step is the one-node tree."""
+    u = counter_uniforms(seed, first, max_depth + 1)
+    return u.gather(1, depth.long().clamp(0, max_depth))
+
+
 @dataclass(frozen=True)
 class TreeAcceptance:
     """Result of ``accept_tree`` for B requests (all int64 tensors on the input device).
 
-    accepted_path: [B, D] local indices of the accepted nodes, the depth-1 node first, -1 padded.
+    accepted_path: [B, D] local indices of the accepted drafts, the depth-1 node first, -1 padded.
     num_accepted:  [B] accepted draft nodes (0..D).
-    accepted_node: [B] deepest accepted node (-1 when none): what ``PackedForest.accepted_path_nodes``
-                   and the state commit take.
+    accepted_node: [B] deepest accepted node (0 when only the root): what
+                   ``PackedForest.accepted_path_nodes`` and the state commit take.
     tokens:        [B, D+1] emitted tokens: the accepted nodes' tokens then the correction / bonus
                    token, padded with ``pad_token``.
     num_emitted:   [B] = num_accepted + 1.
@@ -229,20 +238,21 @@ def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, uniforms: torch.Ten
     """Walk every request's draft tree with the lossless acceptance rule, without host syncs.
 
     Args:
-        tokens:   int64 [B, T] draft token of each node; padding nodes have a negative token (they
-                  can never match a draw, so their parent entry is ignored). Nodes are in
-                  topological order and the children of one node carry distinct tokens.
-        parents:  int64 [B, T] local parent index, -1 = the committed root.
-        uniforms: float [B, T+1] in [0, 1): row r's draw uses uniforms[b, r]. A path visits each row
+        tokens:   int64 [B, T] token of each tree node: node 0 is the root (the pending token, never
+                  matched), then the drafts; padding nodes have a negative token (they can never
+                  match a draw, so their parent entry is ignored). Nodes are in topological order
+                  and the children of one node carry distinct tokens (docs/DESIGN.md §7).
+        parents:  int64 [B, T] local parent index (-1 for the root; drafts >= 0).
+        uniforms: float [B, T] in [0, 1): node r's draw uses uniforms[b, r]. A path visits each node
                   at most once, so draws along it are independent.
-        probs:    float [B, T+1, V] processed target probabilities: row 0 is the next-token
-                  distribution after the committed prefix, row i+1 the one after node i.
-        logits, temperature, top_k, top_p: instead of ``probs``, raw target logits [B, T+1, V] and
+        probs:    float [B, T, V] processed target probabilities: row i is the next-token
+                  distribution after node i (row 0: after the committed prefix and the root).
+        logits, temperature, top_k, top_p: instead of ``probs``, raw target logits [B, T, V] and
                   per-request [B] parameters; then only the max_depth+1 rows the walk visits are
-                  processed (T+1 full-vocabulary sorts and softmaxes would dominate at V ~ 150k).
+                  processed (T full-vocabulary sorts and softmaxes would dominate at V ~ 150k).
                   A Python ``temperature`` <= 0 means every row is greedy: argmax, no sort.
-        max_depth: depth bound of every tree (default T). The walk runs exactly max_depth + 1
-                  gather-based iterations, whatever the trees look like.
+        max_depth: depth bound of every tree's drafts (default T - 1). The walk runs exactly
+                  max_depth + 1 gather-based iterations, whatever the trees look like.
         pad_token: fill value of ``TreeAcceptance.tokens`` beyond the emitted ones.
         penalties: with ``logits``, the requests' ``Penalties`` for their committed tokens; the row
                   visited at depth j is penalised with those plus the j draws before it (its path).
@@ -253,15 +263,17 @@ def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, uniforms: torch.Ten
     if tokens.dim() != 2 or parents.shape != tokens.shape:
         raise ValueError(f"tokens {tuple(tokens.shape)} and parents {tuple(parents.shape)} must be [B, T]")
     B, T = tokens.shape
-    if target.dim() != 3 or target.shape[:2] != (B, T + 1):
-        raise ValueError(f"target must be [B, T+1, V] = [{B}, {T + 1}, V], got {tuple(target.shape)}")
-    if uniforms.shape != (B, T + 1):
-        raise ValueError(f"uniforms must be [B, T+1] = [{B}, {T + 1}], got {tuple(uniforms.shape)}")
+    if T < 1:
+        raise ValueError("trees of 0 nodes: node 0 (the root) is needed")
+    if target.dim() != 3 or target.shape[:2] != (B, T):
+        raise ValueError(f"target must be [B, T, V] = [{B}, {T}, V], got {tuple(target.shape)}")
+    if uniforms.shape != (B, T):
+        raise ValueError(f"uniforms must be [B, T] = [{B}, {T}], got {tuple(uniforms.shape)}")
     if logits is not None and (temperature is None or top_k is None or top_p is None):
         raise ValueError("logits need temperature, top_k and top_p")
     if penalties is not None and logits is None:
         raise ValueError("penalties apply to logits, not to processed probs")
-    D = T if max_depth is None else max_depth
+    D = T - 1 if max_depth is None else max_depth
     if D < 0:
         raise ValueError(f"max_depth must be >= 0, got {D}")
 
@@ -271,12 +283,11 @@ def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, uniforms: torch.Ten
     # every row greedy, known on the host (a Python temperature <= 0): the argmax of the raw logits is
     # what process_logits' one-hot and sample_from_probs return, without the vocabulary sort
     all_greedy = logits is not None and isinstance(temperature, (int, float)) and temperature <= 0
-    cur = torch.full((B,), -1, dtype=torch.int64, device=dev)     # current node, -1 = root
+    cur = torch.zeros(B, dtype=torch.int64, device=dev)           # current node (its target row), 0 = root
     alive = torch.ones(B, dtype=torch.bool, device=dev)           # still walking
     path, emitted = [], []
     for step in range(D + 1):
-        r = cur + 1                                                # target row of the current node
-        p = target[rows, r]                                        # [B, V]
+        p = target[rows, cur]                                      # [B, V]
         # an alive row's path so far is the draws emitted before (dead rows' draws are discarded)
         path_tokens = torch.stack(emitted, 1) if penalties is not None and emitted else None
         if all_greedy:
@@ -286,7 +297,7 @@ def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, uniforms: torch.Ten
         else:
             if logits is not None:
                 p = process_logits(p, temperature, top_k, top_p, penalties, path_tokens)
-            x = sample_from_probs(p, uniforms[rows, r])            # [B]
+            x = sample_from_probs(p, uniforms[rows, cur])          # [B]
         hit = (parents == cur[:, None]) & (tokens == x[:, None]) & (tokens >= 0)   # [B, T]
         matched = hit.any(-1) & alive
         if step == D:  # depth bound reached: only a leaf can be here

@@ -1,5 +1,5 @@
 """Checkpoint planning of speculative commits (``bole.cache.checkpoints``), pinned on small pools:
-which slots a graph's tail or an eager commit writes, and what becomes of them."""
+which slots a step's commit (a graph's tail or eager) writes, and what becomes of them."""
 
 from __future__ import annotations
 
@@ -75,22 +75,3 @@ def test_cancel_frees_only_free_slots():
     assert reserved(plan) == [(3, None), (1, 4)]
     planner.cancel(plan)
     assert (cache.checkpoints.num_free, cache.num_checkpoints) == (1, 2)
-
-
-@pytest.mark.parametrize("filled, starts, lengths, pending, keep, targets, free, kept", [
-    (0, [1, 2, 5], [3, 1, 4], [None, None, PendingCheckpoint(8, 1)], [0, 0, 3], [0, 0, 1], 2, 0),
-    # a full pool: LRU checkpoints evicted for the crossing paths; the scratch slot (0) for the rest
-    (12, [1, 6, 9], [4, 3, 1], [PendingCheckpoint(4, 1), PendingCheckpoint(8, 2), None],
-     [3, 2, 0], [1, 2, 0], 0, 1),
-])
-def test_path_plan(filled, starts, lengths, pending, keep, targets, free, kept):
-    cache = cache_with(filled)
-    plan = CheckpointPlanner(cache).plan_paths(starts, lengths)
-    assert (list(plan.pending), list(plan.keep), list(plan.targets)) == (pending, keep, targets)
-    assert (cache.checkpoints.num_free, cache.num_checkpoints) == (free, kept)
-
-
-def test_path_plan_is_none_when_no_path_crosses():
-    cache = cache_with(0)
-    assert CheckpointPlanner(cache).plan_paths([1, 2], [1, 2]) is None
-    assert cache.checkpoints.num_free == 3

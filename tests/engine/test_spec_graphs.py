@@ -75,6 +75,23 @@ def test_full_padded_forest_matches_from_padded():
     assert torch.equal(blank.anc, ref.anc) and torch.equal(blank.depth, ref.depth)
 
 
+def _roots(reqs) -> list[int]:
+    """The requests' pending root tokens (node 0 of their trees)."""
+    return [r.all_token_ids[r.num_computed] for r in reqs]
+
+
+def _commit(runner: ModelRunner, reqs, res, nodes: list[int]) -> list[int]:
+    """Commit each request's path to ``nodes[b]`` (a chosen node, not an accepted one) after ``res``
+    and advance the request as a step does: path lengths."""
+    local = list(nodes) + [-1] * (res.forest.num_requests - len(reqs))  # a graph's padding rows: nothing
+    lengths = runner.model.commit(res.ctx, local)
+    paths = res.forest.accepted_path_nodes(local)
+    for b, r in enumerate(reqs):
+        r.queue_hidden(res.hidden[paths[b, :lengths[b]].long()])
+        r.num_computed += lengths[b]
+    return lengths[:len(reqs)]
+
+
 def _assert_same_commits(eager, graph, re, rg, tol, device):
     """Two runners' requests after the same commits: GDN state, conv windows, layer-0 K/V of every
     committed position and the drafter's pending hiddens agree within tol."""
@@ -100,18 +117,19 @@ def _compare_verify(path, device, capture, tol):
     for batch_prompts, drafts in ((PROMPTS[:1], 6), (PROMPTS[:3], 20), (PROMPTS, 33)):
         B = len(batch_prompts)
         re, rg = _requests(eager, batch_prompts), _requests(graph, batch_prompts)
-        batch = synthetic_batch(drafts, B, DEPTH, 64, gen, device)
+        batch = synthetic_batch(drafts, B, DEPTH, 64, gen, device, _roots(re))
         T = batch.tokens.shape[1]
-        assert vg.supports(rg, T + 1)
+        assert vg.supports(rg, T)
         r1, r2 = eager.verify(re, batch), graph.verify(rg, batch)
-        assert r2.logits.shape == r1.logits.shape == (B, T + 1, 64)
-        valid = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=device), batch.tokens >= 0], 1)
+        assert r2.logits.shape == r1.logits.shape == (B, T, 64)
+        valid = batch.tokens >= 0  # the root and the drafts
+        assert valid[:, 0].all()
         err = float((r2.logits - r1.logits)[valid].abs().max())
         assert err <= tol, (B, err)
         # commit the deepest node of each tree (a different path length per request)
         deepest = [int(torch.argmax(torch.where(batch.tokens[b] >= 0, batch.depth[b], -1))) for b in range(B)]
-        l1 = eager.commit(re, r1, deepest, keep_hidden=True)
-        l2 = graph.commit(rg, r2, deepest, keep_hidden=True)
+        l1 = _commit(eager, re, r1, deepest)
+        l2 = _commit(graph, rg, r2, deepest)
         assert l1 == l2
         _assert_same_commits(eager, graph, re, rg, tol, device)
         for runner, reqs in ((eager, re), (graph, rg)):
@@ -149,11 +167,11 @@ def test_static_verify_reads_nothing_on_the_host():
         r = Request(f"r{i}", [1, 2, 3, 4, 5 + i], SamplingParams(), seed=0)
         r.block_table, r.state_slot, r.num_computed = runner.allocator.allocate(3), runner.state_pool.allocate(), 4
         reqs.append(r)
-    batch = synthetic_batch(9, 3, DEPTH, 64, torch.Generator().manual_seed(0), "cpu")
+    batch = synthetic_batch(9, 3, DEPTH, 64, torch.Generator().manual_seed(0), "cpu", _roots(reqs))
     batch = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to("meta")
                                           for f in dataclasses.fields(batch)})
     logits, hidden, ctx, _ = vg.run(reqs, batch)
-    assert logits.shape == (3, batch.tokens.shape[1] + 1, 64) and logits.device.type == "meta"
+    assert logits.shape == (3, batch.tokens.shape[1], 64) and logits.device.type == "meta"
     assert hidden.shape == (4 * 8, 32) and ctx.forest.num_requests == 4
 
 
@@ -188,13 +206,15 @@ def _compare_draft(path, device, capture, tol, tree_attention=None):
                 assert torch.equal(getattr(d1, f), getattr(d2, f)), (step, f)
             assert float((d1.rho - d2.rho).nan_to_num(0, 0, 0).abs().max()) <= tol
             assert [(r.mtp_computed, r.pending_hidden) for r in re] == [(r.num_computed, None) for r in rg]
-            assert int(d2.num_nodes.sum()) == min(b_ver, 15 * len(batch_prompts))  # T_max = 3 + 6 + 6
+            # T_max = 3 + 6 + 6 drafts, and each tree's root
+            assert int(d2.num_nodes.sum()) == min(b_ver, 15 * len(batch_prompts)) + len(batch_prompts)
+            assert d1.tokens[:, 0].tolist() == _roots(re) and (d1.parents[:, 0] == -1).all()
             # verify the kept drafts, commit each request's deepest node (paths of different lengths)
             for runner, reqs, d in ((eager, re, d1), (graph, rg, d2)):
                 batch = d.trimmed()
                 res = runner.verify(reqs, batch)
                 deepest = [int(torch.argmax(batch.depth[b])) for b in range(len(reqs))]
-                runner.commit(reqs, res, deepest, keep_hidden=True)
+                _commit(runner, reqs, res, deepest)
                 for r in reqs:  # the emitted tokens (any, the same in both runners) up to the new root
                     for _ in range(r.num_computed + 1 - r.num_tokens):
                         r.append_token(7)
@@ -261,7 +281,7 @@ def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel
 @pytest.mark.parametrize("mode", ["bole", "serial_tree"])
 def test_tail_checkpoints_equal_eager_checkpoints_cpu(ckpt, mode):
     # the same arrivals through the tail (checkpoints committed out of place in the graph) and eagerly
-    # (the host's SpeculativeStep._checkpoint_paths): the same cached blocks, and checkpoint states that agree
+    # (SpeculativeStep's eager accept_commit): the same cached blocks, and checkpoint states that agree
     max_tokens = [12, 5, 20, 9]
     engines = []
     for tail in (False, True):
@@ -300,21 +320,22 @@ def _greedy_drafts(runner: ModelRunner, reqs, batch):
         for b, row in enumerate(par):
             seen = set()
             for i, p in enumerate(row):
-                if int(tok[b, i]) < 0:
+                if i == 0 or int(tok[b, i]) < 0:  # node 0 is the root, not a draft
                     continue
-                want = am[b][p + 1]
-                t = want if p not in seen else (want + 1 + i) % 64
+                want = am[b][p]
+                t = want if p not in seen else (want + i) % 64
                 seen.add(p)
                 tok[b, i] = t
     return dataclasses.replace(batch, tokens=tok)
 
 
 def _compare_tail(path, device, capture, tol):
-    """Greedy acceptance + commit in the verify graph's tail against the eager ``accept_tree`` and
-    ``commit`` of the same verified drafts: the same accepted nodes and tokens, then the same GDN
-    state, conv windows, K/V and drafter hiddens; and the tail's prefix-cache checkpoints (the state
-    at the last multiple of 4 tokens inside each commit, written into a reserved slot) equal the eager
-    ``commit_path_prefix``, while a reserved slot of a path that crosses nothing stays untouched."""
+    """Greedy acceptance + commit in the verify graph's tail against the eager ``accept_commit`` of the
+    same verified drafts (the same ``accept_and_commit``, over the eager forward) and a plain
+    ``accept_tree``: the same accepted nodes and tokens, then the same GDN state, conv windows, K/V and
+    drafter hiddens; and the prefix-cache checkpoints (the state at the last multiple of 4 tokens inside
+    each commit, written into a reserved slot) equal the pre-commit state committed in place along the
+    cut path, while a reserved slot of a path that crosses nothing stays untouched."""
     from bole.cache.prefix_cache import boundary_cut
     from bole.cache.state_pool import StatePool
     from bole.spec.sampling import accept_tree
@@ -332,27 +353,29 @@ def _compare_tail(path, device, capture, tol):
     for batch_prompts, drafts in ((PROMPTS[:1], 6), (PROMPTS[:3], 20)):
         B = len(batch_prompts)
         re, rg = _requests(eager, batch_prompts), _requests(graph, batch_prompts)
-        batch = _greedy_drafts(eager, re, synthetic_batch(drafts, B, DEPTH, 64, gen, device))
+        batch = _greedy_drafts(eager, re, synthetic_batch(drafts, B, DEPTH, 64, gen, device, _roots(re)))
         r1, r2 = eager.verify(re, batch), graph.verify(rg, batch)
-        acc = accept_tree(batch.tokens, batch.parents, torch.zeros(B, batch.tokens.shape[1] + 1, device=device),
+        acc = accept_tree(batch.tokens, batch.parents, torch.zeros(B, batch.tokens.shape[1], device=device),
                           logits=r1.logits, temperature=0.0, top_k=0, top_p=0.0, max_depth=DEPTH - 1)
         starts, lengths = [r.num_computed for r in rg], acc.num_emitted.tolist()
-        with torch.no_grad():
-            ck_graph.ssm.fill_(float("nan"))
-            ck_graph.conv.fill_(float("nan"))
-        host = graph.accept_commit_in_graph(rg, r2, list(range(B)))  # request b's checkpoint -> slot b
-        cuts = [boundary_cut(st, n, interval) for st, n in zip(starts, lengths, strict=True)]
-        # eager: SpeculativeStep._checkpoint_paths (the path prefix committed out of place), and the same
-        # from a copy of the committed state committed in place, the way checkpoints were first made
-        eager.commit_path_prefix(r1, acc.accepted_node.tolist(), cuts, ck_eager, list(range(B)), pad_slot=5)
-        ck_copy = StatePool.like(eager.state_pool, B)
+        ck_copy = StatePool.like(eager.state_pool, B)  # the committed state before the commits
         for b, r in enumerate(re):
             eager.state_pool.copy_slot(r.state_slot, ck_copy, b)
+        with torch.no_grad():
+            for pool in (ck_graph, ck_eager):
+                pool.ssm.fill_(float("nan"))
+                pool.conv.fill_(float("nan"))
+        host = graph.accept_commit_in_graph(rg, r2, list(range(B)))  # request b's checkpoint -> slot b
+        host_eager = eager.accept_commit(re, r1, r1.logits, DEPTH - 1,
+                                         checkpoint=(ck_eager, interval, torch.arange(B, device=device)))
+        assert host_eager == host
+        cuts = [boundary_cut(st, n, interval) for st, n in zip(starts, lengths, strict=True)]
+        # the checkpoints the way they were first made: the pre-commit state committed in place
         ctx = dataclasses.replace(r1.ctx, kv_cache=None, state_pool=ck_copy,
                                   state_slots=torch.arange(B, device=device))
         model.commit(ctx, [int(p[c - 1]) - r1.ctx.cu_host[b] if c else -1
                            for b, (p, c) in enumerate(zip(r1.forest.accepted_path_nodes(
-                               (acc.accepted_node + 1).tolist()).tolist(), cuts, strict=True))])
+                               acc.accepted_node.tolist()).tolist(), cuts, strict=True))])
         for b, c in enumerate(cuts):
             if c:
                 assert float((ck_copy.ssm[:, b] - ck_eager.ssm[:, b]).abs().max()) <= tol
@@ -361,13 +384,12 @@ def _compare_tail(path, device, capture, tol):
             for pg, pe in ((ck_graph.ssm, ck_eager.ssm), (ck_graph.conv, ck_eager.conv)):
                 if c:
                     assert float((pg[:, b] - pe[:, b]).abs().max()) <= tol
-                else:
-                    assert torch.isnan(pg[:, b]).all()  # nothing crossed: nothing written
+                else:  # nothing crossed: nothing written
+                    assert torch.isnan(pg[:, b]).all() and torch.isnan(pe[:, b]).all()
         crossed += sum(1 for c in cuts if c)
         assert [h[0] for h in host] == acc.accepted_node.tolist() and max(acc.num_emitted.tolist()) >= 3
         assert [h[1] for h in host] == acc.num_emitted.tolist()
         assert [h[2:2 + h[1]] for h in host] == [t[:n] for t, n in zip(acc.tokens.tolist(), acc.num_emitted.tolist())]
-        eager.commit(re, r1, acc.accepted_node, keep_hidden=True, lengths=acc.num_emitted.tolist())
         _assert_same_commits(eager, graph, re, rg, tol, device)
     assert vg.tail_replays == 2 and crossed >= 2
     return vg

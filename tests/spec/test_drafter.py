@@ -81,34 +81,38 @@ def test_compact_and_to_forest(b_ver):
     root, step, _, _ = markov_drafter(seed=2)
     c = expand_tree(root, step, 4, 3, 2)
     keep = select_nodes(c.rho, c.parents, c.valid, c.depth, b_ver)
-    d = compact(c, keep)
-    forest, flat_tokens = to_forest(d)
     B, T = c.tokens.shape
-    assert torch.equal(d.num_nodes, keep.sum(1))
+    roots = (torch.arange(B) + 1) % V
+    d = compact(c, keep, roots)
+    forest, flat_tokens = to_forest(d)
+    assert d.tokens.shape == (B, 1 + T)
+    assert torch.equal(d.num_nodes, keep.sum(1) + 1)
     for b in range(B):
-        n = int(d.num_nodes[b])
+        n = int(d.num_nodes[b])  # the root, then n - 1 kept drafts
         kept = keep[b].nonzero().flatten().tolist()
-        assert d.source_index[b, :n].tolist() == kept and (d.source_index[b, n:] == -1).all()
-        assert d.tokens[b, :n].tolist() == c.tokens[b, kept].tolist() and (d.tokens[b, n:] == -1).all()
-        for j in range(n):
+        assert (d.tokens[b, 0], d.parents[b, 0], d.depth[b, 0], d.rho[b, 0], d.source_index[b, 0]) == \
+            (roots[b], -1, 0, 0.0, -1)
+        assert d.source_index[b, 1:n].tolist() == kept and (d.source_index[b, n:] == -1).all()
+        assert d.tokens[b, 1:n].tolist() == c.tokens[b, kept].tolist() and (d.tokens[b, n:] == -1).all()
+        for j in range(1, n):
             p = int(d.parents[b, j])
-            src_p = int(c.parents[b, kept[j]])
-            assert p == (-1 if src_p < 0 else kept.index(src_p)) and p < j
-            assert int(d.depth[b, j]) == int(c.depth[b, kept[j]])
+            src_p = int(c.parents[b, kept[j - 1]])
+            assert p == (0 if src_p < 0 else 1 + kept.index(src_p)) and 0 <= p < j
+            assert int(d.depth[b, j]) == int(c.depth[b, kept[j - 1]])
         s, e = int(forest.cu_seqlens[b]), int(forest.cu_seqlens[b + 1])
         assert forest.parents[s:e].tolist() == d.parents[b, :n].tolist()
-        assert forest.depth[s:e].tolist() == d.depth[b, :n].tolist()
+        assert forest.depth[s:e].tolist() == (d.depth[b, :n] + 1).tolist()  # the forest counts levels
         assert flat_tokens[s:e].tolist() == d.tokens[b, :n].tolist()
     # the compact form feeds accept_tree directly: a greedy target that always prefers a node's
     # first kept child accepts the whole first-child chain
     probs = torch.zeros(B, T + 1, V)
     for r in range(T + 1):
-        first_child = ((d.parents == r - 1) & (d.tokens >= 0)).long().argmax(-1)
+        first_child = ((d.parents == r) & (d.tokens >= 0)).long().argmax(-1)
         probs[torch.arange(B), r, d.tokens.gather(1, first_child[:, None])[:, 0].clamp(min=0)] = 1.0
     res = accept_tree(d.tokens, d.parents, torch.rand(B, T + 1), probs, max_depth=4)
     for b in range(B):
-        chain, cur = [], -1
-        while (kids := [j for j in range(T) if d.parents[b, j] == cur and d.tokens[b, j] >= 0]):
+        chain, cur = [], 0
+        while (kids := [j for j in range(T + 1) if d.parents[b, j] == cur and d.tokens[b, j] >= 0]):
             cur = kids[0]
             chain.append(cur)
         assert res.accepted_path[b, : len(chain)].tolist() == chain and res.num_accepted[b] == len(chain)
@@ -119,8 +123,8 @@ def test_drafting_has_no_host_sync():
     B, T = 2, tree_size(V, 3, 2, 2)
     c = expand_tree(torch.zeros(B, V, **m), lambda f: torch.zeros(B, f.tokens.shape[1], V, **m), 3, 2, 2)
     assert c.tokens.is_meta and c.tokens.shape == (B, T)
-    d = compact(c, select_nodes(c.rho, c.parents, c.valid, c.depth, 4))
-    assert d.tokens.is_meta and d.tokens.shape == (B, T)
+    d = compact(c, select_nodes(c.rho, c.parents, c.valid, c.depth, 4), torch.zeros(B, dtype=torch.long, **m))
+    assert d.tokens.is_meta and d.tokens.shape == (B, 1 + T)
 
 
 def test_bad_arguments():

@@ -48,16 +48,16 @@ def test_apply_penalties_matches_python_rule():
 
 def walk_reference(tokens, parents, logits, uniforms, pen_rows, temp, D):
     """The lossless walk of one request done position by position: each visited row is penalised with
-    the committed output plus the tokens emitted before it in this step (its path)."""
+    the committed output plus the tokens emitted before it in this step (its path). Node 0 the root."""
     out_prev, prompt, rep, freq, pres = pen_rows
-    cur, emitted = -1, []
+    cur, emitted = 0, []
     for _ in range(D + 1):
-        row = reference_penalty(logits[cur + 1].tolist(), out_prev + emitted, prompt, rep, freq, pres)
+        row = reference_penalty(logits[cur].tolist(), out_prev + emitted, prompt, rep, freq, pres)
         if temp <= 0:
             x = int(row.argmax())
         else:
             p = process_logits(row[None], temp, -1, 1.0)
-            x = int(sample_from_probs(p, uniforms[cur + 1][None])[0])
+            x = int(sample_from_probs(p, uniforms[cur][None])[0])
         emitted.append(x)
         child = [i for i in range(len(tokens)) if parents[i] == cur and tokens[i] == x]
         if not child or len(emitted) > D:
@@ -77,11 +77,13 @@ def test_penalised_tree_walk_equals_position_by_position(temp):
     rep, freq, pres = [2.0, 1.5, 0.7, 1.0, 3.0, 1.2], [1.0, 0.0, 0.5, -0.5, 1.5, 2.0], [1.5, 2.0, 0.0, 1.0, 0.5, 0.0]
     pen = make_penalties(outputs, prompts, rep, freq, pres, V)
     for trial in range(20):
-        parents = torch.stack([torch.tensor(random_tree(T, D, generator=gen).parents) for _ in range(B)])
-        tokens = torch.randint(0, V, (B, T), generator=gen)
+        # node 0 the root, T drafts below it (a draft tree's root children are node 0's)
+        parents = torch.stack([torch.tensor([-1] + [p + 1 for p in random_tree(T, D, generator=gen).parents])
+                               for _ in range(B)])
+        tokens = torch.cat([torch.zeros(B, 1, dtype=torch.long), torch.randint(0, V, (B, T), generator=gen)], 1)
         for b in range(B):  # children of one node carry distinct tokens
-            for i in range(T):
-                sib = [j for j in range(i) if parents[b, j] == parents[b, i]]
+            for i in range(1, T + 1):
+                sib = [j for j in range(1, i) if parents[b, j] == parents[b, i]]
                 free = [v for v in range(V) if v not in tokens[b, sib].tolist()]
                 tokens[b, i] = free[0] if free else -1
         logits = torch.randn(B, T + 1, V, generator=gen)
@@ -100,15 +102,13 @@ def test_a_node_row_is_penalised_with_its_own_path():
     the repetition penalty on the path's 2 turns into 3. A rule that ignored the path would emit 2, 2."""
     logits = torch.tensor([[[0.0, 0.0, 5.0, 1.0], [0.0, 0.0, 3.0, 2.0]]])
     pen = make_penalties([[]], [[]], [4.0], [0.0], [0.0], 4)
-    acc = accept_tree(torch.tensor([[2]]), torch.tensor([[-1]]), torch.zeros(1, 2), logits=logits,
-                      temperature=0.0, top_k=-1, top_p=1.0, penalties=pen)
+    tree = torch.tensor([[0, 2]]), torch.tensor([[-1, 0]])   # the root (node 0), its child 2
+    acc = accept_tree(*tree, torch.zeros(1, 2), logits=logits, temperature=0.0, top_k=-1, top_p=1.0, penalties=pen)
     assert acc.tokens[0].tolist() == [2, 3]
-    plain = accept_tree(torch.tensor([[2]]), torch.tensor([[-1]]), torch.zeros(1, 2), logits=logits,
-                        temperature=0.0, top_k=-1, top_p=1.0)
+    plain = accept_tree(*tree, torch.zeros(1, 2), logits=logits, temperature=0.0, top_k=-1, top_p=1.0)
     assert plain.tokens[0].tolist() == [2, 2]
     with pytest.raises(ValueError, match="penalties apply to logits"):
-        accept_tree(torch.tensor([[2]]), torch.tensor([[-1]]), torch.zeros(1, 2), probs=logits.softmax(-1),
-                    penalties=pen)
+        accept_tree(*tree, torch.zeros(1, 2), probs=logits.softmax(-1), penalties=pen)
 
 
 def test_processed_logprobs_are_the_sampled_distribution():
@@ -135,9 +135,9 @@ def test_path_rows_and_emitted_logprobs():
     with penalties a later position sees the earlier emitted tokens."""
     parents = torch.tensor([[-1, 0, 0, 1, -1], [-1, 0, 1, 2, 3]])    # local, node 0 = the root
     forest = PackedForest.from_padded(parents, torch.tensor([4, 5]), 5)
-    rows = path_rows(forest, [2, 3], 2)       # deepest accepted drafts: node 3 and node 4 of the trees
+    rows = path_rows(forest, [3, 4], 2)       # deepest accepted nodes: node 3 and node 4 of the trees
     assert rows.tolist()[0][:3] == [0, 1, 3] and rows.tolist()[1][:5] == [0, 1, 2, 3, 4]
-    assert path_rows(forest, [-1, 0], 2).tolist()[0][:2] == [0, -1]
+    assert path_rows(forest, [0, 1], 2).tolist()[0][:2] == [0, -1]
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(2, 3, 6, generator=gen)
     tokens = torch.tensor([[4, 4, 1], [2, -1, -1]])

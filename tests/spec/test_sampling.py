@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from bole.spec.sampling import accept_tree, counter_uniforms, process_logits, sample_from_probs
+from bole.spec.sampling import accept_tree, counter_uniforms, position_uniforms, process_logits, sample_from_probs
 from bole.spec.tree import random_tree
 
 
@@ -112,26 +112,29 @@ def test_counter_uniforms_reproducible_batch_independent_uniform():
 # ---------------------------------------------------------------- tree acceptance: greedy
 
 def random_drafts(B, T, V, g, max_depth=5):
-    """Padded [B, T] random trees whose siblings carry distinct tokens (some requests smaller)."""
-    tokens = torch.full((B, T), -1, dtype=torch.long)
-    parents = torch.full((B, T), -1, dtype=torch.long)
+    """Padded [B, 1 + T] random trees (node 0 the root, token V - 1; up to T drafts below it) whose
+    siblings carry distinct tokens (some requests smaller)."""
+    tokens = torch.full((B, 1 + T), -1, dtype=torch.long)
+    parents = torch.full((B, 1 + T), -1, dtype=torch.long)
+    tokens[:, 0] = V - 1
     for b in range(B):
         n = int(torch.randint(1, T + 1, (1,), generator=g))
         tree = random_tree(n, max_depth, generator=g)
-        parents[b, :n] = torch.tensor(tree.parents)
+        node_parents = [p + 1 for p in tree.parents]  # the draft tree's root children hang below node 0
+        parents[b, 1:n + 1] = torch.tensor(node_parents)
         used: dict[int, set] = {}
-        for i, p in enumerate(tree.parents):
+        for i, p in enumerate(node_parents):
             free = [v for v in torch.randperm(V, generator=g).tolist() if v not in used.setdefault(p, set())]
             used[p].add(free[0])
-            tokens[b, i] = free[0]
+            tokens[b, i + 1] = free[0]
     return tokens, parents
 
 
 def reference_walk(tokens, parents, probs, u):
-    """Python walk of one request: returns (accepted path, emitted tokens)."""
-    cur, path, out = -1, [], []
+    """Python walk of one request (node 0 the root): returns (accepted path, emitted tokens)."""
+    cur, path, out = 0, [], []
     while True:
-        x = int(sample_from_probs(probs[cur + 1][None], u[cur + 1][None])[0])
+        x = int(sample_from_probs(probs[cur][None], u[cur][None])[0])
         out.append(x)
         child = [j for j in range(len(tokens)) if parents[j] == cur and tokens[j] == x and tokens[j] >= 0]
         if not child:
@@ -149,7 +152,7 @@ def test_greedy_walk_matches_python_reference(seed):
     # make the target agree with a random child of each node most of the time, so paths go deep
     for b in range(B):
         for r in range(T + 1):
-            kids = [j for j in range(T) if parents[b, j] == r - 1 and tokens[b, j] >= 0]
+            kids = [j for j in range(T + 1) if parents[b, j] == r and tokens[b, j] >= 0]
             if kids and torch.rand(1, generator=g) < 0.8:
                 logits[b, r, tokens[b, kids[int(torch.randint(len(kids), (1,), generator=g))]]] += 10
     u = torch.rand(B, T + 1, generator=g)
@@ -169,7 +172,7 @@ def test_greedy_walk_matches_python_reference(seed):
         deep += n >= 2
         assert res.num_accepted[b] == n and res.num_emitted[b] == n + 1
         assert res.accepted_path[b, :n].tolist() == path and (res.accepted_path[b, n:] == -1).all()
-        assert res.accepted_node[b] == (path[-1] if path else -1)
+        assert res.accepted_node[b] == (path[-1] if path else 0)
         assert res.tokens[b, : n + 1].tolist() == out and (res.tokens[b, n + 1:] == -1).all()
         assert out[0] == int(logits[b, 0].argmax())
     assert deep >= 2  # the test exercised multi-node paths
@@ -189,19 +192,19 @@ def test_tree_walk_equals_autoregressive_sampling(temp, top_k, top_p):
     logits = torch.zeros(B, T + 1, V)
     depth = torch.zeros(B, T + 1, dtype=torch.long)
     for b in range(B):
-        ctx = {-1: [b]}
-        logits[b, 0] = lm(ctx[-1])
-        for i in range(T):
+        ctx = {0: [b]}
+        logits[b, 0] = lm(ctx[0])
+        for i in range(1, T + 1):
             p = int(parents[b, i])
             if tokens[b, i] < 0:
                 continue
             best = int(lm(ctx[p]).argmax())
-            sibling_tokens = [int(tokens[b, j]) for j in range(T) if j != i and parents[b, j] == p]
+            sibling_tokens = [int(tokens[b, j]) for j in range(1, T + 1) if j != i and parents[b, j] == p]
             if best not in sibling_tokens and torch.rand(1, generator=g) < 0.7:
                 tokens[b, i] = best
             ctx[i] = ctx[p] + [int(tokens[b, i])]
-            logits[b, i + 1] = lm(ctx[i])
-            depth[b, i + 1] = len(ctx[i]) - 1
+            logits[b, i] = lm(ctx[i])
+            depth[b, i] = len(ctx[i]) - 1
     seeds = torch.arange(B) * 1000 + 17
     n = torch.full((B,), 1)  # the root context [b] has length 1
     u_pos = counter_uniforms(seeds, n, D + 1)                      # [B, D+1], one per position
@@ -218,14 +221,31 @@ def test_tree_walk_equals_autoregressive_sampling(temp, top_k, top_p):
         assert res.tokens[b, : len(ar)].tolist() == ar
 
 
+def test_position_uniforms_are_the_positions_counter_uniforms():
+    """Node r at depth d draws the uniform of token position first + d (depths past the bound clamp):
+    what an ar step at that position draws."""
+    seeds, first = torch.tensor([3, 17, 3]), torch.tensor([5, 0, 9])
+    depth = torch.tensor([[0, 1, 1, 2, 7], [0, 2, 1, 0, 0], [0, 0, 3, 1, 2]])
+    got = position_uniforms(seeds, first, depth, 3)
+    for b in range(3):
+        for r in range(5):
+            d = min(int(depth[b, r]), 3)
+            assert got[b, r] == counter_uniforms(seeds[b:b + 1], first[b:b + 1] + d, 1)[0, 0]
+    assert not torch.equal(got[0], got[2])  # the same seed at other positions draws other values
+
+
 def test_padding_and_empty_trees():
-    tokens = torch.tensor([[2, -1, -1], [-1, -1, -1]])
-    parents = torch.tensor([[-1, 0, 0], [-1, -1, -1]])
+    # node 0 the root (its token 2 is never matched: it is not a child of anything)
+    tokens = torch.tensor([[2, 2, -1, -1], [2, -1, -1, -1]])
+    parents = torch.tensor([[-1, 0, 1, 1], [-1, 0, 0, 0]])
     probs = torch.zeros(2, 4, 3)
-    probs[:, :, 2] = 1.0  # the target always says 2: the padding child of node 0 must not match
+    probs[:, :, 2] = 1.0  # the target always says 2: the padding child of node 1 must not match
     res = accept_tree(tokens, parents, torch.zeros(2, 4), probs, max_depth=2, pad_token=-9)
     assert res.tokens.tolist() == [[2, 2, -9], [2, -9, -9]]
-    assert res.num_accepted.tolist() == [1, 0] and res.accepted_path.tolist() == [[0, -1], [-1, -1]]
+    assert res.num_accepted.tolist() == [1, 0] and res.accepted_path.tolist() == [[1, -1], [-1, -1]]
+    assert res.accepted_node.tolist() == [1, 0]
+    with pytest.raises(ValueError, match="root"):
+        accept_tree(tokens[:, :0], parents[:, :0], torch.zeros(2, 0), probs[:, :0])
 
 
 def test_no_host_sync_runs_on_meta_device():
@@ -233,7 +253,7 @@ def test_no_host_sync_runs_on_meta_device():
     B, T, V = 3, 5, 7
     m = dict(device="meta")
     res = accept_tree(torch.zeros(B, T, dtype=torch.long, **m), torch.zeros(B, T, dtype=torch.long, **m),
-                      torch.zeros(B, T + 1, **m), logits=torch.zeros(B, T + 1, V, **m),
+                      torch.zeros(B, T, **m), logits=torch.zeros(B, T, V, **m),
                       temperature=torch.zeros(B, **m), top_k=torch.zeros(B, dtype=torch.long, **m),
                       top_p=torch.ones(B, **m), max_depth=3)
     assert res.tokens.shape == (B, 4) and res.tokens.is_meta
@@ -243,9 +263,9 @@ def test_no_host_sync_runs_on_meta_device():
 
 # ---------------------------------------------------------------- tree acceptance: exactness
 
-# A fixed tree over V=6 (siblings distinct): depth up to 4.
-TREE_PARENTS = [-1, -1, -1, 0, 0, 1, 3, 3, 6, 2]
-TREE_TOKENS = [0, 3, 5, 1, 2, 0, 4, 5, 2, 3]
+# A fixed tree over V=6 (siblings distinct): node 0 the root (token 5), drafts up to depth 4.
+TREE_PARENTS = [-1, 0, 0, 0, 1, 1, 2, 4, 4, 7, 3]
+TREE_TOKENS = [5, 0, 3, 5, 1, 2, 0, 4, 5, 2, 3]
 V6 = 6
 
 
@@ -253,10 +273,10 @@ def toy_lm_logits(seed=11):
     """Context-dependent target logits over V6 tokens, favouring the tree's draft tokens (a good
     drafter) so that multi-node paths are accepted often."""
     g = torch.Generator().manual_seed(seed)
-    ctxs = [[]] + _tree_contexts()
+    ctxs = _tree_contexts()
     children = {}
-    for p, t in zip(TREE_PARENTS, TREE_TOKENS, strict=True):
-        children.setdefault(tuple(ctxs[p + 1]), []).append(t)
+    for p, t in zip(TREE_PARENTS[1:], TREE_TOKENS[1:], strict=True):
+        children.setdefault(tuple(ctxs[p]), []).append(t)
     cache = {}
 
     def lm(ctx):
@@ -270,8 +290,8 @@ def toy_lm_logits(seed=11):
 
 
 def tree_target(lm, process):
-    """[T+1, V] processed target rows for the fixed tree, plus a function ctx -> processed target."""
-    rows = [process(lm(ctx)) for ctx in [[]] + _tree_contexts()]
+    """[T, V] processed target rows for the fixed tree, plus a function ctx -> processed target."""
+    rows = [process(lm(ctx)) for ctx in _tree_contexts()]
     return torch.stack(rows), lambda ctx: process(lm(ctx))
 
 
@@ -290,9 +310,9 @@ def test_tree_sampling_is_exact(params):
     g = torch.Generator().manual_seed(123)
     tokens = torch.tensor(TREE_TOKENS).expand(N, T)
     parents = torch.tensor(TREE_PARENTS).expand(N, T)
-    logit_rows = torch.stack([lm([])] + [lm(c) for c in _tree_contexts()])
-    res = accept_tree(tokens, parents, torch.rand(N, T + 1, generator=g),
-                      logits=logit_rows.expand(N, T + 1, V6), temperature=torch.full((N,), temp),
+    logit_rows = torch.stack([lm(c) for c in _tree_contexts()])
+    res = accept_tree(tokens, parents, torch.rand(N, T, generator=g),
+                      logits=logit_rows.expand(N, T, V6), temperature=torch.full((N,), temp),
                       top_k=torch.full((N,), top_k), top_p=torch.full((N,), top_p), max_depth=4)
     assert (res.num_accepted >= 2).float().mean() > 0.2  # deep paths happen
     seq = complete_autoregressively(res, target, 3, g)
@@ -319,16 +339,17 @@ def test_exactness_test_detects_a_wrong_rule():
     wrong = rows.clone()
     wrong[1:] = rows[0]
     res = accept_tree(torch.tensor(TREE_TOKENS).expand(N, T), torch.tensor(TREE_PARENTS).expand(N, T),
-                      torch.rand(N, T + 1, generator=g), wrong.expand(N, T + 1, V6), max_depth=4)
+                      torch.rand(N, T, generator=g), wrong.expand(N, T, V6), max_depth=4)
     seq = complete_autoregressively(res, target, 2, g)
     p12 = torch.stack([rows[0][a] * target([a]) for a in range(V6)])
     assert chi2_pvalue(torch.bincount(seq[:, 0] * V6 + seq[:, 1], minlength=V6 * V6), p12.flatten()) < 1e-6
 
 
 def _tree_contexts():
-    ctxs = {-1: []}
-    for i, (p, t) in enumerate(zip(TREE_PARENTS, TREE_TOKENS, strict=True)):
-        ctxs[i] = ctxs[p] + [t]
+    """Each node's context after the committed prefix (the root's: empty)."""
+    ctxs = {0: []}
+    for i in range(1, len(TREE_PARENTS)):
+        ctxs[i] = ctxs[TREE_PARENTS[i]] + [TREE_TOKENS[i]]
     return [ctxs[i] for i in range(len(TREE_PARENTS))]
 
 

@@ -52,9 +52,9 @@ class DraftGraphs(GraphFamily):
         self.rows = StaticRows(Bm, self.table_col + self.max_blocks, dev)
         dtype = self.model.lm_head.weight.dtype
         self.hidden_in = torch.zeros(Bm, C, H, dtype=dtype, device=dev)   # target hiddens to catch up on
-        T = self.t_max
+        T = self.t_max + 1
         z = lambda dtype: torch.zeros(Bm, T, dtype=dtype, device=dev)
-        # the selected, compacted drafts (``DraftBatch`` fields)
+        # the root and the selected, compacted drafts (``DraftBatch`` fields)
         self.out = dict(tokens=z(torch.long), parents=z(torch.long), depth=z(torch.long), rho=z(torch.float32),
                         source_index=z(torch.long), num_nodes=torch.zeros(Bm, dtype=torch.long, device=dev))
         self.max_per_request = max_per_request
@@ -107,7 +107,8 @@ class DraftGraphs(GraphFamily):
             valid = cand.valid & (nc > 0)[:, None]
             keep = select_nodes(cand.rho, cand.parents, valid, cand.depth, inp[0, _BVER],
                                 max_per_request=self.max_per_request)
-            batch = compact(cand, keep)
+            # the root is the last catch-up token (the pending one)
+            batch = compact(cand, keep, inp[:, _DTABLE:_DTABLE + C].gather(1, (n - 1)[:, None])[:, 0])
             for k, v in out.items():
                 v.copy_(getattr(batch, k))
 
@@ -139,7 +140,7 @@ class DraftGraphs(GraphFamily):
     @torch.inference_mode()
     def run(self, reqs, b_ver: int):
         """The draft of ``reqs`` (``supports`` must hold) with ``b_ver`` nodes selected for the batch:
-        the compacted ``DraftBatch`` [B, T_max], views of the static outputs (valid until the next
+        the compacted ``DraftBatch`` [B, 1 + T_max] (roots at node 0), views of the static outputs (valid until the next
         replay); the requests' drafter bookkeeping advanced."""
         B = len(reqs)
         g = self.graph(self.key(B, max(r.num_computed for r in reqs) + self.span))

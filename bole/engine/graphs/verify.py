@@ -5,7 +5,7 @@ The verify forward of a speculative step is launch bound on a GPU exactly like a
 once per graph key and replays it:
 
     key = (Bc, Tc, Lc)   Bc: the smallest captured batch size >= the step's batch;
-                         Tc: the smallest captured tree width >= 1 + the widest tree's drafts (every
+                         Tc: the smallest captured tree width >= the widest tree (root included; every
                              request's tree is padded to Tc nodes: extra children of the root that
                              carry token 0 and are never accepted, ``accept_tree`` seeing them as
                              padding);
@@ -13,7 +13,8 @@ once per graph key and replays it:
 
 Static inputs: the decode graphs' pinned-host → device row buffer (root token, num_cached, GDN
 state slot, block table per row, ONE host-to-device copy per step) plus two device buffers the step's
-``DraftBatch`` is copied into on the device (draft tokens and parents, no host round trip). Inside
+``DraftBatch`` is copied into on the device (node tokens and parents, root at node 0 as in the
+batch, no host round trip). Inside
 the graph, from those: the flat node tokens, the forest layout (``PackedForest.full_padded``: depths,
 ancestor chains and bitmasks), positions, KV write slots, the [Bc, Lc] key slots and the
 [Bc, 1, Tc, Lc] prefix + ancestor-or-self mask (``PaddedAttention``); then the model and the lm_head.
@@ -21,16 +22,17 @@ The GDN layers run the same tree conv and closed-form verifier as eagerly (their
 shapes and device pointers), and store the commit factors in the runner's factor buffer.
 
 Padding rows (Bc > B) use the runner's pad KV block and pad state slot, like the decode graphs, and
-are never committed (their accepted node is -1). A real request's padding nodes write K/V at
+are never committed (their accepted node is -1: no path). A real request's padding nodes write K/V at
 num_cached + local index (< num_cached + lookahead, past everything committed) and are overwritten
 by later steps, as rejected nodes are.
 
 The tree depth bound Dc (``max_depth``, the drafter's depth + 1 with the root) is fixed per graph, so
 the verifier runs Dc Neumann rounds whatever the step's trees look like (exact either way).
 
-Each graph has a tail (``run_tail``, captured after it over its outputs): the greedy acceptance walk
-(or, with ``sampled_tail``, the lossless sampled one) and the commit of the accepted paths, prefix-cache
-checkpoints included. The forest context is ``bole.engine.graphs.tree.StaticTree``'s.
+Each graph has a tail (``run_tail``, captured after it over its outputs): the step's acceptance and
+commit, ``bole.engine.acceptance.accept_and_commit`` (the eager step's too), greedy or, with
+``sampled_tail``, sampled, prefix-cache checkpoints included. The forest context is
+``bole.engine.graphs.tree.StaticTree``'s.
 
 ``capture=False`` runs the same static forwards without graphs (any device: CPU tests).
 """
@@ -43,12 +45,11 @@ from typing import Sequence
 
 import torch
 
-from bole.cache.prefix_cache import boundary_cut
+from bole.engine.acceptance import accept_and_commit
 from bole.engine.graphs.base import (
     _POS,
     _SLOT,
     _TABLE,
-    _TOK,
     Graph,
     GraphFamily,
     StaticRows,
@@ -58,8 +59,6 @@ from bole.engine.graphs.base import (
 )
 from bole.engine.graphs.tree import StaticTree
 from bole.engine.sampler import SamplingTensors
-from bole.spec.sampling import accept_tree, counter_uniforms
-from bole.spec.tree import path_prefixes
 
 
 @dataclass
@@ -89,9 +88,10 @@ class VerifyGraphs(GraphFamily):
         dev = runner.device
         Bm, Tm = self.batch_sizes[-1], widths[-1]
         self.rows = StaticRows(Bm, _TABLE + self.max_blocks, dev)
+        # the step's trees (``DraftBatch``: node 0 the root); a padding row's root carries -1 (token 0)
         self.draft_tokens = torch.full((Bm, Tm), -1, dtype=torch.long, device=dev)  # -1: padding node
         self.draft_parents = torch.zeros(Bm, Tm, dtype=torch.long, device=dev)
-        self.draft_parents[:, 0] = -1  # column 0 is the root of every tree, never overwritten
+        self.draft_parents[:, 0] = -1  # column 0 is the root of every tree
         H, V = self.model.config.hidden_size, self.model.config.vocab_size
         dtype = self.model.lm_head.weight.dtype
         self.out_hidden = torch.zeros(Bm * Tm, H, dtype=dtype, device=dev)
@@ -141,7 +141,6 @@ class VerifyGraphs(GraphFamily):
 
         def run():
             tok = draft_tok.clamp(min=0)  # padding nodes (-1) verify token 0 and are never accepted
-            tok[:, 0] = inp[:, _TOK]
             st.fill(inp[:, _POS], draft_par, tables, inp[:, _SLOT])
             hidden = model(tok.reshape(-1), ctx)
             out_h.copy_(hidden)
@@ -184,22 +183,21 @@ class VerifyGraphs(GraphFamily):
     # -- a step ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, reqs, batch):
-        """The verify forward of ``reqs`` over ``batch`` (a trimmed ``DraftBatch``: [B, T] drafts);
-        returns (logits [B, 1 + T, V] and hidden [Bc * Tc, H] views of the static outputs, valid until
-        the next replay; the context ``commit`` takes, with this step's host lists)."""
+        """The verify forward of ``reqs`` over ``batch`` (a trimmed ``DraftBatch``: [B, T] nodes, root
+        first); returns (logits [B, T, V] and hidden [Bc * Tc, H] views of the static outputs, valid
+        until the next replay; the context ``commit`` takes, with this step's host lists)."""
         B, T = batch.tokens.shape
-        g = self.graph(self.key(B, T + 1, max(r.num_computed for r in reqs)))
+        g = self.graph(self.key(B, T, max(r.num_computed for r in reqs)))
         Bc, Tc, Lc = g.key
         self._load(reqs, Bc, Lc)
         tok, par = self.draft_tokens[:Bc, :Tc], self.draft_parents[:Bc, :Tc]
         tok.fill_(-1)
         par[:, 1:].fill_(0)  # padding nodes: children of the root
-        if T:
-            tok[:B, 1:T + 1] = batch.tokens
-            par[:B, 1:T + 1] = torch.where(batch.tokens >= 0, batch.parents + 1, 0)
+        tok[:B, :T] = batch.tokens
+        par[:B, :T] = torch.where(batch.tokens >= 0, batch.parents, 0)  # the root's parent stays -1
         self.replay(g)
         V = self.out_logits.shape[1]
-        logits = self.out_logits[:Bc * Tc].view(Bc, Tc, V)[:B, :T + 1]
+        logits = self.out_logits[:Bc * Tc].view(Bc, Tc, V)[:B, :T]
         ctx = dataclasses.replace(g.ctx, num_cached_host=[r.num_computed for r in reqs] + [0] * (Bc - B),
                                   block_tables=[list(r.block_table) for r in reqs] +
                                   [[self.pad_block]] * (Bc - B))
@@ -215,53 +213,27 @@ class VerifyGraphs(GraphFamily):
         self.checkpoints = (pool, int(interval), StaticRows(self.batch_sizes[-1], 1, self.runner.device),
                             int(scratch_slot))
 
-    # -- the tail: greedy acceptance and the commit, after a replayed forward ----------------------------
+    # -- the tail: acceptance and the commit, after a replayed forward ---------------------------------
     def _make_tail(self, g: VerifyGraph, sampled: bool = False) -> Graph:
-        """The greedy ``accept_tree`` walk over the forward's logits and the commit of the accepted paths
-        (``commit_paths``: GDN state, conv windows, K/V), writing the host's one read (``out_accept``)
-        and the path's hiddens (``out_path_hidden``); captured by ``capture``.
-
-        ``sampled``: the lossless sampled walk instead (``accept_tree`` over the processed logits, each
-        row's parameters from ``load_sampling``), with the uniforms the eager step draws: request b's
-        ``counter_uniforms(seed, num_computed + 1, depth + 1)``, target row r taking its depth's."""
+        """``bole.engine.acceptance.accept_and_commit`` over the forward's static outputs (greedy, or
+        with ``sampled`` each row's parameters from ``load_sampling``), writing the host's one read
+        (``out_accept``) and the path's hiddens (``out_path_hidden``); captured by ``capture``."""
         (Bc, Tc, _), D = g.key, self.max_depth
         V = self.out_logits.shape[1]
         logits, hidden = self.out_logits[:Bc * Tc].view(Bc, Tc, V), self.out_hidden[:Bc * Tc]
-        drafts, parents = self.draft_tokens[:Bc, 1:Tc], self.draft_parents[:Bc, 1:Tc]
+        tokens, parents = self.draft_tokens[:Bc, :Tc], self.draft_parents[:Bc, :Tc]
         inp, out, out_h = self.rows.device[:Bc], self.out_accept[:Bc], self.out_path_hidden[:Bc]
         model, forest, ctx = self.model, g.ctx.forest, g.ctx
-        accept = model.backend.greedy_accept   # accept_tree's greedy walk (kernels.greedy_accept on the GPU)
-        if sampled:
-            st = self._sampling(Bc)
-
-            def accept(drafts, parents, logits, max_depth):
-                row_depth = (forest.depth.view(Bc, Tc).long() - 1).clamp(0, max_depth)  # the root 0, drafts theirs
-                u = counter_uniforms(st.seed, inp[:, _POS] + 1, max_depth + 1).gather(1, row_depth)
-                # the native logits: process_logits upcasts only the rows the walk visits, to the values the
-                # eager step's fp32 copy holds (no [Bc, Tc, V] fp32 copy kept in the graph's pool)
-                return accept_tree(drafts, parents, u, logits=logits, temperature=st.temperature, top_k=st.top_k,
-                                   top_p=st.top_p, max_depth=max_depth)
-
-        ckpt = self.checkpoints
+        st = self._sampling(Bc) if sampled else None
+        ck = self.checkpoints
+        ckpt = None if ck is None else (ck[0], ck[1], ck[2].device[:Bc, 0])
 
         def run():
-            acc = accept(drafts, parents - 1, logits, max_depth=D - 1)
+            # the forest counts levels (the root 1): node depths for the sampled uniforms
+            depth = forest.depth.view(Bc, Tc) - 1 if sampled else None
             # padding rows (the pad state slot) commit nothing; a real row always keeps its root
-            real = inp[:, _SLOT] != self.pad_slot
-            local = torch.where(real, acc.accepted_node + 1, -1)
-            paths = forest.accepted_path_nodes(local)                          # [Bc, D] global ids
-            if ckpt is not None:
-                # the path prefix up to the last checkpoint boundary strictly inside the commit of
-                # [start, start + n) (PrefixCache.path_cut), committed into the row's checkpoint slot
-                pool_c, interval, slots_c = ckpt[0], ckpt[1], ckpt[2].device[:Bc, 0]
-                cut = torch.where(real, boundary_cut(inp[:, _POS], acc.num_emitted, interval), 0)
-                model.commit_paths(ctx, path_prefixes(paths, cut), out=(pool_c, slots_c))
-            model.commit_paths(ctx, paths)
-            out_h.copy_(hidden[paths.clamp(min=0).long()])
-            out[:, 0] = acc.accepted_node
-            out[:, 1] = acc.num_emitted
-            out[:, 2:2 + D] = acc.tokens
-            out[:, 2 + D] = (drafts >= 0).sum(1)  # verified drafts (the step's statistics)
+            accept_and_commit(model, ctx, logits, hidden, tokens, parents, depth, inp[:, _SLOT] != self.pad_slot,
+                              inp[:, _POS], D - 1, sampling=st, checkpoint=ckpt, out=out, out_hidden=out_h)
 
         return Graph(g.key, run, ctx)
 
@@ -296,7 +268,8 @@ class VerifyGraphs(GraphFamily):
     def run_tail(self, g: VerifyGraph, batch: int, checkpoint_slots: Sequence[int | None] | None = None,
                  sampling: SamplingTensors | None = None) -> list[list[int]]:
         """After ``run`` returned ``g``: accept and commit in the captured tail; per request [accepted
-        node, emitted count, D tokens (padded), verified drafts] (the step's one device-to-host read).
+        node (0: the root only), emitted count, D tokens (padded), verified nodes] (the step's one
+        device-to-host read).
         ``out_path_hidden`` then holds each request's accepted-path hiddens, valid until the next tail.
         ``checkpoint_slots`` (with ``enable_checkpoints``): per request the checkpoint slot its path's
         boundary state goes to, None for a request whose path cannot cross a boundary this step.
