@@ -193,6 +193,7 @@ class LocalEngineClient:
         limits = async_engine.limits()
         self.tokenizer = async_engine.tokenizer
         self.max_model_len, self.vocab_size = limits.max_model_len, limits.vocab_size
+        self.memory_plan = dict(limits.memory_plan)   # bytes per category, fixed at start
         self.max_pending = max_pending if max_pending is not None else default_max_pending(limits.max_num_seqs)
         self.max_choices = self.max_pending
         self.hardware_class = hardware or hardware_class(limits.device)
@@ -261,6 +262,7 @@ class LocalEngineClient:
             self._checked_table = table
             self._mismatch = ",".join(calibration_mismatch(self.async_engine, self.hardware_class))
         snap["calibration_mismatch"] = self._mismatch   # e.g. "dtype,tp_size"; "" when the table matches
+        snap["memory_plan"] = self.memory_plan
         return snap
 
     async def fleet_stats(self) -> list[dict]:

@@ -15,7 +15,8 @@ middleware, before the body is read or validated; ``deployments.http_guards.ARRI
                                      (non-streaming client went away), stream_closed (a streaming
                                      client went away), deadline (the server-side request timeout)
 
-The per-replica gauges are refreshed from the fleet's stats on every scrape (``export``).
+The per-replica gauges are refreshed from the fleet's stats on every scrape (``export``), among them
+``bole_memory_plan_bytes{category=...}``: the engine's memory plan at start (``bole.cache.memory_plan``).
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ class ServerMetrics:
         self.table = Gauge("bole_calibration_table_info", "Calibration table in use (value 1); mismatch: the "
                            "fields (model, dtype, tp_size, hardware) it was not measured for, '' if none",
                            rep + ["table_id", "mismatch"], registry=r)
+        self.memory = Gauge("bole_memory_plan_bytes", "Device memory the engine planned at start, by category "
+                            "(kv, state, checkpoints, factors, snapshots, activations, logits, workspace)",
+                            rep + ["category"], registry=r)
 
     def observe_first_token(self, hardware_class: str, ttft_s: float, prefill_s: float | None) -> None:
         labels = (self.model_name, hardware_class)
@@ -93,7 +97,7 @@ class ServerMetrics:
             self.mat.labels(*labels).observe((num_tokens - 1) / num_steps)
 
     def export(self, fleet: list[dict]) -> bytes:
-        for g in (*self.gauges.values(), self.table):
+        for g in (*self.gauges.values(), self.table, self.memory):
             g.clear()
         for s in fleet:
             labels = (self.model_name, str(s.get("replica", "?")), str(s.get("hardware_class", "unknown")))
@@ -102,4 +106,6 @@ class ServerMetrics:
                     g.labels(*labels).set(float(s[key]))
             if "table_id" in s:
                 self.table.labels(*labels, str(s["table_id"]), str(s.get("calibration_mismatch", ""))).set(1)
+            for category, n in (s.get("memory_plan") or {}).items():
+                self.memory.labels(*labels, str(category)).set(float(n))
         return generate_latest(self.registry)
