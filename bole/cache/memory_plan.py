@@ -22,7 +22,11 @@ themselves, ``PagedKVCache`` / ``StatePool`` / ``TreeFactors``, so the figures f
   workspace    WORKSPACE_BYTES for cuBLAS / Triton workspaces and allocator fragmentation
   checkpoints  prefix-cache checkpoint slots: CHECKPOINT_SHARE of what is left, at most one per
                checkpoint boundary of the KV blocks (plus the scratch slot)
-  kv           every byte left: KV blocks of the attention layers and the drafter's layers
+  kv           every byte left: KV blocks of the attention layers and the drafter's layers, but no more
+               than KV_WORKING_SETS × max_num_seqs requests at the model's longest position (the running
+               batch's own blocks and as many again of cached prefixes): a short-context model does not
+               take the device, so several engines of it share one GPU (every planned engine still
+               plans from the memory the engines before it left free)
 
 A count the user gave (``num_blocks``, ``num_checkpoint_slots``) wins but must fit. A configuration
 that cannot fit, at least one tree's worth of KV blocks per running request, is refused at start
@@ -57,6 +61,7 @@ LOGITS_NATIVE_COPIES = 3          # lm_head output, its padded [B, 1 + T, V] cop
 GDN_CHUNK = 64                    # tokens per chunk of the chunked GDN prefill (one fp32 state per chunk)
 WORKSPACE_BYTES = 1 * GiB
 CHECKPOINT_SHARE = 0.1
+KV_WORKING_SETS = 2               # planned KV: at most twice what max_num_seqs requests address at full length
 CPU_NUM_BLOCKS, CPU_NUM_CHECKPOINT_SLOTS = 512, 32
 CATEGORIES = ("kv", "state", "checkpoints", "factors", "snapshots", "activations", "logits", "workspace")
 
@@ -201,6 +206,11 @@ def plan_memory(cfg, config, free: int | None = None, total: int | None = None,
                              f"most {blocks} blocks fit in the {gib(max(left, 0))} GiB left of {env} after the "
                              f"other buffers; lower num_blocks or leave it unset (planned)")
         blocks = cc.num_blocks
+    else:  # no more than the batch can address at the longest position, KV_WORKING_SETS times over
+        blocks = min(blocks, KV_WORKING_SETS * config.max_num_seqs *
+                     blocks_needed(cfg.max_position_embeddings + lookahead, cc.block_size))
+    if ckpt_on and cc.num_checkpoint_slots is None:  # at most one per checkpoint boundary
+        slots = max(1, min(slots, blocks // cc.checkpoint_interval_blocks))
     if blocks < min_blocks:  # an explicit num_checkpoint_slots took the room
         raise ValueError(f"num_checkpoint_slots={slots} leaves {blocks} KV blocks, fewer than the {min_blocks} "
                          f"that max_num_seqs={config.max_num_seqs} trees need, in {env}; at most "

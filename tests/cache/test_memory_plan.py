@@ -25,8 +25,9 @@ TOTAL = 140 * GiB
 SIZE = lambda t: t.numel() * t.element_size()
 
 
-def shapes(name: str):
-    return replace(shapes_config(name), num_mtp_layers=1)
+def shapes(name: str, positions: int = 262144):
+    """The sweep's shapes with one MTP layer and Qwen3.5's 262144 positions (the planned KV's cap)."""
+    return replace(shapes_config(name), num_mtp_layers=1, max_position_embeddings=positions)
 
 
 def cuda_config(mode: str, **opts) -> EngineConfig:
@@ -98,6 +99,17 @@ def test_explicit_counts_win_but_are_checked():
     plan_memory(cfg, cuda_config("bole", max_num_seqs=8, num_checkpoint_slots=most), free, TOTAL)
     with pytest.raises(ValueError, match=f"num_checkpoint_slots={most + 1} leaves"):
         plan_memory(cfg, cuda_config("bole", max_num_seqs=8, num_checkpoint_slots=most + 1), free, TOTAL)
+
+
+def test_short_context_caps_the_planned_kv():
+    cfg, config = shapes("qwen3.5-9b", positions=4096), cuda_config("bole", max_num_seqs=8)
+    plan = plan_memory(cfg, config, TOTAL - 20 * GiB, TOTAL)
+    lookahead = 1 + tree_size(cfg.vocab_size, 4, 4, 4)
+    assert plan.num_blocks == 2 * 8 * blocks_needed(4096 + lookahead, 16)
+    assert plan.num_checkpoint_slots <= plan.num_blocks and plan.total_bytes < plan.budget / 2
+    # a count given is not capped
+    assert plan_memory(cfg, cuda_config("bole", max_num_seqs=8, num_blocks=3 * plan.num_blocks), TOTAL - 20 * GiB,
+                       TOTAL).num_blocks == 3 * plan.num_blocks
 
 
 def test_utilization_bounds_the_budget():
