@@ -192,29 +192,30 @@ def plan_memory(cfg, config, free: int | None = None, total: int | None = None,
     if fit < config.max_num_seqs:
         raise ValueError(_refusal(config, fixed, need(config.max_num_seqs), fit, env))
     left = budget - sum(fixed.values()) - spare * u.block
-    if cc.num_checkpoint_slots is not None or not ckpt_on:
-        slots = cc.num_checkpoint_slots or CPU_NUM_CHECKPOINT_SLOTS
-    else:
-        slots = max(1, int(CHECKPOINT_SHARE * left) // u.slot)
-        slots = max(1, min(slots, (left - (slots + 1) * u.slot) // u.block // cc.checkpoint_interval_blocks))
-    room = left - min_blocks * u.block   # what checkpoints may take at most
-    left -= (slots + 1) * u.slot if ckpt_on else 0
-    blocks = max(left // u.block, 0)
-    if cc.num_blocks is not None:
-        if cc.num_blocks > blocks:
+    ckpt = lambda n: (n + 1) * u.slot if ckpt_on else 0   # n checkpoint slots and the scratch slot
+    planned_slots = ckpt_on and cc.num_checkpoint_slots is None
+    slots = max(1, int(CHECKPOINT_SHARE * left) // u.slot) if planned_slots else \
+        cc.num_checkpoint_slots or CPU_NUM_CHECKPOINT_SLOTS
+    if cc.num_blocks is not None:   # a count given wins, not capped, checked
+        most = (left - ckpt(1 if planned_slots else slots)) // u.block
+        if cc.num_blocks > most:
             raise ValueError(f"num_blocks={cc.num_blocks} needs {gib(cc.num_blocks * u.block)} GiB of KV cache; at "
-                             f"most {blocks} blocks fit in the {gib(max(left, 0))} GiB left of {env} after the "
-                             f"other buffers; lower num_blocks or leave it unset (planned)")
+                             f"most {max(most, 0)} blocks fit in {env} after the other buffers; lower num_blocks "
+                             f"or leave it unset (planned)")
         blocks = cc.num_blocks
-    else:  # no more than the batch can address at the longest position, KV_WORKING_SETS times over
-        blocks = min(blocks, KV_WORKING_SETS * config.max_num_seqs *
+        if planned_slots:
+            slots = max(1, min(slots, (left - blocks * u.block) // u.slot - 1))
+    else:
+        room = left - min_blocks * u.block   # what checkpoints may take at most
+        if ckpt(slots) > room:   # only a given num_checkpoint_slots can: ``fit`` counted one slot
+            raise ValueError(f"num_checkpoint_slots={slots} leaves fewer KV blocks than the {min_blocks} that "
+                             f"max_num_seqs={config.max_num_seqs} trees need, in {env}; at most "
+                             f"{max(room // u.slot - 1, 0)} checkpoint slots fit; lower num_checkpoint_slots")
+        # no more than the batch can address at the longest position, KV_WORKING_SETS times over
+        blocks = min((left - ckpt(slots)) // u.block, KV_WORKING_SETS * config.max_num_seqs *
                      blocks_needed(cfg.max_position_embeddings + lookahead, cc.block_size))
-    if ckpt_on and cc.num_checkpoint_slots is None:  # at most one per checkpoint boundary
+    if planned_slots:  # at most one per checkpoint boundary
         slots = max(1, min(slots, blocks // cc.checkpoint_interval_blocks))
-    if blocks < min_blocks:  # an explicit num_checkpoint_slots took the room
-        raise ValueError(f"num_checkpoint_slots={slots} leaves {blocks} KV blocks, fewer than the {min_blocks} "
-                         f"that max_num_seqs={config.max_num_seqs} trees need, in {env}; at most "
-                         f"{room // u.slot - 1} checkpoint slots fit; lower num_checkpoint_slots")
     return MemoryPlan(kv=(blocks + spare) * u.block, checkpoints=(slots + 1) * u.slot if ckpt_on else 0,
                       num_blocks=blocks, num_checkpoint_slots=slots, free=free, total=total, budget=budget,
                       max_num_seqs_fit=fit, **common)

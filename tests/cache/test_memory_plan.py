@@ -89,10 +89,17 @@ def test_explicit_counts_win_but_are_checked():
     plan = plan_memory(cfg, cuda_config("bole", max_num_seqs=8, num_blocks=1000, num_checkpoint_slots=5), free, TOTAL)
     assert (plan.num_blocks, plan.num_checkpoint_slots) == (1000, 5)
     auto = plan_memory(cfg, cuda_config("bole", max_num_seqs=8), free, TOTAL)
-    with pytest.raises(ValueError, match=f"num_blocks={auto.num_blocks + 1} needs .* at most {auto.num_blocks} "):
-        plan_memory(cfg, cuda_config("bole", max_num_seqs=8, num_blocks=auto.num_blocks + 1), free, TOTAL)
     assert plan_memory(cfg, cuda_config("bole", max_num_seqs=8, num_blocks=auto.num_blocks), free, TOTAL).kv == auto.kv
-    with pytest.raises(ValueError, match="num_checkpoint_slots=5000 leaves 0 KV blocks") as e:
+    with pytest.raises(ValueError, match=r"num_blocks=1000000 needs .* GiB of KV cache; at most \d+ blocks fit") as e:
+        plan_memory(cfg, cuda_config("bole", max_num_seqs=8, num_blocks=10 ** 6), free, TOTAL)
+    most = int(re.search(r"at most (\d+) blocks fit", str(e.value)).group(1))
+    # a given num_blocks may take the planned checkpoints' share (they shrink to one slot); the number named fits
+    assert most > auto.num_blocks
+    big = plan_memory(cfg, cuda_config("bole", max_num_seqs=8, num_blocks=most), free, TOTAL)
+    assert big.num_checkpoint_slots == 1 and big.total_bytes <= big.budget
+    with pytest.raises(ValueError, match=f"num_blocks={most + 1} needs"):
+        plan_memory(cfg, cuda_config("bole", max_num_seqs=8, num_blocks=most + 1), free, TOTAL)
+    with pytest.raises(ValueError, match="num_checkpoint_slots=5000 leaves fewer KV blocks") as e:
         plan_memory(cfg, cuda_config("bole", max_num_seqs=8, num_checkpoint_slots=5000), free, TOTAL)
     most = int(re.search(r"at most (\d+) checkpoint slots fit", str(e.value)).group(1))
     assert most > auto.num_checkpoint_slots
