@@ -267,20 +267,29 @@ class CacheConfig:
         point is a multiple of ``checkpoint_interval_blocks * block_size`` tokens).
     num_checkpoint_slots: the checkpoint pool (ssm + conv of every GDN layer per slot), a budget
         separate from the KV blocks.
+    num_blocks / num_checkpoint_slots None: planned (``bole.cache.memory_plan``): on CUDA from the
+        free memory at start, within gpu_memory_utilization of the device; on the CPU 512 / 32. A count
+        given wins over the plan, but is refused at start if it does not fit.
     """
 
     block_size: int = 16
-    num_blocks: int = 512
+    num_blocks: int | None = None
     enable_prefix_cache: bool = True
     checkpoint_interval_blocks: int = 1
-    num_checkpoint_slots: int = 32
+    num_checkpoint_slots: int | None = None
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self):
-        check_types(self, ints=("block_size", "num_blocks", "checkpoint_interval_blocks", "num_checkpoint_slots"),
-                     bools=("enable_prefix_cache",))
-        if self.block_size < 1 or self.num_blocks < 1:
+        check_types(self, ints=("block_size", "checkpoint_interval_blocks")
+                    + tuple(k for k in ("num_blocks", "num_checkpoint_slots") if getattr(self, k) is not None),
+                    bools=("enable_prefix_cache",))
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ValueError(f"CacheConfig.gpu_memory_utilization must be a float in (0, 1], got {u!r}")
+        if self.block_size < 1 or (self.num_blocks is not None and self.num_blocks < 1):
             raise ValueError(f"block_size={self.block_size} and num_blocks={self.num_blocks} must be >= 1")
-        if self.checkpoint_interval_blocks < 1 or self.num_checkpoint_slots < 1:
+        if self.checkpoint_interval_blocks < 1 or (self.num_checkpoint_slots is not None and
+                                                   self.num_checkpoint_slots < 1):
             raise ValueError(f"checkpoint_interval_blocks={self.checkpoint_interval_blocks} and "
                              f"num_checkpoint_slots={self.num_checkpoint_slots} must be >= 1")
 

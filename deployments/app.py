@@ -66,7 +66,7 @@ class GroupConfig(BaseModel):
     tp_size: int = Field(1, ge=1, description="Tensor-parallel degree (GPUs per replica).")
     engine_options: dict[str, Any] = Field(default_factory=dict,
                                            description="EngineConfig options (mode, device, dtype, depth, "
-                                                       "topk, beam, num_blocks, block_size, "
+                                                       "topk, beam, num_blocks, gpu_memory_utilization, block_size, "
                                                        "max_num_seqs, ...).")
     calibration_table: str = Field("auto", description="Calibration table path, or 'auto' (by hardware "
                                                        "class and model shapes).")

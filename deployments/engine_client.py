@@ -199,6 +199,7 @@ class LocalEngineClient:
         self.tokenizer = async_engine.tokenizer
         self.max_model_len, self.vocab_size = limits.max_model_len, limits.vocab_size
         self.block_size = limits.block_size
+        self.memory_plan = dict(limits.memory_plan)   # bytes per category, fixed at start
         self.max_pending = max_pending if max_pending is not None else default_max_pending(limits.max_num_seqs)
         self.max_choices = self.max_pending
         self.hardware_class = hardware or hardware_class(limits.device)
@@ -265,7 +266,8 @@ class LocalEngineClient:
             self._checked_table = table
             self._mismatch = ",".join(calibration_mismatch(self.async_engine, self.hardware_class))
         return ReplicaStats(self.async_engine.stats(), self.replica_id, self.hardware_class, self.block_size,
-                            self.max_pending, self.num_pending, self.accepting, self.num_refused, self._mismatch)
+                            self.max_pending, self.num_pending, self.accepting, self.num_refused, self._mismatch,
+                            memory_plan=self.memory_plan)
 
     async def fleet_stats(self) -> list[ReplicaStats]:
         return [self.stats()]

@@ -365,6 +365,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=EngineConfig.device)
     p.add_argument("--dtype", default=EngineConfig.dtype)
     p.add_argument("--num-blocks", type=int, default=CacheConfig.num_blocks)
+    p.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     p.add_argument("--calibration-table", default=EngineConfig.calibration_table)
     p.add_argument("--api-key", default=None, help=f"require this bearer key (default: ${API_KEY_ENV})")
@@ -373,7 +374,8 @@ def main(argv=None) -> int:
                    help="server-side deadline of every request, seconds (then 504, engine request aborted)")
     a = p.parse_args(argv)
     engine = build_engine(a.model, mode=a.mode, device=a.device, dtype=a.dtype, num_blocks=a.num_blocks,
-                          max_num_seqs=a.max_num_seqs, calibration_table=a.calibration_table)
+                          max_num_seqs=a.max_num_seqs, calibration_table=a.calibration_table,
+                          gpu_memory_utilization=a.gpu_memory_utilization)
     client = LocalEngineClient(AsyncEngine(engine))
     name = a.served_model_name or os.path.basename(os.path.normpath(a.model))
     app = openai_app(client, name, api_key=a.api_key, default_max_tokens=a.default_max_tokens,

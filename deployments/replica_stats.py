@@ -38,6 +38,7 @@ class ReplicaStats:
     prefix_blocks: tuple[int, ...] = ()   # chain hashes of prefix blocks it holds (routing reports)
     prefix_source: str = ""         # "engine_cache" | "recent_prompts" (routing reports), else ""
     deployment: str = ""            # the Serve deployment the ingress reached it through; "" in-process
+    memory_plan: dict = dataclasses.field(default_factory=dict)  # bytes per category, fixed at start
 
     def __post_init__(self):
         if not isinstance(self.engine, EngineStats):

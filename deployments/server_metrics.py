@@ -15,7 +15,8 @@ middleware, before the body is read or validated; ``deployments.http_guards.ARRI
                                      (non-streaming client went away), stream_closed (a streaming
                                      client went away), deadline (the server-side request timeout)
 
-The per-replica gauges are refreshed from the fleet's ``ReplicaStats`` on every scrape (``export``).
+The per-replica gauges are refreshed from the fleet's ``ReplicaStats`` on every scrape (``export``), among
+them ``bole_memory_plan_bytes{category=...}``: the engine's memory plan at start (``bole.cache.memory_plan``).
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ class ServerMetrics:
         self.table = Gauge("bole_calibration_table_info", "Calibration table in use (value 1); mismatch: the "
                            "fields (model, dtype, tp_size, hardware) it was not measured for, '' if none",
                            rep + ["table_id", "mismatch"], registry=r)
+        self.memory = Gauge("bole_memory_plan_bytes", "Device memory the engine planned at start, by category "
+                            "(kv, state, checkpoints, factors, snapshots, activations, logits, workspace)",
+                            rep + ["category"], registry=r)
 
     def observe_first_token(self, hardware_class: str, ttft_s: float, prefill_s: float | None) -> None:
         labels = (self.model_name, hardware_class)
@@ -103,7 +107,7 @@ class ServerMetrics:
 
     def export(self, fleet: list[ReplicaStats]) -> bytes:
         """The registry's text, the per-replica gauges set from ``fleet`` (its ``to_dict`` keys)."""
-        for g in (*self.gauges.values(), self.table):
+        for g in (*self.gauges.values(), self.table, self.memory):
             g.clear()
         for s in fleet:
             row = s.to_dict()
@@ -111,4 +115,6 @@ class ServerMetrics:
             for key, g in self.gauges.items():
                 g.labels(*labels).set(float(row[key]))
             self.table.labels(*labels, s.engine.table_id, s.calibration_mismatch).set(1)
+            for category, n in s.memory_plan.items():
+                self.memory.labels(*labels, str(category)).set(float(n))
         return generate_latest(self.registry)

@@ -13,7 +13,7 @@ mapping (Serve's routing stats, /metrics).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from bole.engine.output import RequestOutput
@@ -33,6 +33,7 @@ class EngineLimits:
     device: str
     dtype: str
     tp_size: int
+    memory_plan: dict = field(default_factory=dict)  # bytes per category (bole.cache.memory_plan.MemoryPlan)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ import torch
 
 from bole import recalibration
 from bole.cache.checkpoints import publish_committed
+from bole.cache.memory_plan import plan_engine_memory
 from bole.cache.prefix_cache import PrefixCache
 from bole.config import EngineConfig
 from bole.engine import sampler
@@ -69,7 +70,9 @@ class LLMEngine:
         self.mode = config.mode
         if self.mode != "ar" and model.mtp is None:
             raise ValueError(f"mode {self.mode!r} needs a checkpoint with an MTP drafter (mtp.* tensors)")
-        spec = config.spec
+        # KV blocks and checkpoint slots planned once from the free memory (bole.cache.memory_plan)
+        self.memory_plan, config = plan_engine_memory(model, config)
+        self.config, spec = config, config.spec
         if model.mtp is not None:
             model.mtp.fast_math = spec.draft_fast_math
         V = model.config.vocab_size
@@ -276,7 +279,7 @@ class LLMEngine:
         kv = self.capacity_tokens - self.lookahead
         max_len = min(kv, int(getattr(self.model.config, "max_position_embeddings", kv)))
         return EngineLimits(cfg.max_num_seqs, max_len, kv, self.model.config.vocab_size, cfg.cache.block_size,
-                            cfg.device, cfg.dtype, cfg.tp_size)
+                            cfg.device, cfg.dtype, cfg.tp_size, self.memory_plan.categories())
 
     def request_timings(self, request_id: str) -> RequestTimings | None:
         """A request's engine clock at its first token; None before it. Its floats are written once,

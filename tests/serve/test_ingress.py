@@ -207,6 +207,13 @@ def test_metrics_health_ready(server, oai):
     assert 'hardware_class="cpu"' in text
     mat = [line for line in text.splitlines() if line.startswith("bole_engine_mat{")]
     assert mat and float(mat[0].split()[-1]) >= 1.0
+    # the engine's memory plan, one gauge per category, the bytes the engine reports
+    plan = server.engine_client.memory_plan
+    assert plan and plan["kv"] > 0
+    for category, n in plan.items():
+        line = [x for x in text.splitlines() if x.startswith("bole_memory_plan_bytes{") and
+                f'category="{category}"' in x]
+        assert len(line) == 1 and float(line[0].split()[-1]) == float(n), category
 
 
 def _gauge(text: str, name: str) -> float:

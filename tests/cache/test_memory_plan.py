@@ -1,0 +1,179 @@
+"""The memory plan (bole.cache.memory_plan) as a pure function at Qwen3.5-9B / 27B shapes with made-up
+free-memory figures, the option's validation, and the engine on the embedded model reporting its plan."""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+from bole.cache.kv_cache import PagedKVCache, blocks_needed
+from bole.cache.memory_plan import CATEGORIES, GiB, plan_memory
+from bole.cache.state_pool import StatePool
+from bole.calibrate_sweep import shapes_config
+from bole.config import CacheConfig, EngineConfig
+from bole.engine.engine import LLMEngine
+from bole.llm import resolve_repo_path
+from bole.models.context import TreeFactors
+from bole.models.loader import load_model
+from bole.spec.drafter import tree_size
+
+TOTAL = 140 * GiB
+SIZE = lambda t: t.numel() * t.element_size()
+
+
+def shapes(name: str, positions: int = 262144):
+    """The sweep's shapes with one MTP layer and Qwen3.5's 262144 positions (the planned KV's cap)."""
+    return replace(shapes_config(name), num_mtp_layers=1, max_position_embeddings=positions)
+
+
+def cuda_config(mode: str, **opts) -> EngineConfig:
+    return EngineConfig.from_options(mode=mode, device="cuda", dtype="bfloat16", **opts)
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-9b", "qwen3.5-27b"])
+@pytest.mark.parametrize("mode", ["ar", "bole"])
+def test_numbers_add_up_within_the_budget(name, mode):
+    cfg, config = shapes(name), cuda_config(mode, max_num_seqs=8)
+    free = TOTAL - 60 * GiB
+    plan = plan_memory(cfg, config, free, TOTAL)
+    assert plan.planned and plan.budget == int(0.9 * TOTAL) - (TOTAL - free)
+    assert plan.total_bytes == sum(plan.categories().values()) and set(plan.categories()) == set(CATEGORIES)
+    assert plan.total_bytes <= plan.budget
+    # the leftover is less than one KV block: every byte not otherwise needed went to KV blocks
+    kv = PagedKVCache(cfg.num_attn_layers + 1, 1, 16, cfg.num_key_value_heads, cfg.head_dim, torch.bfloat16, "meta")
+    assert plan.budget - plan.total_bytes < SIZE(kv.kv)
+    assert plan.kv == plan.num_blocks * SIZE(kv.kv)
+    pool = StatePool.for_model(cfg, 1, conv_dtype=torch.bfloat16, device="meta")
+    slot = SIZE(pool.ssm) + SIZE(pool.conv)
+    assert plan.state == (8 + 1) * slot and plan.num_state_slots == 9
+    assert plan.checkpoints == (plan.num_checkpoint_slots + 1) * slot and plan.num_checkpoint_slots >= 1
+    nodes = 8 * (1 + (tree_size(cfg.vocab_size, 4, 4, 4) if mode == "bole" else 0))
+    per = TreeFactors.transient_bytes(cfg, nodes, torch.bfloat16)
+    assert plan.factors == per["factors"] + per["conv_inputs"] and plan.snapshots == 0
+    assert plan.max_num_seqs_fit >= 8
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-9b", "qwen3.5-27b"])
+def test_serial_tree_snapshots_cost_blocks_and_sequences(name):
+    cfg, free = shapes(name), TOTAL - 60 * GiB
+    bole = plan_memory(cfg, cuda_config("bole", max_num_seqs=4), free, TOTAL)
+    serial = plan_memory(cfg, cuda_config("serial_tree", max_num_seqs=4), free, TOTAL)
+    nodes = 4 * (1 + tree_size(cfg.vocab_size, 4, 4, 4))
+    snaps = TreeFactors.transient_bytes(cfg, nodes, torch.bfloat16)["snapshots"]
+    assert serial.snapshots == snaps == nodes * cfg.num_gdn_layers * cfg.linear_num_value_heads * 128 * 128 * 4
+    assert serial.num_blocks < bole.num_blocks and serial.max_num_seqs_fit < bole.max_num_seqs_fit
+    assert serial.factors == bole.factors and serial.total_bytes <= serial.budget
+
+
+def test_refusal_says_what_fits():
+    cfg, free = shapes("qwen3.5-9b"), 40 * GiB
+    with pytest.raises(ValueError) as e:
+        plan_memory(cfg, cuda_config("serial_tree", max_num_seqs=32), free, TOTAL)
+    msg = str(e.value)
+    fit = plan_memory(cfg, cuda_config("serial_tree", max_num_seqs=1), free, TOTAL).max_num_seqs_fit
+    assert 1 <= fit < 32
+    assert f"at most {fit} fit" in msg and "max_num_seqs=32 with serial_tree" in msg
+    assert "snapshot buffers" in msg and "mode='bole'" in msg and "gpu_memory_utilization=0.9" in msg
+    # the number it names does fit, one more does not
+    plan_memory(cfg, cuda_config("serial_tree", max_num_seqs=fit), free, TOTAL)
+    with pytest.raises(ValueError, match=f"at most {fit} fit"):
+        plan_memory(cfg, cuda_config("serial_tree", max_num_seqs=fit + 1), free, TOTAL)
+
+
+def test_explicit_counts_win_but_are_checked():
+    cfg, free = shapes("qwen3.5-9b"), 60 * GiB
+    plan = plan_memory(cfg, cuda_config("bole", max_num_seqs=8, num_blocks=1000, num_checkpoint_slots=5), free, TOTAL)
+    assert (plan.num_blocks, plan.num_checkpoint_slots) == (1000, 5)
+    auto = plan_memory(cfg, cuda_config("bole", max_num_seqs=8), free, TOTAL)
+    assert plan_memory(cfg, cuda_config("bole", max_num_seqs=8, num_blocks=auto.num_blocks), free, TOTAL).kv == auto.kv
+    with pytest.raises(ValueError, match=r"num_blocks=1000000 needs .* GiB of KV cache; at most \d+ blocks fit") as e:
+        plan_memory(cfg, cuda_config("bole", max_num_seqs=8, num_blocks=10 ** 6), free, TOTAL)
+    most = int(re.search(r"at most (\d+) blocks fit", str(e.value)).group(1))
+    # a given num_blocks may take the planned checkpoints' share (they shrink to one slot); the number named fits
+    assert most > auto.num_blocks
+    big = plan_memory(cfg, cuda_config("bole", max_num_seqs=8, num_blocks=most), free, TOTAL)
+    assert big.num_checkpoint_slots == 1 and big.total_bytes <= big.budget
+    with pytest.raises(ValueError, match=f"num_blocks={most + 1} needs"):
+        plan_memory(cfg, cuda_config("bole", max_num_seqs=8, num_blocks=most + 1), free, TOTAL)
+    with pytest.raises(ValueError, match="num_checkpoint_slots=5000 leaves fewer KV blocks") as e:
+        plan_memory(cfg, cuda_config("bole", max_num_seqs=8, num_checkpoint_slots=5000), free, TOTAL)
+    most = int(re.search(r"at most (\d+) checkpoint slots fit", str(e.value)).group(1))
+    assert most > auto.num_checkpoint_slots
+    plan_memory(cfg, cuda_config("bole", max_num_seqs=8, num_checkpoint_slots=most), free, TOTAL)
+    with pytest.raises(ValueError, match=f"num_checkpoint_slots={most + 1} leaves"):
+        plan_memory(cfg, cuda_config("bole", max_num_seqs=8, num_checkpoint_slots=most + 1), free, TOTAL)
+
+
+def test_short_context_caps_the_planned_kv():
+    cfg, config = shapes("qwen3.5-9b", positions=4096), cuda_config("bole", max_num_seqs=8)
+    plan = plan_memory(cfg, config, TOTAL - 20 * GiB, TOTAL)
+    lookahead = 1 + tree_size(cfg.vocab_size, 4, 4, 4)
+    assert plan.num_blocks == 2 * 8 * blocks_needed(4096 + lookahead, 16)
+    assert plan.num_checkpoint_slots <= plan.num_blocks and plan.total_bytes < plan.budget / 2
+    # a count given is not capped
+    assert plan_memory(cfg, cuda_config("bole", max_num_seqs=8, num_blocks=3 * plan.num_blocks), TOTAL - 20 * GiB,
+                       TOTAL).num_blocks == 3 * plan.num_blocks
+
+
+def test_utilization_bounds_the_budget():
+    cfg, config = shapes("qwen3.5-9b"), cuda_config("bole", max_num_seqs=8)
+    lo = plan_memory(cfg, replace(config, cache=replace(config.cache, gpu_memory_utilization=0.6)), 100 * GiB, TOTAL)
+    hi = plan_memory(cfg, config, 100 * GiB, TOTAL)
+    assert lo.budget == int(0.6 * TOTAL) - 40 * GiB and lo.num_blocks < hi.num_blocks
+    with pytest.raises(ValueError, match="at most 0 fit"):  # 0.2 x total is less than what is in use
+        plan_memory(cfg, replace(config, cache=replace(config.cache, gpu_memory_utilization=0.2)), 100 * GiB, TOTAL)
+
+
+def test_cpu_keeps_the_configured_counts():
+    cfg = shapes("qwen3.5-9b")
+    plan = plan_memory(cfg, EngineConfig.from_options(mode="bole", device="cpu"))
+    assert not plan.planned and (plan.num_blocks, plan.num_checkpoint_slots) == (512, 32)
+    plan = plan_memory(cfg, EngineConfig.from_options(mode="bole", device="cpu", num_blocks=7, num_checkpoint_slots=3))
+    assert (plan.num_blocks, plan.num_checkpoint_slots, plan.max_num_seqs_fit) == (7, 3, None)
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.1, 1.01, float("nan"), "0.9", True, None])
+def test_gpu_memory_utilization_is_validated(bad):
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig.from_options(gpu_memory_utilization=bad)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        CacheConfig(gpu_memory_utilization=bad)
+
+
+def test_counts_are_validated_when_given():
+    assert CacheConfig(gpu_memory_utilization=1).num_blocks is None
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="num_blocks"):
+            CacheConfig(num_blocks=bad)
+        with pytest.raises(ValueError, match="num_checkpoint_slots"):
+            CacheConfig(num_checkpoint_slots=bad)
+
+
+@pytest.mark.parametrize("mode", ["bole", "serial_tree"])
+def test_engine_reports_its_plan(mode, caplog):
+    model = load_model(resolve_repo_path("models/bole-tiny-coder"), dtype="float32")
+    config = EngineConfig.from_options(mode=mode, device="cpu", max_num_seqs=2, depth=2, topk=2, beam=2,
+                                       calibration_table=resolve_repo_path("calibration_tables/default.yaml"))
+    with caplog.at_level(logging.INFO, logger="bole.cache.memory_plan"):
+        eng = LLMEngine(model, config)
+    plan = eng.memory_plan
+    assert not plan.planned and eng.config.cache.num_blocks == plan.num_blocks == 512
+    assert eng.config.cache.num_checkpoint_slots == plan.num_checkpoint_slots == 32
+    # the plan's bytes are the buffers the engine built
+    r = eng.runner
+    assert plan.kv == SIZE(r.kv_cache.kv) + SIZE(r.mtp_cache.kv)
+    assert plan.state == SIZE(r.state_pool.ssm) + SIZE(r.state_pool.conv)
+    cp = eng.prefix_cache.checkpoints
+    assert plan.checkpoints == SIZE(cp.ssm) + SIZE(cp.conv)
+    f = r.factors
+    assert plan.factors == sum(SIZE(t) for t in (f.k, f.u, f.logp, f.conv_x))
+    assert plan.snapshots == (SIZE(f.snapshots) if mode == "serial_tree" else 0) and (plan.snapshots > 0) == \
+        (mode == "serial_tree")
+    assert eng.limits().memory_plan == plan.categories()
+    logged = [r.getMessage() for r in caplog.records]
+    assert logged[0].startswith("memory plan on cpu") and len(logged) == 1 + len(CATEGORIES)
+    assert all(any(line.split()[0] == c for line in logged[1:]) for c in CATEGORIES)
