@@ -28,6 +28,9 @@ Sections (``--sections``, letters or names; all by default):
                    against its memory floor: (weights + KV read + GDN state read and written) bytes /
                    device-to-device copy bandwidth measured in this run.
 
+``--scale`` runs the paper-scale benchmark instead (``benchmarks/e2e_scale.py``, its own flags: ar /
+serial_tree / bole at batch 1..32 on widened Qwen3.5-9B / 27B-cost checkpoints, one process per model).
+
 Results go to ``--out`` (default benchmarks/results/e2e_<hardware>.json) after every point, so a run cut
 short keeps what it measured; ``--png`` plots a and c. ``--smoke`` runs everything at tiny shapes on
 the CPU in seconds (tests/bench/test_e2e_harness.py).
@@ -35,6 +38,7 @@ the CPU in seconds (tests/bench/test_e2e_harness.py).
     python benchmarks/e2e.py                                  # GPU, ~6 min on an H200
     python benchmarks/e2e.py --sections b d                   # just those
     python benchmarks/e2e.py --smoke --out /tmp/e2e.json      # CPU smoke
+    python benchmarks/e2e.py --scale --help                   # the scale benchmark's flags
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ STATE_SHAPES = {
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scale", action="store_true", help="run benchmarks/e2e_scale.py with the other flags")
     ap.add_argument("--sections", nargs="*", default=list(SECTIONS.values()),
                     help="a/gdn_share b/state_bytes c/throughput d/decode_floor (default: all)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, seconds")
@@ -569,6 +574,11 @@ T0 = time.time()
 def main(argv=None) -> dict:
     global T0
     T0 = time.time()
+    argv_list = sys.argv[1:] if argv is None else list(argv)
+    if "--scale" in argv_list:
+        from benchmarks.e2e_scale import main as scale_main
+
+        return scale_main([a for a in argv_list if a != "--scale"])
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     if args.smoke:
@@ -583,7 +593,6 @@ def main(argv=None) -> dict:
     tag = args.tag or ("smoke" if args.smoke else detect_hardware(device))
     out = Path(args.out) if args.out else REPO_ROOT / "benchmarks" / "results" / f"e2e_{tag}.json"
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke)"
-    argv_list = sys.argv[1:] if argv is None else list(argv)
     rep = Report(out, dict(
         gpu=gpu, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         command=shlex.join(["python", "benchmarks/e2e.py", *argv_list]), torch=torch.__version__,

@@ -7,7 +7,8 @@ times are for the record only.
 
     python benchmarks/engine_modes.py --random-tiny --out benchmarks/results/engine_modes_cpu.json
 
-``run_mode`` (one mode at one batch size) is what ``benchmarks/e2e.py`` reuses for its throughput section.
+``run_mode`` (one mode at one batch size) is what ``benchmarks/e2e.py`` reuses for its throughput section,
+``time_llm`` (the timing of an engine already built) what ``benchmarks/e2e_scale.py`` reuses.
 """
 
 from __future__ import annotations
@@ -33,19 +34,30 @@ MODES = ("ar", "serial_tree", "bole")
 
 def run_mode(path: str, mode: str, batch: int, prompts, max_tokens: int = 48, depth: int = 4, topk: int = 3,
              beam: int = 3, repeats: int = 1, **engine_opts) -> tuple[dict, list[list[int]]]:
-    """One (mode, batch) point: a fresh engine, a short warm-up (4 tokens of the same prompts; CUDA
-    graphs captured beforehand), then ``prompts[:batch]`` run together ``repeats`` times, greedy;
-    returns (row: mode, batch, tokens_per_s (the median run), tokens_per_s_runs, mat, mean_tree_nodes;
-    the output token lists). Each run includes its prefills (offline throughput); with the engine's
-    default prefix cache, prompts the warm-up (or an earlier run) cached restore from it.
-
-    ``engine_opts`` go to ``bole.LLM`` (device, dtype, enable_cuda_graphs, ...); the calibration table
-    defaults to the repository's default one.
-    """
-    from bole import LLM, SamplingParams
+    """One (mode, batch) point on a fresh engine: ``bole.LLM(path, mode=..., **engine_opts)`` (device,
+    dtype, enable_cuda_graphs, ...; the calibration table defaults to the repository's default one),
+    then ``time_llm``."""
+    from bole import LLM
 
     opts = {"calibration_table": "calibration_tables/default.yaml", **engine_opts}
     llm = LLM(path, mode=mode, depth=depth, topk=topk, beam=beam, **opts)
+    return time_llm(llm, batch, prompts, max_tokens, repeats)
+
+
+def time_llm(llm, batch: int, prompts, max_tokens: int = 48, repeats: int = 1,
+             budget_s: float | None = None) -> tuple[dict, list[list[int]]]:
+    """A short warm-up (4 tokens of the same prompts; CUDA graphs captured beforehand), then
+    ``prompts[:batch]`` run together ``repeats`` times, greedy; returns (row: mode, batch,
+    tokens_per_s (the median run), tokens_per_s_runs, mat, mean_tree_nodes, ``stats``: the engine's
+    ``stats()`` over the timed runs, e.g. ``verify_time_share``, the share of step time in the decode
+    forward, or draft + verify + sample + commit; the output token lists). Each run includes its
+    prefills (offline throughput); with the engine's prefix cache on (its default), prompts the
+    warm-up (or an earlier run) cached restore from it. ``budget_s``: no further run starts once this
+    many seconds have passed since the call (at least one run).
+    """
+    from bole import SamplingParams
+
+    t_start = time.perf_counter()
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     runner = llm.engine.runner
     longest = max(len(llm.encode(p)) for p in prompts[:batch]) + max_tokens + 1
@@ -63,15 +75,17 @@ def run_mode(path: str, mode: str, batch: int, prompts, max_tokens: int = 48, de
     gc.disable()
     try:
         for _ in range(max(1, repeats)):
+            if rates and budget_s is not None and time.perf_counter() - t_start > budget_s:
+                break
             t0 = time.perf_counter()
             outs = llm.generate(prompts[:batch], sp)
             rates.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
     finally:
         gc.enable()
-    m = llm.engine.metrics.snapshot()
-    row = dict(mode=mode, batch=batch, tokens_per_s=round(sorted(rates)[len(rates) // 2], 1),
-               tokens_per_s_runs=[round(r, 1) for r in rates], mat=round(m["mat"], 3),
-               mean_tree_nodes=round(m["mean_tree_nodes"], 1))
+    stats = llm.engine.stats()
+    row = dict(mode=llm.engine.config.mode, batch=batch, tokens_per_s=round(sorted(rates)[len(rates) // 2], 1),
+               tokens_per_s_runs=[round(r, 1) for r in rates], mat=round(stats.mat, 3),
+               mean_tree_nodes=round(stats.mean_tree_nodes, 1), stats=stats.to_dict())
     return row, [o.token_ids for o in outs]
 
 

@@ -11,14 +11,9 @@ generation files are copied, so the widened folder serves like the source.
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 
 from bole.calibrate_sweep import SHAPES, shapes_config
-from bole.models.widen import widen
-
-COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-          "chat_template.jinja", "vocab.json", "merges.txt")
+from bole.models.widen import copy_tokenizer_files, widen
 
 
 def main(argv=None) -> None:
@@ -29,9 +24,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="auto", help="dtype of the written tensors (auto: the source's)")
     args = ap.parse_args(argv)
     report = widen(args.model, args.out, shapes_config(args.shape), dtype=args.dtype)
-    for name in COPIED:
-        if os.path.exists(os.path.join(args.model, name)):
-            shutil.copy(os.path.join(args.model, name), os.path.join(args.out, name))
+    copy_tokenizer_files(args.model, args.out)
     cfg = report.config
     exact = "every norm exact" if not any(report.eps_bounds.values()) else f"eps bounds {report.eps_bounds}"
     print(f"{args.out}: {args.shape} shapes (hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, vocab "

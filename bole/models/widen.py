@@ -2,6 +2,7 @@
 
     widen(src, dst, shape: ModelConfig) -> WidenReport       (scripts/widen_model.py is the CLI)
     widen_config(src_config, shape) -> WidenReport          (the config and norm ratios, no weights)
+    copy_tokenizer_files(src, dst)                         (so the widened folder serves like the source)
 
 The widened model is "<shape>-cost, embedded model's predictions": its layers, GEMMs, states and KV
 cache are the shape's (its vocabulary, below, the source's), its logits the source's up to rounding.
@@ -45,6 +46,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 from contextlib import ExitStack
 from dataclasses import dataclass
 from fractions import Fraction
@@ -61,6 +63,8 @@ TARGET_FIELDS = ("hidden_size", "num_hidden_layers", "layer_types", "num_attenti
                  "head_dim", "partial_rotary_factor", "linear_num_key_heads", "linear_num_value_heads",
                  "linear_key_head_dim", "linear_value_head_dim", "intermediate_size", "moe_intermediate_size",
                  "shared_expert_intermediate_size")  # what a target shape sets (the rest is the source's)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt")
 
 
 @dataclass
@@ -253,6 +257,14 @@ def widen(src: str, dst: str, shape: ModelConfig, dtype="auto", shard_bytes: int
     shards.close()
     _write_config(src, dst, s, t)
     return report
+
+
+def copy_tokenizer_files(src: str, dst: str) -> list[str]:
+    """Copy the tokenizer and generation files ``src`` has (``TOKENIZER_FILES``) to ``dst``; their names."""
+    names = [n for n in TOKENIZER_FILES if os.path.exists(os.path.join(src, n))]
+    for name in names:
+        shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+    return names
 
 
 class _Shards:

@@ -1,0 +1,416 @@
+"""Paper-scale end to end (``python benchmarks/e2e.py --scale``): ar / serial_tree / bole at batch 1..32
+on widened checkpoints, one worker process per model, on one GPU.
+
+Models: models/bole-tiny-coder widened (``bole.models.widen``) to each shape of ``--models``
+(``bole.calibrate_sweep.SHAPES``: qwen3.5-9b, qwen3.5-27b; no 4B: the repository records only the 4B's
+layer count and hidden size, not its heads or FFN width). A widened model costs what its shape costs
+(layers, GEMMs, GDN states, KV cache; the vocabulary stays the embedded model's) and predicts what the
+embedded model predicts, so MAT is the trained drafter's: every row is labelled "<shape>-cost, embedded
+model's predictions". Checkpoints are written once under ``--widen-dir`` (bf16) and reused while their
+``widen.json`` (source files, shape, dtype) matches.
+
+Per model a worker subprocess runs the cells batch x mode (ar first at each batch), each on a fresh
+``bole.LLM`` (bf16 and CUDA graphs on CUDA; prefix cache off, so every run prefills its prompts):
+held-out prompts[:batch], greedy, ``--max-tokens`` each (ignore_eos), timed by
+``benchmarks.engine_modes.time_llm`` (warm-up, then the median of ``--repeats`` runs). Columns:
+tokens/s, MAT, the step's phases the engine exposes (``LLMEngine.stats().verify_time_share``: the share
+of step time in the decode forward, or in draft + verify + sample + commit; the rest is prefill,
+scheduling and emission; mean TTFT / TPOT; wall ms per engine step), peak memory
+(``torch.cuda.max_memory_allocated`` from the engine's construction on) and ``exact_vs_ar`` (the cell's
+tokens equal the ar cell's at the same batch; None on ar rows, the reference). A cell out of memory is
+``oom`` (the mode's larger batches then ``skipped_after_oom``), one whose engine construction raises
+ValueError ``refused``. The worker computes the ratios (bole/ar, bole/serial_tree, serial_tree/ar per
+batch; geometric means over batches 1-16) from its own cells: every ratio is of one process.
+
+Budgets: ``--budget-s`` for the whole run, widening included (no cell starts after it; a worker still
+running ``--grace-s`` later is killed), ``--cell-budget-s`` per cell (no further timed run starts after
+it; a cell still running at twice it plus ``--grace-s`` has its worker killed: ``timeout``). The JSON
+(``--out``, default benchmarks/results/e2e_scale_<hardware>.json) is rewritten after every cell.
+
+    python benchmarks/e2e.py --scale --models qwen3.5-9b          # GPU (benchmarks/run_gpu_scale.sh)
+    python benchmarks/e2e.py --scale --smoke --out /tmp/s.json   # CPU, a tiny widening, < 1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import gc
+import hashlib
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from bole.calibrate_sweep import SHAPES, shapes_config  # noqa: E402
+from bole.models.widen import TARGET_FIELDS, copy_tokenizer_files, widen  # noqa: E402
+
+MODES = ("ar", "serial_tree", "bole")
+RATIOS = (("bole", "ar"), ("bole", "serial_tree"), ("serial_tree", "ar"))
+GEOMEAN_MAX_BATCH = 16
+TAG = "@@e2e_scale "  # a worker's stdout lines that carry an event (JSON) for the parent
+SMOKE_SHAPE = dict(hidden_size=512, num_hidden_layers=20, linear_num_key_heads=4, linear_num_value_heads=8,
+                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024)  # Qwen3.5 head dims
+
+
+def label(shape: str) -> str:
+    return f"{shape}-cost, embedded model's predictions"
+
+
+def shape_config(name: str):
+    """``shapes_config(name)``; "smoke": the 9B's head dims (256 / 128) at a tiny width, 20 layers."""
+    if name != "smoke":
+        return shapes_config(name)
+    n = SMOKE_SHAPE["num_hidden_layers"]
+    types = tuple("full_attention" if i % 4 == 3 else "linear_attention" for i in range(n))
+    return dataclasses.replace(shapes_config("qwen3.5-9b"), layer_types=types, **SMOKE_SHAPE)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="*", default=None, help=f"shapes, of {sorted(SHAPES)} (default: all)")
+    ap.add_argument("--source", default=str(REPO_ROOT / "models" / "bole-tiny-coder"), help="model to widen")
+    ap.add_argument("--widen-dir", default=os.path.join(tempfile.gettempdir(), "bole-widened"),
+                    help="widened checkpoints are written (once) and reused here")
+    ap.add_argument("--prompts", default=str(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl"))
+    ap.add_argument("--batches", type=int, nargs="*", default=None, help="1 2 4 8 16 32 (smoke: 1 2)")
+    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
+    ap.add_argument("--max-tokens", type=int, default=None, help="tokens per request (128; smoke 4)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per cell (the median is reported)")
+    ap.add_argument("--depth", type=int, default=None, help="draft tree depth (4; smoke 2)")
+    ap.add_argument("--topk", type=int, default=None, help="(4; smoke 2)")
+    ap.add_argument("--beam", type=int, default=None, help="(4; smoke 2)")
+    ap.add_argument("--calibration-table", default="calibration_tables/default.yaml")
+    ap.add_argument("--budget-s", type=float, default=None, help="whole run, widening included (480; smoke 150)")
+    ap.add_argument("--cell-budget-s", type=float, default=None, help="per cell (60; smoke 40)")
+    ap.add_argument("--grace-s", type=float, default=60.0, help="a late worker is killed this much after a budget")
+    ap.add_argument("--smoke", action="store_true", help="CPU, a tiny widening of the embedded model")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/e2e_scale_<tag>.json)")
+    ap.add_argument("--tag", default=None, help="name suffix (default: the hardware class, 'smoke')")
+    ap.add_argument("--png", default=None, help="tokens/s against batch per model (default: beside the JSON; "
+                                                "'none': off)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one model's cells (JSON), internal
+    a = ap.parse_args(argv)
+    pick = lambda v, full, small: v if v is not None else (small if a.smoke else full)
+    a.models = pick(a.models, sorted(SHAPES), ["smoke"])
+    bad = sorted(set(a.models) - set(SHAPES) - ({"smoke"} if a.smoke else set()))
+    if bad:
+        ap.error(f"unknown models {bad}; choose from {sorted(SHAPES)}")
+    a.modes = [m for m in MODES if m in a.modes]  # ar first: the reference of every batch
+    a.batches = pick(a.batches, [1, 2, 4, 8, 16, 32], [1, 2])
+    a.max_tokens = pick(a.max_tokens, 128, 4)
+    a.depth, a.topk, a.beam = (pick(v, 4, 2) for v in (a.depth, a.topk, a.beam))
+    a.budget_s = pick(a.budget_s, 480.0, 150.0)
+    a.cell_budget_s = pick(a.cell_budget_s, 60.0, 40.0)
+    return a
+
+
+# ------------------------------------------------------------------------------------------ widening
+def widened(source: str, shape: str, widen_dir: str) -> tuple[str, dict]:
+    """The widened checkpoint folder of ``shape`` (built now unless a matching one is there) and its record."""
+    cfg = shape_config(shape)
+    files = sorted(f for f in os.listdir(source) if f.endswith(".safetensors") or f == "config.json")
+    want = json.loads(json.dumps(dict(
+        source=os.path.abspath(source), dtype="bfloat16", shape={f: getattr(cfg, f) for f in TARGET_FIELDS},
+        source_files={f: hashlib.sha256(open(os.path.join(source, f), "rb").read()).hexdigest()[:16]
+                      for f in files})))
+    dst = Path(widen_dir) / shape
+    record = dst / "widen.json"
+    if record.exists() and json.loads(record.read_text()).get("input") == want:
+        return str(dst), dict(json.loads(record.read_text()), reused=True)
+    t0 = time.time()
+    tmp = dst.with_name(shape + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    report = widen(source, str(tmp), cfg, dtype="bfloat16")
+    copy_tokenizer_files(source, str(tmp))
+    size = sum(f.stat().st_size for f in tmp.iterdir() if f.suffix == ".safetensors")
+    done = dict(input=want, copies=report.copies, eps=report.eps, exact_norms=not any(report.eps_bounds.values()),
+                weight_bytes=size, widen_s=round(time.time() - t0, 1))
+    (tmp / "widen.json").write_text(json.dumps(done, indent=1))
+    shutil.rmtree(dst, ignore_errors=True)
+    os.replace(tmp, dst)
+    return str(dst), dict(done, reused=False)
+
+
+# -------------------------------------------------------------------------------------------- worker
+def num_blocks(prompt_tokens: list[int], max_tokens: int, depth: int, block: int = 16) -> int:
+    """KV blocks for the batch: prompt + output + a step's lookahead per request, a quarter spare."""
+    need = sum(math.ceil((n + max_tokens + depth + 2) / block) + 1 for n in prompt_tokens)
+    return int(need * 1.25) + 16
+
+
+def run_cell(spec: dict, mode: str, batch: int, prompts: list[dict]) -> tuple[dict, list | None]:
+    """One (mode, batch) cell on a fresh engine: its row and output tokens (None unless it ran)."""
+    from benchmarks.engine_modes import time_llm
+    from bole import LLM
+
+    cuda = spec["device"] == "cuda"
+    row = dict(model=label(spec["shape"]), shape=spec["shape"], mode=mode, batch=batch, status="ok",
+               cuda_graphs=cuda, dtype="bfloat16" if cuda else "float32", max_tokens=spec["max_tokens"])
+    t0 = time.time()
+    if cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    llm, toks = None, None
+    try:
+        llm = LLM(spec["path"], mode=mode, depth=spec["depth"], topk=spec["topk"], beam=spec["beam"],
+                  device=spec["device"], dtype=row["dtype"], enable_cuda_graphs=cuda, max_num_seqs=batch,
+                  enable_prefix_cache=False, calibration_table=spec["calibration_table"],
+                  num_blocks=num_blocks([p["prompt_tokens"] for p in prompts[:batch]], spec["max_tokens"],
+                                        spec["depth"]))
+        if cuda:
+            row["loaded_memory_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+        res, toks = time_llm(llm, batch, [p["prompt"] for p in prompts], spec["max_tokens"], spec["repeats"],
+                             budget_s=spec["cell_budget_s"] - (time.time() - t0))
+        st = res["stats"]
+        run_s = sum(batch * spec["max_tokens"] / r for r in res["tokens_per_s_runs"])
+        row.update(tokens_per_s=res["tokens_per_s"], tokens_per_s_runs=res["tokens_per_s_runs"], mat=res["mat"],
+                   mean_tree_nodes=res["mean_tree_nodes"], mean_b_ver=round(st["mean_b_ver"], 1),
+                   budget_used=round(st["budget_used"], 3), steps=st["steps"], preemptions=st["preemptions"],
+                   phases=dict(verify_time_share=round(st["verify_time_share"], 3),
+                               other_time_share=round(1 - st["verify_time_share"], 3),
+                               wall_ms_per_step=round(1e3 * run_s / st["steps"], 3) if st["steps"] else None,
+                               mean_ttft_s=round(st["mean_ttft_s"], 4), mean_tpot_s=round(st["mean_tpot_s"], 5)))
+        if len(res["tokens_per_s_runs"]) < spec["repeats"]:
+            row["note"] = f"cell budget: {len(res['tokens_per_s_runs'])} of {spec['repeats']} runs"
+    except torch.cuda.OutOfMemoryError as e:
+        row.update(status="oom", error=str(e).split("\n")[0][:300])
+    except ValueError as e:
+        if llm is not None:  # only a refusal at engine construction is a result; anything later is a bug
+            raise
+        row.update(status="refused", error=str(e)[:300])
+    finally:
+        if cuda:
+            row["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        del llm
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    row["cell_s"] = round(time.time() - t0, 1)
+    return row, toks
+
+
+def ratios(rows: list[dict]) -> dict:
+    """Tokens/s ratios of one worker's cells per batch, and their geometric means over batches <= 16."""
+    ok = {(r["mode"], r["batch"]): r for r in rows if r["status"] == "ok"}
+    per_batch = []
+    for b in sorted({b for _, b in ok}):
+        d = dict(batch=b)
+        for num, den in RATIOS:
+            if (num, b) in ok and (den, b) in ok:
+                d[f"{num}/{den}"] = round(ok[num, b]["tokens_per_s"] / ok[den, b]["tokens_per_s"], 3)
+        d["all_exact_vs_ar"] = all(r["exact_vs_ar"] is not False for (_, rb), r in ok.items() if rb == b)
+        per_batch.append(d)
+    geo = {}
+    for num, den in RATIOS:
+        pts = [(d["batch"], d[f"{num}/{den}"]) for d in per_batch if f"{num}/{den}" in d
+               and d["batch"] <= GEOMEAN_MAX_BATCH]
+        geo[f"{num}/{den}"] = None if not pts else dict(
+            value=round(math.exp(sum(math.log(x) for _, x in pts) / len(pts)), 3), batches=[b for b, _ in pts])
+    return dict(pid=os.getpid(), per_batch=per_batch, geomean_batches_1_16=geo)
+
+
+def worker(spec: dict) -> None:
+    """One model's cells in this process; events go to stdout as TAG + JSON lines."""
+    emit = lambda kind, payload: print(TAG + json.dumps(dict(kind=kind, payload=payload)), flush=True)
+    if spec["device"] == "cpu":
+        torch.set_num_threads(1)
+    prompts = [json.loads(line) for line in open(spec["prompts"])][: max(spec["batches"])]
+    rows, refs, oom = [], {}, {}
+    for batch in spec["batches"]:
+        for mode in spec["modes"]:
+            base = dict(model=label(spec["shape"]), shape=spec["shape"], mode=mode, batch=batch)
+            if time.time() > spec["deadline"]:
+                row, toks = dict(base, status="skipped_budget"), None
+            elif mode in oom:
+                row, toks = dict(base, status="skipped_after_oom", note=f"out of memory at batch {oom[mode]}"), None
+            else:
+                emit("start", base)
+                row, toks = run_cell(spec, mode, batch, prompts)
+            if row["status"] == "oom":
+                oom[mode] = batch
+            if toks is not None and mode == "ar":
+                refs[batch] = toks
+            row["exact_vs_ar"] = None if toks is None or mode == "ar" or batch not in refs else toks == refs[batch]
+            rows.append(row)
+            emit("row", row)
+            emit("ratios", ratios(rows))
+            if row["status"] == "ok":
+                print(f"{spec['shape']} {mode:<11} batch={batch:<3} {row['tokens_per_s']:9.1f} tok/s  MAT "
+                      f"{row['mat']:.2f}  exact={row['exact_vs_ar']}  peak {row.get('peak_memory_gib')} GiB  "
+                      f"({row['cell_s']}s)", flush=True)
+            else:
+                print(f"{spec['shape']} {mode:<11} batch={batch:<3} {row['status']}", flush=True)
+
+
+# -------------------------------------------------------------------------------------------- parent
+def run_worker(rep, spec: dict, grace_s: float) -> None:
+    """Run one model's worker, recording its events as they come; kill it when a budget is past."""
+    proc = subprocess.Popen([sys.executable, str(Path(__file__)), "--worker", json.dumps(spec)], cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    state = dict(cell=None, cell_t0=time.time(), killed=None)
+    tail = collections.deque(maxlen=30)
+
+    def watch():
+        while proc.poll() is None:
+            now = time.time()
+            if now > spec["deadline"] + grace_s:
+                state["killed"] = "total budget"
+            elif state["cell"] and now - state["cell_t0"] > 2 * spec["cell_budget_s"] + grace_s:
+                state["killed"] = "cell budget"
+            if state["killed"]:
+                proc.kill()
+                return
+            time.sleep(0.5)
+    threading.Thread(target=watch, daemon=True).start()
+    for line in proc.stdout:
+        if not line.startswith(TAG):
+            print(line, end="", flush=True)
+            tail.append(line.rstrip())
+            continue
+        ev = json.loads(line[len(TAG):])
+        if ev["kind"] == "start":
+            state.update(cell=ev["payload"], cell_t0=time.time())
+        elif ev["kind"] == "row":
+            state["cell"] = None
+            rep.add("rows", ev["payload"])
+        else:
+            rep.doc["ratios"][label(spec["shape"])] = ev["payload"]
+            rep.save()
+    rc = proc.wait()
+    if state["cell"] is not None:  # the cell it was running when it died
+        rep.add("rows", dict(state["cell"], status="timeout" if state["killed"] else "worker_failed",
+                             cell_s=round(time.time() - state["cell_t0"], 1), exact_vs_ar=None))
+    done = {(r["mode"], r["batch"]) for r in rep.doc["rows"] if r["shape"] == spec["shape"]}
+    for batch in spec["batches"]:
+        for mode in spec["modes"]:
+            if (mode, batch) not in done:  # after the worker died
+                rep.add("rows", dict(model=label(spec["shape"]), shape=spec["shape"], mode=mode, batch=batch,
+                                     status="not_run", exact_vs_ar=None))
+    if rc != 0:
+        rep.note(f"{spec['shape']}: worker exited with {rc}" + (f" (killed: {state['killed']})" if state["killed"]
+                                                                 else "") + "; last output: " + " | ".join(tail))
+
+
+def plot(doc: dict, path: Path) -> str | None:
+    try:
+        import matplotlib
+        import matplotlib.ticker
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", flush=True)
+        return None
+    models = list(dict.fromkeys(r["model"] for r in doc["rows"]))
+    if not models:
+        print("no rows: no plot", flush=True)
+        return None
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.6), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rows = [r for r in doc["rows"] if r["model"] == model]
+        for mode in MODES:
+            pts = sorted((r["batch"], r["tokens_per_s"], r["mat"]) for r in rows if r["mode"] == mode
+                         and r["status"] == "ok")
+            failed = sorted(f"{r['status']}@{r['batch']}" for r in rows if r["mode"] == mode
+                            and r["status"] in ("oom", "refused", "timeout"))
+            if pts:
+                mat = f", MAT {pts[0][2]:.2f} @b={pts[0][0]}" if mode != "ar" else ""
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                        label=mode + mat + (f" ({', '.join(failed)})" if failed else ""))
+        batches = sorted({r["batch"] for r in rows})
+        ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="tokens/s (greedy, prefill included)",
+               title=model)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def main(argv=None) -> dict | None:
+    t_start = time.time()
+    args = parse_args(argv)
+    if args.worker:
+        return worker(json.loads(args.worker))
+    from benchmarks.e2e import Report
+    from bole.hardware import detect_hardware
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    if not cuda and not args.smoke:
+        sys.exit("needs a CUDA GPU (use --smoke on the CPU)")
+    tag = args.tag or ("smoke" if args.smoke else detect_hardware("cuda"))
+    out = Path(args.out) if args.out else REPO_ROOT / "benchmarks" / "results" / f"e2e_scale_{tag}.json"
+    argv_list = sys.argv[1:] if argv is None else list(argv)
+    deadline = t_start + args.budget_s
+    rep = Report(out, dict(
+        gpu=torch.cuda.get_device_name() if cuda else "cpu (smoke)", torch=torch.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        command=shlex.join(["python", "benchmarks/e2e.py", "--scale", *argv_list]), smoke=args.smoke,
+        settings=dict(models=args.models, batches=args.batches, modes=args.modes, max_tokens=args.max_tokens,
+                      repeats=args.repeats, spec=dict(depth=args.depth, topk=args.topk, beam=args.beam),
+                      calibration_table=args.calibration_table, budget_s=args.budget_s,
+                      cell_budget_s=args.cell_budget_s, source=args.source, widen_dir=args.widen_dir),
+        methods=dict(
+            models="the source widened to each shape (bole.models.widen, bf16): the shape's cost, the source's "
+                   "predictions (vocabulary the source's)",
+            cell="fresh bole.LLM per (model, mode, batch), max_num_seqs=batch, prefix cache off; "
+                 "benchmarks.engine_modes.time_llm: warm-up, median of the timed runs, greedy, ignore_eos, "
+                 "tokens/s of the batch with its prefills",
+            phases="LLMEngine.stats(): verify_time_share = time in the decode forward / draft + verify + sample + "
+                   "commit over engine step time; other = prefill, scheduling, emission",
+            peak_memory="torch.cuda.max_memory_allocated from the engine's construction to the cell's end",
+            ratios="computed by the model's worker process from its own cells (geometric mean over batches "
+                   f"<= {GEOMEAN_MAX_BATCH})"),
+        models=[], rows=[], ratios={}, skipped=[], notes=[], elapsed_s=None, plot=None))
+    print(f"e2e --scale on {rep.doc['gpu']}: {args.models} -> {out}", flush=True)
+    for shape in args.models:
+        if time.time() > deadline:
+            rep.add("skipped", dict(model=label(shape), reason="total budget spent before its widening"))
+            continue
+        t0 = time.time()
+        try:
+            path, record = widened(args.source, shape, args.widen_dir)
+        except OSError as e:  # a full disk: the next (smaller) model may still fit
+            rep.note(f"{shape}: widening failed ({e}); model skipped")
+            continue
+        rep.add("models", dict(shape=shape, label=label(shape), path=path,
+                               **{k: v for k, v in record.items() if k != "input"}))
+        print(f"[{time.time() - t_start:6.1f}s] {shape}: {'reused' if record['reused'] else 'widened'} {path} "
+              f"({record['weight_bytes'] / 1e9:.2f} GB, {time.time() - t0:.1f}s)", flush=True)
+        spec = dict(shape=shape, path=path, device="cuda" if cuda else "cpu", prompts=args.prompts,
+                    batches=args.batches, modes=args.modes, max_tokens=args.max_tokens, repeats=args.repeats,
+                    depth=args.depth, topk=args.topk, beam=args.beam, calibration_table=args.calibration_table,
+                    cell_budget_s=args.cell_budget_s, deadline=deadline, smoke=args.smoke)
+        run_worker(rep, spec, args.grace_s)
+    if args.png != "none":
+        rep.doc["plot"] = plot(rep.doc, Path(args.png) if args.png else out.with_suffix(".png"))
+    rep.doc["elapsed_s"] = round(time.time() - t_start, 1)
+    rep.save()
+    print(f"wrote {out}" + (f" and {rep.doc['plot']}" if rep.doc["plot"] else "") + f" in {rep.doc['elapsed_s']}s",
+          flush=True)
+    return rep.doc
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The scale benchmark (``benchmarks/e2e.py --scale``, benchmarks/e2e_scale.py) on the CPU: a tiny widening of
+the embedded model through a worker subprocess, every cell's schema, exactness against ar, the ratios
+the worker computed, reuse of the widened checkpoint, and the cells it records instead of crashing."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from benchmarks import e2e_scale
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODES = ("ar", "serial_tree", "bole")
+
+
+def run_scale(*flags, timeout=300):
+    r = subprocess.run([sys.executable, "benchmarks/e2e.py", "--scale", "--smoke", *flags], cwd=ROOT,
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    d = tmp_path_factory.mktemp("scale")
+    out, png, wd = d / "s.json", d / "s.png", d / "widened"
+    run_scale("--out", str(out), "--png", str(png), "--widen-dir", str(wd))
+    return json.loads(out.read_text()), png, wd
+
+
+def test_scale_smoke_rows(smoke):
+    doc, png, _ = smoke
+    assert doc["command"].startswith("python benchmarks/e2e.py --scale") and doc["elapsed_s"] > 0
+    assert not doc["notes"] and not doc["skipped"]
+    rows = doc["rows"]
+    assert sorted((r["mode"], r["batch"]) for r in rows) == sorted((m, b) for m in MODES for b in (1, 2))
+    for r in rows:
+        assert r["model"] == "smoke-cost, embedded model's predictions" and r["status"] == "ok"
+        assert r["tokens_per_s"] > 0 and len(r["tokens_per_s_runs"]) == 3 and r["mat"] >= 1.0
+        assert sorted(r["tokens_per_s_runs"])[1] == r["tokens_per_s"]  # the median of the 3 runs
+        ph = r["phases"]
+        assert 0 < ph["verify_time_share"] <= 1 and ph["other_time_share"] == pytest.approx(
+            1 - ph["verify_time_share"], abs=1e-3)
+        assert ph["wall_ms_per_step"] > 0 and ph["mean_ttft_s"] > 0 and r["steps"] > 0
+        if r["mode"] == "ar":
+            assert r["exact_vs_ar"] is None and r["mat"] == 1.0
+        else:
+            assert r["exact_vs_ar"] is True  # greedy speculative cells emit the ar cell's tokens
+    (m,) = doc["models"]
+    assert m["shape"] == "smoke" and not m["reused"] and m["weight_bytes"] > 0
+    assert doc["plot"] == str(png) and png.stat().st_size > 0
+
+
+def test_scale_smoke_ratios_are_the_workers(smoke):
+    doc, _, _ = smoke
+    rat = doc["ratios"]["smoke-cost, embedded model's predictions"]
+    tps = {(r["mode"], r["batch"]): r["tokens_per_s"] for r in doc["rows"]}
+    assert isinstance(rat["pid"], int) and [d["batch"] for d in rat["per_batch"]] == [1, 2]
+    for d in rat["per_batch"]:
+        assert d["all_exact_vs_ar"] is True
+        for num, den in e2e_scale.RATIOS:
+            assert d[f"{num}/{den}"] == round(tps[num, d["batch"]] / tps[den, d["batch"]], 3)
+    for key, g in rat["geomean_batches_1_16"].items():
+        xs = [d[key] for d in rat["per_batch"]]
+        assert g["batches"] == [1, 2] and g["value"] == pytest.approx(math.sqrt(xs[0] * xs[1]), abs=2e-3)
+
+
+def test_widened_checkpoint_is_reused(smoke):
+    _, _, wd = smoke
+    path, record = e2e_scale.widened(os.path.join(ROOT, "models", "bole-tiny-coder"), "smoke", str(wd))
+    assert record["reused"] and path == str(wd / "smoke") and os.path.exists(os.path.join(path, "tokenizer.json"))
+
+
+def test_ratios_geomean_over_batches_up_to_16():
+    rows = [dict(mode=m, batch=b, status="ok", tokens_per_s=t, exact_vs_ar=None if m == "ar" else True)
+            for m, b, t in [("ar", 1, 10.0), ("bole", 1, 20.0), ("ar", 16, 40.0), ("bole", 16, 160.0),
+                            ("ar", 32, 50.0), ("bole", 32, 500.0), ("serial_tree", 1, 5.0)]]
+    rows.append(dict(mode="serial_tree", batch=16, status="oom", exact_vs_ar=None))
+    got = e2e_scale.ratios(rows)
+    g = got["geomean_batches_1_16"]
+    assert g["bole/ar"] == dict(value=round(math.sqrt(2.0 * 4.0), 3), batches=[1, 16])  # batch 32 left out
+    assert g["bole/serial_tree"] == dict(value=4.0, batches=[1])                       # oom cell left out
+    assert [d.get("bole/ar") for d in got["per_batch"]] == [2.0, 4.0, 10.0]
+
+
+def _spec(smoke, **kw):
+    _, _, wd = smoke
+    return dict(shape="smoke", path=str(wd / "smoke"), device="cpu", max_tokens=2, repeats=1, depth=2, topk=2,
+                beam=2, calibration_table="calibration_tables/default.yaml", cell_budget_s=30.0, **kw)
+
+
+def test_refused_and_oom_cells_are_recorded(smoke, monkeypatch):
+    prompts = [json.loads(line) for line in open(os.path.join(ROOT, "benchmarks/data/heldout_prompts.jsonl"))][:1]
+    row, toks = e2e_scale.run_cell(dict(_spec(smoke), depth=16), "bole", 1, prompts)  # SpecConfig refuses it
+    assert row["status"] == "refused" and "depth" in row["error"] and toks is None
+
+    def oom(*a, **k):  # a GPU's allocator failure, which a CPU cannot produce
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr("benchmarks.engine_modes.time_llm", oom)
+    row, toks = e2e_scale.run_cell(_spec(smoke), "ar", 1, prompts)
+    assert row["status"] == "oom" and "out of memory" in row["error"] and toks is None
+
+
+def test_a_cell_past_its_budget_is_recorded_as_timeout(smoke, tmp_path):
+    _, _, wd = smoke
+    out = tmp_path / "t.json"
+    run_scale("--out", str(out), "--png", "none", "--widen-dir", str(wd), "--batches", "1", "--modes", "ar", "bole",
+              "--cell-budget-s", "0", "--grace-s", "0.5")
+    doc = json.loads(out.read_text())
+    assert doc["models"][0]["reused"]
+    assert [(r["mode"], r["status"]) for r in doc["rows"]] == [("ar", "timeout"), ("bole", "not_run")]
+    assert "killed: cell budget" in doc["notes"][0]
