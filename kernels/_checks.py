@@ -111,22 +111,27 @@ def check_forest(forest) -> None:
 INDEX = (torch.int32, torch.int64)
 
 
-def check_index(name: str, t, size: int, device) -> None:
-    """``t`` must be an int32 / int64 vector of ``size`` entries on ``device``."""
-    check_tensor(name, t, 1, INDEX, device)
+def check_index(name: str, t, size: int, device, checked: bool = False) -> None:
+    """``t`` must be an int32 / int64 vector of ``size`` entries on ``device``. ``checked``: ``t`` passed
+    this check once for the whole forward (``check_forward_inputs``); only its size is compared."""
+    if not checked:
+        check_tensor(name, t, 1, INDEX, device)
     if t.shape[0] != size:
         raise ValueError(f"{name} must be [{size}], got {tuple(t.shape)}")
 
 
-def check_forest_inputs(forest, state_indices, device) -> None:
+def check_forest_inputs(forest, state_indices, device, checked: bool = False) -> None:
     """A tree forward's forest, on ``device`` with a contiguous anc [N, D >= 1], and its requests' slots
-    ``state_indices`` (int [B]; None: request b reads slot b)."""
-    check_forest(forest)
-    if forest.device != device or forest.anc.dim() != 2 or forest.anc.shape[1] < 1 or not forest.anc.is_contiguous():
-        raise ValueError(f"forest must be on {device} with a contiguous anc [N, D >= 1], got anc "
-                         f"{tuple(forest.anc.shape)} on {forest.device}")
+    ``state_indices`` (int [B]; None: request b reads slot b). ``checked``: both passed this check once
+    for the whole forward; only the slots' count is compared."""
+    if not checked:
+        check_forest(forest)
+        if (forest.device != device or forest.anc.dim() != 2 or forest.anc.shape[1] < 1
+                or not forest.anc.is_contiguous()):
+            raise ValueError(f"forest must be on {device} with a contiguous anc [N, D >= 1], got anc "
+                             f"{tuple(forest.anc.shape)} on {forest.device}")
     if state_indices is not None:
-        check_index("state_indices", state_indices, forest.num_requests, device)
+        check_index("state_indices", state_indices, forest.num_requests, device, checked)
 
 
 def check_forward_inputs(device, num_requests: int, num_tokens: int, state_indices, positions, slot_mapping,
@@ -159,8 +164,7 @@ def check_verify_inputs(q, k, v, g, beta, forest, initial_state, state_indices,
     if K > 256 or V > 256:
         raise ValueError(f"head dims K={K}, V={V} exceed 256")
     dev = q.device
-    if not checked:
-        check_forest_inputs(forest, state_indices, dev)
+    check_forest_inputs(forest, state_indices, dev, checked)
     if forest.num_nodes != N:
         raise ValueError(f"forest has {forest.num_nodes} nodes but the inputs have {N} tokens")
     if forest.max_nodes > MAX_TREE_NODES:

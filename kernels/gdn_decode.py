@@ -102,13 +102,12 @@ def causal_conv1d_update(x, weight, conv_state, state_indices, activation="silu"
         out: optional [N, C] in x's dtype, last dim contiguous.
         block_c: channel tile (power of two).
         checked: the caller checked ``state_indices`` once for the whole forward
-            (`kernels._checks.check_forward_inputs`).
+            (`kernels._checks.check_forward_inputs`); only its size is compared here.
     Returns:
         y [N, C] in x's dtype: act(Σ_j window[:, j] · weight[:, j]) summed in fp32.
     """
     N, C, W = check_conv_inputs(x, weight, conv_state)
-    if not checked:
-        check_index("state_indices", state_indices, N, x.device)
+    check_index("state_indices", state_indices, N, x.device, checked)
     if activation not in _ACTIVATIONS:
         raise ValueError(f"unsupported conv activation {activation!r}")
     if block_c < 1 or block_c & (block_c - 1):
@@ -198,7 +197,7 @@ def gdn_decode_step(q, k, v, a, b, A_log, dt_bias, ssm_state, state_indices, sca
         out: optional [N, HV, V] in v's dtype, last dim contiguous.
         block_v: value tile (power of two; default 16, or 32 when there are >= 1024 tiles of 16).
         checked: the caller checked ``state_indices`` once for the whole forward
-            (`kernels._checks.check_forward_inputs`).
+            (`kernels._checks.check_forward_inputs`); only its size is compared here.
     Returns:
         o [N, HV, V] in v's dtype.
     """
@@ -227,8 +226,7 @@ def gdn_decode_step(q, k, v, a, b, A_log, dt_bias, ssm_state, state_indices, sca
     if tuple(ssm_state.shape[1:]) != (HV, V, K) or ssm_state.stride()[1:] != (V * K, K, 1):
         raise ValueError(f"ssm_state must be [slots, {HV}, {V}, {K}] with contiguous slots, got "
                          f"{tuple(ssm_state.shape)} strides {ssm_state.stride()}")
-    if not checked:
-        check_index("state_indices", state_indices, N, dev)
+    check_index("state_indices", state_indices, N, dev, checked)
     if block_v is None:
         block_v = 32 if N * HV * triton.cdiv(V, 16) >= 1024 else 16
         block_v = min(block_v, triton.next_power_of_2(V))

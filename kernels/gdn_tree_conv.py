@@ -127,8 +127,7 @@ def _check_conv_args(x, weight, bias, conv_state, state_indices, forest, activat
         check_forest_inputs(forest, None, dev)
     if forest.num_nodes != N:
         raise ValueError(f"forest has {forest.num_nodes} nodes but x has {N} rows")
-    if not checked:
-        check_index("state_indices", state_indices, forest.num_requests, dev)
+    check_index("state_indices", state_indices, forest.num_requests, dev, checked)
     if activation not in _ACTIVATIONS:
         raise ValueError(f"unsupported conv activation {activation!r}")
     if block_c < 1 or block_c & (block_c - 1):

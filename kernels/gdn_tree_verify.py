@@ -358,8 +358,8 @@ def gdn_tree_verify(q, k, v, g, beta, forest, initial_state, state_indices=None,
             (`tuned_launch`): `TUNED_LOWP` for fp16/bf16 q and k, `TUNED_FP32` for fp32 (3xTF32
             products, fp32-grade): the engine's setting.
         checked: the caller checked ``forest`` and ``state_indices`` once for the whole forward
-            (`kernels._checks.check_forward_inputs`, run by ``bole.models.context.ForwardContext``): only
-            their sizes are compared with the other inputs here.
+            (`kernels._checks.check_forward_inputs`, run by ``bole.models.context.ForwardContext``);
+            only their sizes are compared with the other inputs here.
     Returns:
         o [1, N, HV, V] in v's dtype, u [N, HV, V] fp32 and logp [N, HV] fp32 (the commit's factors).
     """

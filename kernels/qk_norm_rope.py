@@ -130,7 +130,8 @@ def qk_norm_rope_store(q, k, v, q_weight, k_weight, positions, inv_freq, eps, k_
             check would read the device).
         q_out: optional [N, H, D] in q's dtype, unit last stride. Default: contiguous.
         checked: the caller checked ``positions`` and ``slot_mapping`` once for the whole forward
-            (`kernels._checks.check_forward_inputs`, run by ``bole.models.context.ForwardContext``).
+            (`kernels._checks.check_forward_inputs`, run by ``bole.models.context.ForwardContext``);
+            only their sizes are compared here.
     Returns:
         q_out: the normed, rotated queries.
     """
@@ -149,9 +150,8 @@ def qk_norm_rope_store(q, k, v, q_weight, k_weight, positions, inv_freq, eps, k_
         check_tensor(name, w, 1, _FLOATS, dev)
         if w.shape[0] != D:
             raise ValueError(f"{name} must be [{D}], got {tuple(w.shape)}")
-    if not checked:
-        check_index("positions", positions, N, dev)
-        check_index("slot_mapping", slot_mapping, N, dev)
+    check_index("positions", positions, N, dev, checked)
+    check_index("slot_mapping", slot_mapping, N, dev, checked)
     check_tensor("inv_freq", inv_freq, 1, (torch.float32,), dev)
     if not 2 <= 2 * inv_freq.shape[0] <= D:
         raise ValueError(f"inv_freq must hold R / 2 frequencies with 2 <= R <= D={D}, got {inv_freq.shape[0]}")
