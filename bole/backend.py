@@ -40,6 +40,12 @@ Registered backends:
               greedy acceptance with kernels.greedy_accept; the drafter's per-level top-k of log-softmax with
               kernels.logits_topk.
     "auto":   "triton" on CUDA when the kernels import, else "torch". Resolved once, logged.
+
+The "triton" backend's per-layer kernels whose arguments include what every layer of a forward shares
+(state slots, positions, KV slots, forest: tree_conv, tree_verify, conv_update, decode_step,
+qk_norm_rope_store) are taken with ``checked=True`` (``context_checked``): the layers' ``ForwardContext``
+checks those once per forward (``ForwardContext.check_kernel_inputs``), and each launch checks only its
+own tensors. Called directly, the kernels check everything.
 """
 
 from __future__ import annotations
@@ -131,6 +137,12 @@ def fla_prefill():
     return prefill
 
 
+def context_checked(kernel: Callable, **kw) -> Callable:
+    """``kernel`` with ``checked=True``: for the layers, whose forward context checked the shared arguments
+    (see the module docstring)."""
+    return functools.partial(kernel, checked=True, **kw)
+
+
 def tree_acceptance(kernel: Callable) -> Callable:
     """``kernel`` (kernels.greedy_accept, which returns TreeAcceptance's fields as a tuple) with the
     twin's result type."""
@@ -207,13 +219,14 @@ def _triton_backend() -> GDNBackend:
                 FLA_MIN_TOKENS, " or in fp32" if fla else "", prefill_name)
     # the measured per-shape launch tables (kernels.gdn_tree_verify_launch.TUNED_LOWP for half-precision q/k,
     # TUNED_FP32 for fp32)
-    tree_verify = functools.partial(triton_verify, tuned=True)
-    return GDNBackend("triton", prefill=prefill, decode_step=gdn_decode_step, conv_update=causal_conv1d_update,
-                      tree_verify=tree_verify, prefill_conv=causal_conv1d_varlen,
-                      commit=triton_commit, tree_serial=triton_serial, tree_conv=gdn_tree_conv, rms_norm=rms_norm,
+    tree_verify = context_checked(triton_verify, tuned=True)
+    return GDNBackend("triton", prefill=prefill, decode_step=context_checked(gdn_decode_step),
+                      conv_update=context_checked(causal_conv1d_update), tree_verify=tree_verify,
+                      prefill_conv=causal_conv1d_varlen, commit=triton_commit, tree_serial=triton_serial,
+                      tree_conv=context_checked(gdn_tree_conv), rms_norm=rms_norm,
                       gated_rms_norm=gated_rms_norm, decode_attention=paged_decode_attention,
                       tree_attention=tree_attention,
-                      qk_norm_rope_store=qk_norm_rope_store, act_mul=act_mul, tree_layout=tree_layout,
+                      qk_norm_rope_store=context_checked(qk_norm_rope_store), act_mul=act_mul, tree_layout=tree_layout,
                       greedy_accept=tree_acceptance(greedy_accept),
                       log_softmax_topk=topk_within(log_softmax_topk, MAX_V, MAX_K))
 

@@ -108,11 +108,54 @@ def check_forest(forest) -> None:
         raise ValueError(f"forest must be a packed forest, got {type(forest).__name__} without {missing}")
 
 
-def check_verify_inputs(q, k, v, g, beta, forest, initial_state, state_indices) -> tuple[int, int, int, int, int]:
+INDEX = (torch.int32, torch.int64)
+
+
+def check_index(name: str, t, size: int, device, checked: bool = False) -> None:
+    """``t`` must be an int32 / int64 vector of ``size`` entries on ``device``. ``checked``: ``t`` passed
+    this check once for the whole forward (``check_forward_inputs``); only its size is compared."""
+    if not checked:
+        check_tensor(name, t, 1, INDEX, device)
+    if t.shape[0] != size:
+        raise ValueError(f"{name} must be [{size}], got {tuple(t.shape)}")
+
+
+def check_forest_inputs(forest, state_indices, device, checked: bool = False) -> None:
+    """A tree forward's forest, on ``device`` with a contiguous anc [N, D >= 1], and its requests' slots
+    ``state_indices`` (int [B]; None: request b reads slot b). ``checked``: both passed this check once
+    for the whole forward; only the slots' count is compared."""
+    if not checked:
+        check_forest(forest)
+        if (forest.device != device or forest.anc.dim() != 2 or forest.anc.shape[1] < 1
+                or not forest.anc.is_contiguous()):
+            raise ValueError(f"forest must be on {device} with a contiguous anc [N, D >= 1], got anc "
+                             f"{tuple(forest.anc.shape)} on {forest.device}")
+    if state_indices is not None:
+        check_index("state_indices", state_indices, forest.num_requests, device, checked)
+
+
+def check_forward_inputs(device, num_requests: int, num_tokens: int, state_indices, positions, slot_mapping,
+                         forest=None) -> None:
+    """What every layer's kernels share in one forward (a forward context's), checked once: the state
+    slot of each request [B], the rotary positions and KV slots of each token [N], the forest of a tree
+    forward. Callers that ran it pass ``checked=True`` to the per-layer kernels, which then check only
+    their own tensors; a bad argument is refused either way, by name (docs/DESIGN.md §8)."""
+    if forest is not None:
+        check_forest_inputs(forest, None, device)
+        if forest.num_nodes != num_tokens or forest.num_requests != num_requests:
+            raise ValueError(f"forest has {forest.num_nodes} nodes of {forest.num_requests} requests, the "
+                             f"forward {num_tokens} tokens of {num_requests}")
+    check_index("state_indices", state_indices, num_requests, device)
+    check_index("positions", positions, num_tokens, device)
+    check_index("slot_mapping", slot_mapping, num_tokens, device)
+
+
+def check_verify_inputs(q, k, v, g, beta, forest, initial_state, state_indices,
+                        checked: bool = False) -> tuple[int, int, int, int, int]:
     """The tree verifier's inputs (kernels/gdn_tree_verify.py): float q / k / v / g / beta with the GDN
     shapes, head dims <= 256, a forest of trees of at most MAX_TREE_NODES nodes matching them, an
     optional state pool [slots, HV, V, K] (fp32 or bf16, contiguous) and slot indices [B], all on q's
-    device; returns (N, HK, HV, K, V)."""
+    device; returns (N, HK, HV, K, V). ``checked``: the forest and slots passed ``check_forest_inputs``."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor) or t.dtype not in FLOATS:
             raise ValueError(f"{name} must be a float32/float16/bfloat16 tensor, got "
@@ -120,13 +163,13 @@ def check_verify_inputs(q, k, v, g, beta, forest, initial_state, state_indices) 
     N, HK, HV, K, V = check_gdn_inputs(q, k, v, g, beta)  # the twin's shape rules
     if K > 256 or V > 256:
         raise ValueError(f"head dims K={K}, V={V} exceed 256")
-    check_forest(forest)
+    dev = q.device
+    check_forest_inputs(forest, state_indices, dev, checked)
     if forest.num_nodes != N:
         raise ValueError(f"forest has {forest.num_nodes} nodes but the inputs have {N} tokens")
     if forest.max_nodes > MAX_TREE_NODES:
         raise ValueError(f"a tree of {forest.max_nodes} nodes exceeds the kernel's limit of {MAX_TREE_NODES}")
-    dev = q.device
-    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("forest", forest.parents)):
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
         if t.device != dev:
             raise ValueError(f"{name} is on {t.device}, q on {dev}")
     B = forest.num_requests
@@ -142,13 +185,6 @@ def check_verify_inputs(q, k, v, g, beta, forest, initial_state, state_indices) 
             raise ValueError(f"initial_state is on {initial_state.device}, q on {dev}")
         if state_indices is None and initial_state.shape[0] < B:
             raise ValueError(f"{B} requests but only {initial_state.shape[0]} state slots")
-    if state_indices is not None:
-        if state_indices.dim() != 1 or state_indices.numel() != B:
-            raise ValueError(f"state_indices must be [{B}] (one slot per request), "
-                             f"got {tuple(state_indices.shape)}")
-        if state_indices.dtype not in (torch.int32, torch.int64) or state_indices.device != dev:
-            raise ValueError(f"state_indices must be int32/int64 on {dev}, got {state_indices.dtype} "
-                             f"on {state_indices.device}")
     return N, HK, HV, K, V
 
 

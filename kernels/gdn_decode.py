@@ -22,10 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_conv_inputs, check_tensor
+from kernels._checks import check_conv_inputs, check_index, check_tensor
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_INDEX = (torch.int32, torch.int64)
 _ACTIVATIONS = {None: False, "identity": False, "silu": True, "swish": True}
 
 
@@ -88,7 +87,7 @@ def _check_out(out, shape, dtype, device):
 
 
 def causal_conv1d_update(x, weight, conv_state, state_indices, activation="silu", out=None, *,
-                         block_c: int = 128, num_warps: int = 4):
+                         block_c: int = 128, num_warps: int = 4, checked: bool = False):
     """Depthwise causal conv of one new token per row, continuing each row's conv window in place.
 
     Twin: `bole.ops.gdn_decode.causal_conv1d_update_ref` (= `causal_conv1d_decode` without bias).
@@ -102,13 +101,13 @@ def causal_conv1d_update(x, weight, conv_state, state_indices, activation="silu"
         activation: "silu" / "swish" or None / "identity".
         out: optional [N, C] in x's dtype, last dim contiguous.
         block_c: channel tile (power of two).
+        checked: the caller checked ``state_indices`` once for the whole forward
+            (`kernels._checks.check_forward_inputs`); only its size is compared here.
     Returns:
         y [N, C] in x's dtype: act(Σ_j window[:, j] · weight[:, j]) summed in fp32.
     """
     N, C, W = check_conv_inputs(x, weight, conv_state)
-    check_tensor("state_indices", state_indices, 1, _INDEX, x.device)
-    if state_indices.shape[0] != N:
-        raise ValueError(f"state_indices must be [{N}], got {tuple(state_indices.shape)}")
+    check_index("state_indices", state_indices, N, x.device, checked)
     if activation not in _ACTIVATIONS:
         raise ValueError(f"unsupported conv activation {activation!r}")
     if block_c < 1 or block_c & (block_c - 1):
@@ -181,7 +180,8 @@ def launch_gdn_decode_step(q, k, v, a, b, A_log, dt_bias, ssm_state, state_indic
 
 
 def gdn_decode_step(q, k, v, a, b, A_log, dt_bias, ssm_state, state_indices, scale=None,
-                    use_qk_l2norm=True, out=None, *, block_v: int | None = None, num_warps: int = 4):
+                    use_qk_l2norm=True, out=None, *, block_v: int | None = None, num_warps: int = 4,
+                    checked: bool = False):
     """One gated delta rule step per row (decode), gating and q/k normalisation fused, pool updated in place.
 
     Twin: `bole.ops.gdn_decode.gdn_decode_step_ref`. Rows must use distinct slots (except padding).
@@ -196,6 +196,8 @@ def gdn_decode_step(q, k, v, a, b, A_log, dt_bias, ssm_state, state_indices, sca
         scale: q scale (default K ** -0.5); use_qk_l2norm: L2-normalise q and k (eps 1e-6) first.
         out: optional [N, HV, V] in v's dtype, last dim contiguous.
         block_v: value tile (power of two; default 16, or 32 when there are >= 1024 tiles of 16).
+        checked: the caller checked ``state_indices`` once for the whole forward
+            (`kernels._checks.check_forward_inputs`); only its size is compared here.
     Returns:
         o [N, HV, V] in v's dtype.
     """
@@ -224,9 +226,7 @@ def gdn_decode_step(q, k, v, a, b, A_log, dt_bias, ssm_state, state_indices, sca
     if tuple(ssm_state.shape[1:]) != (HV, V, K) or ssm_state.stride()[1:] != (V * K, K, 1):
         raise ValueError(f"ssm_state must be [slots, {HV}, {V}, {K}] with contiguous slots, got "
                          f"{tuple(ssm_state.shape)} strides {ssm_state.stride()}")
-    check_tensor("state_indices", state_indices, 1, _INDEX, dev)
-    if state_indices.shape[0] != N:
-        raise ValueError(f"state_indices must be [{N}], got {tuple(state_indices.shape)}")
+    check_index("state_indices", state_indices, N, dev, checked)
     if block_v is None:
         block_v = 32 if N * HV * triton.cdiv(V, 16) >= 1024 else 16
         block_v = min(block_v, triton.next_power_of_2(V))

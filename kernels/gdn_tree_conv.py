@@ -23,11 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_conv_inputs, check_forest, check_tensor
+from kernels._checks import check_conv_inputs, check_forest_inputs, check_index, check_tensor
 from kernels.gdn_decode import softplus
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_INDEX = (torch.int32, torch.int64)
 _ACTIVATIONS = {None: False, "identity": False, "silu": True, "swish": True}
 
 
@@ -115,24 +114,20 @@ def launch_gdn_tree_conv(x, weight, bias, conv_state, state_indices, forest, sil
     )
 
 
-def _check_conv_args(x, weight, bias, conv_state, state_indices, forest, activation, block_c):
-    """ValueError naming the bad argument (STYLE 7); returns (N, C)."""
+def _check_conv_args(x, weight, bias, conv_state, state_indices, forest, activation, block_c, checked):
+    """ValueError naming the bad argument (STYLE 7); returns (N, C). ``checked``: the forward's forest and
+    slots passed `kernels._checks.check_forward_inputs` (once per forward): only their sizes are compared."""
     N, C, W = check_conv_inputs(x, weight, conv_state)
     dev = x.device
     if bias is not None:
         check_tensor("bias", bias, 1, _FLOATS, dev)
         if bias.shape[0] != C or bias.stride(0) != 1:
             raise ValueError(f"bias must be a contiguous [{C}], got {tuple(bias.shape)} strides {bias.stride()}")
-    check_forest(forest)
+    if not checked:
+        check_forest_inputs(forest, None, dev)
     if forest.num_nodes != N:
         raise ValueError(f"forest has {forest.num_nodes} nodes but x has {N} rows")
-    if forest.device != dev or forest.anc.dim() != 2 or forest.anc.shape[1] < 1 or not forest.anc.is_contiguous():
-        raise ValueError(f"forest must be on {dev} with a contiguous anc [N, D >= 1], got anc "
-                         f"{tuple(forest.anc.shape)} on {forest.device}")
-    check_tensor("state_indices", state_indices, 1, _INDEX, dev)
-    if state_indices.shape[0] != forest.num_requests:
-        raise ValueError(f"state_indices must be [{forest.num_requests}] (one slot per request), "
-                         f"got {tuple(state_indices.shape)}")
+    check_index("state_indices", state_indices, forest.num_requests, dev, checked)
     if activation not in _ACTIVATIONS:
         raise ValueError(f"unsupported conv activation {activation!r}")
     if block_c < 1 or block_c & (block_c - 1):
@@ -166,7 +161,7 @@ def _outputs(x, out, x_copy):
 
 
 def causal_conv1d_tree(x, weight, bias, conv_state, state_indices, forest, activation="silu",
-                       out=None, x_copy=None, *, block_c: int = 128, num_warps: int = 4):
+                       out=None, x_copy=None, *, block_c: int = 128, num_warps: int = 4, checked: bool = False):
     """Depthwise causal conv over a packed forest (each node: its path, then the committed state). Read only.
 
     Twin: `bole.ops.conv.causal_conv1d_tree_ref`.
@@ -183,10 +178,12 @@ def causal_conv1d_tree(x, weight, bias, conv_state, state_indices, forest, activ
             column ranges; any float dtype (y is cast), contiguous last dim, any row stride.
         x_copy: optional [N, C] buffer x is copied into (cast to its dtype).
         block_c: channel tile (power of two).
+        checked: the caller checked ``forest`` and ``state_indices`` once for the whole forward
+            (`kernels._checks.check_forward_inputs`); only their sizes are compared with x here.
     Returns:
         y [N, C] in x's dtype, or ``out`` as passed.
     """
-    _check_conv_args(x, weight, bias, conv_state, state_indices, forest, activation, block_c)
+    _check_conv_args(x, weight, bias, conv_state, state_indices, forest, activation, block_c, checked)
     parts = _outputs(x, out, x_copy)
     if x.shape[0] > 0:
         launch_gdn_tree_conv(x, weight, bias, conv_state, state_indices, forest, _ACTIVATIONS[activation],
@@ -195,7 +192,8 @@ def causal_conv1d_tree(x, weight, bias, conv_state, state_indices, forest, activ
 
 
 def gdn_tree_conv(x, weight, conv_state, state_indices, forest, a, b, A_log, dt_bias, bias=None,
-                  activation="silu", out=None, x_copy=None, *, block_c: int = 128, num_warps: int = 4):
+                  activation="silu", out=None, x_copy=None, *, block_c: int = 128, num_warps: int = 4,
+                  checked: bool = False):
     """The GDN layer's verify prologue in one launch: ``causal_conv1d_tree`` plus the gating.
 
     Twin: `bole.ops.conv.gdn_tree_conv_ref`. Args as `causal_conv1d_tree`, and a, b: [N, HV] raw
@@ -203,7 +201,7 @@ def gdn_tree_conv(x, weight, conv_state, state_indices, forest, a, b, A_log, dt_
     Returns:
         (y or out, g [N, HV] fp32 = -exp(A_log) softplus(a + dt_bias), beta [N, HV] = sigmoid(b) in b's dtype)
     """
-    N, _ = _check_conv_args(x, weight, bias, conv_state, state_indices, forest, activation, block_c)
+    N, _ = _check_conv_args(x, weight, bias, conv_state, state_indices, forest, activation, block_c, checked)
     dev = x.device
     for name, t in (("a", a), ("b", b)):
         check_tensor(name, t, 2, _FLOATS, dev)

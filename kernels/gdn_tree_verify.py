@@ -335,7 +335,8 @@ def launch_gdn_tree_verify(q, k, v, g, beta, forest, initial_state, state_indice
 def gdn_tree_verify(q, k, v, g, beta, forest, initial_state, state_indices=None,
                     scale=None, use_qk_l2norm=False, u_out=None, logp_out=None, o_out=None, *,
                     block_v: int | None = None, config: VerifyConfig | None = None,
-                    input_precision: str = "ieee", method: str = "blocked", tuned: bool = False):
+                    input_precision: str = "ieee", method: str = "blocked", tuned: bool = False,
+                    checked: bool = False):
     """Closed-form parallel GDN tree verification (Theorem 1, eq. 2); twin: `bole.ops.gdn.gdn_tree_verify_ref`.
 
     Args:
@@ -356,10 +357,13 @@ def gdn_tree_verify(q, k, v, g, beta, forest, initial_state, state_indices=None,
         tuned: without an explicit config, take config, method and precision from a measured table
             (`tuned_launch`): `TUNED_LOWP` for fp16/bf16 q and k, `TUNED_FP32` for fp32 (3xTF32
             products, fp32-grade): the engine's setting.
+        checked: the caller checked ``forest`` and ``state_indices`` once for the whole forward
+            (`kernels._checks.check_forward_inputs`, run by ``bole.models.context.ForwardContext``);
+            only their sizes are compared with the other inputs here.
     Returns:
         o [1, N, HV, V] in v's dtype, u [N, HV, V] fp32 and logp [N, HV] fp32 (the commit's factors).
     """
-    N, HK, HV, K, V = check_verify_inputs(q, k, v, g, beta, forest, initial_state, state_indices)
+    N, HK, HV, K, V = check_verify_inputs(q, k, v, g, beta, forest, initial_state, state_indices, checked)
     B, dev = forest.num_requests, q.device
     if input_precision not in _PRECISIONS:
         raise ValueError(f"input_precision must be one of {_PRECISIONS}, got {input_precision!r}")

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels._checks import check_tensor, interpreting
+from kernels._checks import check_index, check_tensor, interpreting
 
 # cos / sin of large angles (positions of 10^5 and more times a frequency near 1) need the accurate
 # libdevice functions that torch's cos / sin compile to; the interpreter (CPU tests) has no libdevice
@@ -35,7 +35,6 @@ from kernels._checks import check_tensor, interpreting
 _LIBDEVICE_TRIG = not interpreting()
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_INDEX = (torch.int32, torch.int64)
 MAX_D = 4096
 
 
@@ -113,7 +112,7 @@ def _check_rows(name, t, shape, dtypes, device):
 
 
 def qk_norm_rope_store(q, k, v, q_weight, k_weight, positions, inv_freq, eps, k_cache, v_cache, slot_mapping,
-                       q_out=None):
+                       q_out=None, *, checked: bool = False):
     """Per-head zero-centred RMS norm of q and k, partial rotate-half RoPE on both, k and v stored in the
     paged KV cache: GatedAttention's prologue in one launch.
 
@@ -130,6 +129,9 @@ def qk_norm_rope_store(q, k, v, q_weight, k_weight, positions, inv_freq, eps, k_
         slot_mapping: int32/int64 [N] cache slot of each token, in [0, num_slots) (not checked: a
             check would read the device).
         q_out: optional [N, H, D] in q's dtype, unit last stride. Default: contiguous.
+        checked: the caller checked ``positions`` and ``slot_mapping`` once for the whole forward
+            (`kernels._checks.check_forward_inputs`, run by ``bole.models.context.ForwardContext``);
+            only their sizes are compared here.
     Returns:
         q_out: the normed, rotated queries.
     """
@@ -148,11 +150,8 @@ def qk_norm_rope_store(q, k, v, q_weight, k_weight, positions, inv_freq, eps, k_
         check_tensor(name, w, 1, _FLOATS, dev)
         if w.shape[0] != D:
             raise ValueError(f"{name} must be [{D}], got {tuple(w.shape)}")
-    check_tensor("positions", positions, 1, _INDEX, dev)
-    check_tensor("slot_mapping", slot_mapping, 1, _INDEX, dev)
-    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
-        if t.shape[0] != N:
-            raise ValueError(f"{name} must be [{N}], got {tuple(t.shape)}")
+    check_index("positions", positions, N, dev, checked)
+    check_index("slot_mapping", slot_mapping, N, dev, checked)
     check_tensor("inv_freq", inv_freq, 1, (torch.float32,), dev)
     if not 2 <= 2 * inv_freq.shape[0] <= D:
         raise ValueError(f"inv_freq must hold R / 2 frequencies with 2 <= R <= D={D}, got {inv_freq.shape[0]}")

@@ -101,6 +101,7 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         N, D = x.shape[0], self.head_dim
+        ctx.check_kernel_inputs()  # the shared positions / KV slots, once per forward (the kernels skip them)
         if self.qkv_proj is not None:
             qg, k, v = self.qkv_proj(x)
         else:

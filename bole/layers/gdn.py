@@ -61,6 +61,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         N = x.shape[0]
+        ctx.check_kernel_inputs()  # the shared slots / forest, once per forward (the kernels skip them)
         if self.in_proj is not None:
             mixed, z, b, a = self.in_proj(x)  # column views of one [N, conv_dim + value_dim + 2 HV] GEMM
         else:

@@ -36,6 +36,7 @@ import torch
 from bole.cache.kv_cache import PagedKVCache
 from bole.cache.state_pool import StatePool
 from bole.spec.tree import PackedForest
+from kernels._checks import check_forward_inputs
 
 Mode = Literal["prefill", "decode", "verify"]
 MODES = ("prefill", "decode", "verify")
@@ -169,6 +170,15 @@ class ForwardContext:
     static: StaticDecode | None = None
     state_slots_host: list = field(default_factory=list)
     _memo: dict = field(default_factory=dict, repr=False, compare=False)  # per-forward layouts, built once
+
+    def check_kernel_inputs(self) -> None:
+        """The kernels' checks of what every layer shares (state slots, positions, KV slots, forest:
+        ``kernels._checks.check_forward_inputs``), once per forward; the backend's per-layer kernels then
+        skip them (``checked=True``, bole.backend). Every mixer calls it before its kernels."""
+        if "checked" not in self._memo:
+            check_forward_inputs(self.positions.device, self.num_requests, self.num_tokens, self.state_slots,
+                                 self.positions, self.slot_mapping, self.forest)
+            self._memo["checked"] = True
 
     def padded_attention(self) -> PaddedAttention:
         """The batched attention layout of a verify or decode step (see ``PaddedAttention``), memoized."""

@@ -161,14 +161,20 @@ def bad_cases(device, x, weight, state, idx, a, A_log):
     }
 
 
-@pytest.mark.parametrize("case", ["x_rank", "x_dtype", "x_stride", "w_shape", "bias_shape", "state_shape",
-                                  "forest_nodes", "idx_dtype", "idx_len", "activation", "block_c", "out_width",
-                                  "out_rows", "out_count", "out_stride", "copy_shape", "a_shape", "A_log_shape"])
-def test_bad_inputs_raise(device, case):
+BAD_CASES = ["x_rank", "x_dtype", "x_stride", "w_shape", "bias_shape", "state_shape", "forest_nodes", "idx_dtype",
+             "idx_len", "activation", "block_c", "out_width", "out_rows", "out_count", "out_stride", "copy_shape",
+             "a_shape", "A_log_shape"]
+# the forward's shared slots: with checked=True the forward context has checked them (tests/models/test_kernel_checks.py)
+SHARED_CASES = ("idx_dtype", "idx_len")
+
+
+@pytest.mark.parametrize("case,checked", [(c, False) for c in BAD_CASES]
+                         + [(c, True) for c in BAD_CASES if c not in SHARED_CASES])
+def test_bad_inputs_raise(device, case, checked):
     forest = make_forest((3, 2), device, seed=0)
     x, weight, _, state, idx = conv_inputs(device, forest, 16, 4, torch.float32, torch.float32, seed=0)
     a, b, A_log, dt_bias = gating_inputs(device, 5, 4, torch.float32, seed=0)
-    kw = dict(x=x, weight=weight, bias=None, conv_state=state, state_indices=idx, forest=forest)
+    kw = dict(x=x, weight=weight, bias=None, conv_state=state, state_indices=idx, forest=forest, checked=checked)
     args, name = bad_cases(device, x, weight, state, idx, a, A_log)[case]
     kw.update(args)
     with pytest.raises(ValueError, match=name):

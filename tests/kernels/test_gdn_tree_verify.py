@@ -178,12 +178,16 @@ def _bad_inputs(device):
     return forest, make_inputs(forest, 2, 4, 16, 16, torch.float32, torch.float32, 17, device)
 
 
-@pytest.mark.parametrize("case", [
-    "q_rank", "k_shape", "v_tokens", "gqa", "g_shape", "beta_shape", "dtype_int", "dtype_f64",
-    "forest_size", "too_many_nodes", "pool_shape", "pool_dtype", "indices_len", "out_shape",
-    "out_dtype", "block_v", "precision", "method",
-])
-def test_bad_inputs_raise(device, case):
+BAD_CASES = ["q_rank", "k_shape", "v_tokens", "gqa", "g_shape", "beta_shape", "dtype_int", "dtype_f64",
+             "forest_size", "too_many_nodes", "pool_shape", "pool_dtype", "indices_len", "out_shape",
+             "out_dtype", "block_v", "precision", "method"]
+# the forward's shared slots: with checked=True the forward context has checked them (tests/models/test_kernel_checks.py)
+SHARED_CASES = ("indices_len",)
+
+
+@pytest.mark.parametrize("case,checked", [(c, False) for c in BAD_CASES]
+                         + [(c, True) for c in BAD_CASES if c not in SHARED_CASES])
+def test_bad_inputs_raise(device, case, checked):
     forest, (q, k, v, g, beta, pool, idx) = _bad_inputs(device)
     N = q.shape[1]
     kw = dict(q=q, k=k, v=v, g=g, beta=beta, forest=forest, initial_state=pool, state_indices=idx)
@@ -226,7 +230,7 @@ def test_bad_inputs_raise(device, case):
     elif case == "method":
         kw.update(method="lu")
     with pytest.raises(ValueError):
-        gdn_tree_verify(**kw)
+        gdn_tree_verify(**kw, checked=checked)
 
 
 @pytest.mark.gpu

@@ -10,6 +10,7 @@ the "triton" and "torch" backends.
 """
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -91,6 +92,12 @@ def test_layers_on_kernels_match_twins(checkpoints, kind):
     assert rel_err(r_k.kv.kv, r_t.kv.kv) <= TOL
 
 
+def kernel_of(f):
+    """(function, bound keywords) of a backend entry: the triton backend binds ``checked=True`` to the
+    kernels whose shared arguments the forward context checks (bole.backend.context_checked)."""
+    return (f.func, f.keywords) if isinstance(f, functools.partial) else (f, {})
+
+
 def test_backend_kernels_reach_the_layers(checkpoints):
     ck = checkpoints("next")
     torch_model = load_model(ck.path, dtype="float32", backend="torch")
@@ -98,13 +105,13 @@ def test_backend_kernels_reach_the_layers(checkpoints):
     from kernels.act_mul import act_mul
     from kernels.qk_norm_rope import qk_norm_rope_store
 
-    for model, (prologue, act) in ((torch_model, (qk_norm_rope_store_ref, act_mul_ref)),
-                                   (triton_model, (qk_norm_rope_store, act_mul))):
+    for model, (prologue, act) in ((torch_model, ((qk_norm_rope_store_ref, {}), act_mul_ref)),
+                                   (triton_model, ((qk_norm_rope_store, {"checked": True}), act_mul))):
         mods = [m for m in model.modules() if isinstance(m, (GatedAttention, MLP, SparseMoE, Experts))]
         assert {type(m) for m in mods} == {GatedAttention, MLP, SparseMoE, Experts}
         assert all(m.act_mul is act for m in mods)
         attn = [m for m in mods if isinstance(m, GatedAttention)]
-        assert len(attn) == 2 and all(m.qk_norm_rope_store is prologue for m in attn)  # the MTP layer's too
+        assert len(attn) == 2 and all(kernel_of(m.qk_norm_rope_store) == prologue for m in attn)  # the MTP layer's too
     # the drafter's verify-mode attention: kernels.tree_attention on "triton", SDPA for the target
     from kernels.tree_attention import tree_attention
 

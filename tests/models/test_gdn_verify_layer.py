@@ -19,6 +19,7 @@ from bole.models.context import TreeFactors
 from bole.ops.conv import causal_conv1d_tree_ref
 from bole.ops.gdn import gdn_tree_serial_ref, gdn_tree_verify_ref
 from bole.spec.tree import PackedForest, random_tree
+from kernels._checks import check_forest_inputs
 
 CFG = types.SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                             linear_value_head_dim=8, hidden_size=32, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
@@ -43,8 +44,11 @@ def make_ctx(forest, serial: bool, factor_dtype=torch.float32, seed=0):
     factors = TreeFactors.allocate(CFG, forest.num_nodes, dtype=factor_dtype, snapshots=serial)
     for t in (factors.k, factors.u, factors.logp, factors.conv_x):
         t.fill_(float("nan"))
-    return types.SimpleNamespace(mode="verify", state_pool=pool, state_slots=torch.tensor([3, 0, 4]), forest=forest,
-                                 factors=factors)
+    slots = torch.tensor([3, 0, 4])
+    # a ForwardContext's once-per-forward check of what the layer's kernels skip (the forest and slots)
+    check = lambda: check_forest_inputs(forest, slots, forest.device)
+    return types.SimpleNamespace(mode="verify", state_pool=pool, state_slots=slots, forest=forest,
+                                 factors=factors, check_kernel_inputs=check)
 
 
 def old_verify(layer, x, ctx):

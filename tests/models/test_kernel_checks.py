@@ -1,0 +1,87 @@
+"""The kernels' checks of a forward's shared arguments (state slots, positions, KV slots, forest) run once
+per ForwardContext (``ForwardContext.check_kernel_inputs``), not once per layer, and still refuse a bad
+argument by name; the "triton" backend's per-layer kernels then skip them (``checked=True``), interpreted
+on CPU here.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import Runner
+
+import bole.models.context as context
+import kernels._checks as checks
+from bole.models.loader import load_model
+from bole.spec.tree import PackedForest, random_tree
+
+
+def counting(monkeypatch, name, *modules):
+    """Count the calls of ``name`` (still running it) through each of ``modules``, which import it."""
+    calls = []
+    inner = getattr(modules[0], name)
+
+    def wrapped(*args, **kw):
+        calls.append(args)
+        return inner(*args, **kw)
+    for module in modules:
+        monkeypatch.setattr(module, name, wrapped)
+    return calls
+
+
+def verify_batch(seed):
+    gen = torch.Generator().manual_seed(seed)
+    trees = [random_tree(n, 3, generator=gen) for n in (7, 4)]
+    return {b: (list(t.parents), torch.randint(0, 128, (t.num_nodes,), generator=gen).tolist())
+            for b, t in enumerate(trees)}
+
+
+def prefilled(model):
+    r = Runner(model)
+    for rid in (0, 1):
+        r.add(rid)
+    r.step("prefill", {0: list(range(3, 16)), 1: [4, 5, 6]})
+    return r
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_context_checks_run_once_per_forward(checkpoints, monkeypatch, backend):
+    model = load_model(checkpoints("dense").path, dtype="float32", backend=backend)
+    layers = model.config.num_hidden_layers
+    assert layers >= 4
+    shared = counting(monkeypatch, "check_forward_inputs", context)
+    forest_checks = counting(monkeypatch, "check_forest", checks)   # what check_forest_inputs runs unless checked
+    r = prefilled(model)
+    assert len(shared) == 1
+    r.step("decode", {0: [7], 1: [8]})
+    assert len(shared) == 2
+    out, _, ctx = r.verify(verify_batch(0))
+    assert len(shared) == 3                    # one verify forward over every layer: once
+    assert shared[-1][3] is ctx.state_slots and shared[-1][6] is ctx.forest
+    # the GDN layers' tree conv and verifier skipped the forest / slot checks the context ran: the only
+    # forest check of the forward is the context's own
+    assert len(forest_checks) == 1
+    with torch.no_grad():
+        model(torch.zeros(ctx.num_tokens, dtype=torch.long), ctx)
+    assert len(shared) == 3                    # a second forward over the same context: memoised
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("case,name", [
+    ("slots_len", "state_indices"), ("slots_dtype", "state_indices"), ("positions_len", "positions"),
+    ("slot_mapping_dtype", "slot_mapping"), ("forest_requests", "forest"), ("forest_type", "forest")])
+def test_bad_context_argument_is_refused(checkpoints, case, name):
+    model = load_model(checkpoints("dense").path, dtype="float32", backend="triton")
+    r = prefilled(model)
+    batch = verify_batch(1)
+    forest = PackedForest.from_trees([batch[b][0] for b in batch])
+    ctx = r.context("verify", list(batch), [len(batch[b][0]) for b in batch], forest)
+    bad = {"slots_len": dict(state_slots=ctx.state_slots[:1]),
+           "slots_dtype": dict(state_slots=ctx.state_slots.float()),
+           "positions_len": dict(positions=ctx.positions[:-1]),
+           "slot_mapping_dtype": dict(slot_mapping=ctx.slot_mapping.double()),
+           "forest_requests": dict(forest=PackedForest.from_trees([batch[0][0]] * 3)),
+           "forest_type": dict(forest=object())}[case]
+    ids = torch.tensor([t for b in batch for t in batch[b][1]])
+    with pytest.raises(ValueError, match=name), torch.no_grad():
+        model(ids, dataclasses.replace(ctx, **bad, _memo={}))
