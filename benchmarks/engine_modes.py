@@ -14,6 +14,7 @@ times are for the record only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -85,7 +86,7 @@ def time_llm(llm, batch: int, prompts, max_tokens: int = 48, repeats: int = 1,
     stats = llm.engine.stats()
     row = dict(mode=llm.engine.config.mode, batch=batch, tokens_per_s=round(sorted(rates)[len(rates) // 2], 1),
                tokens_per_s_runs=[round(r, 1) for r in rates], mat=round(stats.mat, 3),
-               mean_tree_nodes=round(stats.mean_tree_nodes, 1), stats=stats.to_dict())
+               mean_tree_nodes=round(stats.mean_tree_nodes, 1), stats=dataclasses.asdict(stats))
     return row, [o.token_ids for o in outs]
 
 
