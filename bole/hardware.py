@@ -196,10 +196,21 @@ def resolve_calibration(spec: str, model_cfg, device, dtype: str | None = None,
     return table
 
 
+def table_execution(table: CalibrationTable) -> str | None:
+    """"graphs" or "eager": how a measured table's sweep ran its forwards (``provenance.execution``);
+    None where it is not recorded (modeled and default tables, older files)."""
+    how = str(table.provenance.get("execution", ""))
+    return "graphs" if how.startswith("cuda graphs") else "eager" if how.startswith("eager") else None
+
+
 def table_mismatch(table: CalibrationTable, model_cfg, dtype: str, tp_size: int,
-                   hardware: str | None) -> dict[str, tuple]:
+                   hardware: str | None, cuda_graphs: bool | None = None) -> dict[str, tuple]:
     """{field: (table's value, engine's value)} where ``table`` was not measured (or modeled) for how
-    this engine runs: model shapes (``provenance.model_signature``), dtype, tp_size, hardware class.
+    this engine runs: model shapes (``provenance.model_signature``), dtype, tp_size, hardware class,
+    and (``cuda_graphs`` given) execution: a sweep of eager forwards against an engine replaying CUDA
+    graphs, or the reverse. On the H200 the embedded model's graphed decode step is 21x faster than its
+    eager one and T_ver / T_dec differs 2.5x (benchmarks/README.md, "Calibration in the serving mode"),
+    so eq. 12 on one mode's timings does not describe the other.
 
     Budgets are timings: a table for other shapes, another dtype, another TP degree or another class
     of device over- or under-budgets every step. The unmeasured default table (``source: default``)
@@ -218,4 +229,7 @@ def table_mismatch(table: CalibrationTable, model_cfg, dtype: str, tp_size: int,
         out["tp_size"] = (table.tp_size, tp_size)
     if hardware and hardware != "unknown" and table.hardware != "any" and table.hardware != hardware:
         out["hardware"] = (table.hardware, hardware)
+    execution = table_execution(table)
+    if cuda_graphs is not None and execution is not None and execution != ("graphs" if cuda_graphs else "eager"):
+        out["execution"] = (execution, "graphs" if cuda_graphs else "eager")
     return out

@@ -217,8 +217,10 @@ def recalibrate(engine, quick: bool = True, force: bool = False, plan: SweepPlan
     hardware = hardware or (old.hardware if old.hardware != "any" else detect_hardware(engine.config.device))
     dtype = engine.config.torch_dtype
     t0 = time.perf_counter()
-    runs = [measure(engine.model, plan, engine.config.device, dtype, progress) for _ in range(2)]
-    header = measured_header(engine.model, engine.config.device, dtype, model_name, plan, "checkpoint", hardware)
+    graphed = engine.limits().cuda_graphs  # time the forwards as this engine runs them (eager or graphed)
+    runs = [measure(engine.model, plan, engine.config.device, dtype, progress, graphed) for _ in range(2)]
+    header = measured_header(engine.model, engine.config.device, dtype, model_name, plan, "checkpoint", hardware,
+                             graphed)
     header["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
     repeat_problems, worst = check_repeatable(runs[0], runs[1], checks.repeat_tolerance, plan.epsilon,
                                              checks.repeat_capacities)
@@ -226,7 +228,7 @@ def recalibrate(engine, quick: bool = True, force: bool = False, plan: SweepPlan
     new = replace(new, provenance={**new.provenance, "recalibrated_from": old.table_id, "sweeps": 2,
                                    "repeat_worst_factor": round(worst, 3),
                                    "sweep_seconds": round(time.perf_counter() - t0, 2)})
-    mismatch = table_mismatch(new, cfg, engine.config.dtype, engine.config.tp_size, hardware)
+    mismatch = table_mismatch(new, cfg, engine.config.dtype, engine.config.tp_size, hardware, graphed)
     problems = check_table(new, old, checks) + repeat_problems + [
         f"{field} {have!r} is not the engine's {want!r}" for field, (have, want) in mismatch.items()]
     if problems and not force:

@@ -130,9 +130,10 @@ def hardware_class(device: str = "cpu") -> str:
 
 def calibration_mismatch(engine: AsyncEngine, hardware: str) -> dict[str, tuple]:
     """Where the engine's calibration table was not measured for how it runs (``bole.hardware.
-    table_mismatch``: model shapes, dtype, tp_size, hardware class); {} when it matches."""
+    table_mismatch``: model shapes, dtype, tp_size, hardware class, eager or graphed); {} when it matches."""
     limits = engine.limits()
-    return table_mismatch(engine.calibration, engine.model_config, limits.dtype, limits.tp_size, hardware)
+    return table_mismatch(engine.calibration, engine.model_config, limits.dtype, limits.tp_size, hardware,
+                          limits.cuda_graphs)
 
 
 def warn_if_mismatched(engine: AsyncEngine, hardware: str, where: str) -> dict[str, tuple]:

@@ -34,6 +34,7 @@ class EngineLimits:
     dtype: str
     tp_size: int
     memory_plan: dict = field(default_factory=dict)  # bytes per category (bole.cache.memory_plan.MemoryPlan)
+    cuda_graphs: bool = False  # decode / verify replay captured CUDA graphs (what its table should time)
 
 
 @dataclass(frozen=True)

@@ -278,8 +278,9 @@ class LLMEngine:
         cfg = self.config
         kv = self.capacity_tokens - self.lookahead
         max_len = min(kv, int(getattr(self.model.config, "max_position_embeddings", kv)))
+        graphed = any(g is not None and g.capturing for g in (self.runner.graphs, self.runner.verify_graphs))
         return EngineLimits(cfg.max_num_seqs, max_len, kv, self.model.config.vocab_size, cfg.cache.block_size,
-                            cfg.device, cfg.dtype, cfg.tp_size, self.memory_plan.categories())
+                            cfg.device, cfg.dtype, cfg.tp_size, self.memory_plan.categories(), graphed)
 
     def request_timings(self, request_id: str) -> RequestTimings | None:
         """A request's engine clock at its first token; None before it. Its floats are written once,

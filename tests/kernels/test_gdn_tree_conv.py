@@ -164,7 +164,7 @@ def bad_cases(device, x, weight, state, idx, a, A_log):
 BAD_CASES = ["x_rank", "x_dtype", "x_stride", "w_shape", "bias_shape", "state_shape", "forest_nodes", "idx_dtype",
              "idx_len", "activation", "block_c", "out_width", "out_rows", "out_count", "out_stride", "copy_shape",
              "a_shape", "A_log_shape"]
-# the forward's shared slots: with checked=True the forward context has checked them (tests/models/test_kernel_checks.py)
+# the forward's shared slots: with checked=True the context checked them (tests/models/test_kernel_checks.py)
 SHARED_CASES = ("idx_dtype", "idx_len")
 
 

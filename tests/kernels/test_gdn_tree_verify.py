@@ -181,7 +181,7 @@ def _bad_inputs(device):
 BAD_CASES = ["q_rank", "k_shape", "v_tokens", "gqa", "g_shape", "beta_shape", "dtype_int", "dtype_f64",
              "forest_size", "too_many_nodes", "pool_shape", "pool_dtype", "indices_len", "out_shape",
              "out_dtype", "block_v", "precision", "method"]
-# the forward's shared slots: with checked=True the forward context has checked them (tests/models/test_kernel_checks.py)
+# the forward's shared slots: with checked=True the context checked them (tests/models/test_kernel_checks.py)
 SHARED_CASES = ("indices_len",)
 
 
