@@ -181,7 +181,7 @@ class LLMEngine:
         sched = self.scheduler.schedule(self.lookahead)
         outputs: list[RequestOutput] = []
         stats = StepStats(time.perf_counter())
-        spec = self.mode != "ar"
+        spec, V = self.mode != "ar", self.model.config.vocab_size
         if sched.prefill:
             starts = {r.request_id: r.num_computed for r, _ in sched.prefill}
             scored = {} if any(r.needs_prompt_logits for r, _ in sched.prefill) else None
@@ -197,7 +197,7 @@ class LLMEngine:
             done = [r for r in done if r.params.max_tokens > 0]
             if done:
                 toks, lps = sampler.sample_next(done, torch.stack([last[r.request_id] for r in done]),
-                                                self._penalties(done))
+                                                sampler.penalties(done, V, self.runner.device))
                 for i, (r, t) in enumerate(zip(done, toks)):
                     outputs.append(self._emit(r, [t], lps and lps[i]))
             stats.prefill_tokens = sum(n for _, n in sched.prefill)
@@ -208,7 +208,7 @@ class LLMEngine:
             if self.mode == "ar":
                 logits = self.runner.decode(decode, keep_hidden=False)
                 publish_committed(self.prefix_cache, decode)
-                toks, lps = sampler.sample_next(decode, logits, self._penalties(decode))
+                toks, lps = sampler.sample_next(decode, logits, sampler.penalties(decode, V, self.runner.device))
                 emitted = [[t] for t in toks]
                 stats.tree_nodes = len(decode)
             else:
@@ -225,9 +225,6 @@ class LLMEngine:
         stats.end = time.perf_counter()
         self.metrics.record_step(stats)
         return outputs
-
-    def _penalties(self, reqs: list[Request]):
-        return sampler.penalties(reqs, self.model.config.vocab_size, self.runner.device)
 
     def _finish(self) -> None:
         """Release the requests that finished this step. With a prefix cache in a speculative mode,
