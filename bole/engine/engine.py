@@ -42,7 +42,7 @@ from bole.cache.prefix_cache import PrefixCache
 from bole.config import EngineConfig
 from bole.engine import sampler
 from bole.engine.core import EngineLimits, EngineStats, budget_stats
-from bole.engine.detokenizer import IncrementalDetokenizer
+from bole.engine.detokenizer import IncrementalDetokenizer, skipped_token_ids
 from bole.engine.graphs.tree import tree_widths
 from bole.engine.metrics import EngineMetrics, StepStats
 from bole.engine.output import RequestOutput, emit
@@ -114,6 +114,7 @@ class LLMEngine:
         self._finishing: list[tuple[Request, str]] = []  # finished during this step (``_finish``)
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self.eos_token_ids = tuple(config.eos_token_ids) or ((eos,) if eos is not None else ())
+        self._skipped = skipped_token_ids(tokenizer) if tokenizer is not None else frozenset()
 
     # -- requests --------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -156,8 +157,8 @@ class LLMEngine:
         if rid in self.requests:
             raise InvalidRequest(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
-        req = Request(rid, prompt_token_ids, params, seed, self.eos_token_ids,
-                      detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None)
+        detok = IncrementalDetokenizer(self.tokenizer, skipped=self._skipped) if self.tokenizer is not None else None
+        req = Request(rid, prompt_token_ids, params, seed, self.eos_token_ids, detokenizer=detok)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from bole.engine.detokenizer import IncrementalDetokenizer
+from bole.engine.detokenizer import IncrementalDetokenizer, OutputText
 from bole.sampling_params import SamplingParams
 from bole.spec.logprobs import TokenLogprob
 
@@ -114,7 +114,7 @@ class Request:
     prefilled: bool = False
     mtp_computed: int = 0
     pending_hidden: torch.Tensor | None = None   # [num_computed - mtp_computed, H]
-    output_text: str = ""
+    output_text: OutputText = field(default_factory=OutputText)   # appended pieces: str() is the text
     detokenizer: IncrementalDetokenizer | None = None   # with a tokenizer: ``output_text``, a step at a time
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (``score_prompt``)
     prompt_logprobs_sent: bool = False   # delivered with the first output
