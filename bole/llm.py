@@ -137,7 +137,7 @@ class LLM:
             req = self.engine.pop_finished(rid)
             asked = req.params.logprobs is not None
             results.append(CompletionOutput(rid, list(req.prompt_token_ids), list(req.output_token_ids),
-                                            req.output_text, req.finish_reason,
+                                            str(req.output_text), req.finish_reason,
                                             logprobs.get(rid, []) if asked else None, prompt_logprobs.get(rid)))
         return results
 

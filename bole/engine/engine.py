@@ -43,7 +43,7 @@ from bole.cache.prefix_cache import PrefixCache
 from bole.config import EngineConfig
 from bole.engine import sampler
 from bole.engine.core import EngineLimits, EngineStats, RequestTimings, budget_stats
-from bole.engine.detokenizer import IncrementalDetokenizer
+from bole.engine.detokenizer import IncrementalDetokenizer, skipped_token_ids
 from bole.engine.graphs.tree import tree_widths
 from bole.engine.metrics import EngineMetrics, StepStats
 from bole.engine.output import RequestOutput, emit
@@ -117,6 +117,7 @@ class LLMEngine:
         self._finishing: list[tuple[Request, str]] = []  # finished during this step (``_finish``)
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self.eos_token_ids = tuple(config.eos_token_ids) or ((eos,) if eos is not None else ())
+        self._skipped = skipped_token_ids(tokenizer) if tokenizer is not None else frozenset()
 
     # -- requests --------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -159,8 +160,8 @@ class LLMEngine:
         if rid in self.requests:
             raise InvalidRequest(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
-        req = Request(rid, prompt_token_ids, params, seed, self.eos_token_ids,
-                      detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None)
+        detok = IncrementalDetokenizer(self.tokenizer, skipped=self._skipped) if self.tokenizer is not None else None
+        req = Request(rid, prompt_token_ids, params, seed, self.eos_token_ids, detokenizer=detok)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -184,7 +185,7 @@ class LLMEngine:
         sched = self.scheduler.schedule(self.lookahead)
         outputs: list[RequestOutput] = []
         stats = StepStats(time.perf_counter())
-        spec = self.mode != "ar"
+        spec, V = self.mode != "ar", self.model.config.vocab_size
         if sched.prefill:
             starts = {r.request_id: r.num_computed for r, _ in sched.prefill}
             scored = {} if any(r.needs_prompt_logits for r, _ in sched.prefill) else None
@@ -200,7 +201,7 @@ class LLMEngine:
             done = [r for r in done if r.params.max_tokens > 0]
             if done:
                 toks, lps = sampler.sample_next(done, torch.stack([last[r.request_id] for r in done]),
-                                                self._penalties(done))
+                                                sampler.penalties(done, V, self.runner.device))
                 for i, (r, t) in enumerate(zip(done, toks)):
                     outputs.append(self._emit(r, [t], lps and lps[i]))
             stats.prefill_tokens = sum(n for _, n in sched.prefill)
@@ -211,7 +212,7 @@ class LLMEngine:
             if self.mode == "ar":
                 logits = self.runner.decode(decode, keep_hidden=False)
                 publish_committed(self.prefix_cache, decode)
-                toks, lps = sampler.sample_next(decode, logits, self._penalties(decode))
+                toks, lps = sampler.sample_next(decode, logits, sampler.penalties(decode, V, self.runner.device))
                 emitted = [[t] for t in toks]
                 stats.tree_nodes = len(decode)
             else:
@@ -228,9 +229,6 @@ class LLMEngine:
         stats.end = time.perf_counter()
         self.metrics.record_step(stats)
         return outputs
-
-    def _penalties(self, reqs: list[Request]):
-        return sampler.penalties(reqs, self.model.config.vocab_size, self.runner.device)
 
     def _finish(self) -> None:
         """Release the requests that finished this step. With a prefix cache in a speculative mode,

@@ -1,13 +1,21 @@
 """Emission: a step's tokens appended to a request with its stop checks, its text decoded, and the
-``RequestOutput`` (the delta and where the request stands) the caller streams."""
+``RequestOutput`` (the delta and where the request stands) the caller streams.
+
+A step costs O(its new tokens), not O(the output so far): the detokenizer decodes a short window
+(``bole.engine.detokenizer``), the text is kept as appended pieces, stop strings are searched in the
+new text plus the emitted text's last characters, and a ``RequestOutput``'s cumulative fields are
+views: ``output_token_ids`` a window of the request's one token list, ``text`` joined from the text
+pieces when read. Pickled (to another process), an output carries them as a plain list and string.
+"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from bole.engine.detokenizer import find_stop
-from bole.engine.sequence import Request
+from bole.engine.sequence import Request, TokenView
 from bole.spec.logprobs import TokenLogprob
 
 
@@ -20,12 +28,23 @@ class RequestOutput:
     new_text: str
     finished: bool
     finish_reason: str | None
-    output_token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    output_token_ids: Sequence[int] = ()   # every output token so far (a view; compares equal to a list)
+    text_pieces: list[str] = field(default_factory=list, repr=False)   # ``text``: the first num_text_pieces
+    num_text_pieces: int = 0
     num_steps: int = 0             # decode / verify steps so far (MAT = emitted tokens / steps)
     num_accepted_drafts: int = 0
     logprobs: list[TokenLogprob] | None = None   # one per new token, when the request asked (``logprobs``)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # first output only: None, then prompt tokens 1..
+
+    @property
+    def text(self) -> str:
+        """The request's text so far (joined on each read: read it once, at the end)."""
+        return "".join(self.text_pieces[:self.num_text_pieces])
+
+    def __getstate__(self) -> dict:
+        state = dict(vars(self))
+        state.update(output_token_ids=list(self.output_token_ids), text_pieces=[self.text], num_text_pieces=1)
+        return state
 
 
 def emit(req: Request, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
@@ -48,19 +67,27 @@ def emit(req: Request, tokens: list[int], logprobs: list[TokenLogprob] | None = 
         if n_out >= p.max_tokens:
             reason = "length"
             break
-    new_text = ""
+    new_text, text = "", req.output_text
     if req.detokenizer is not None:
         # a finished request's text is all of its tokens' (``flush``), an incomplete character included
-        full = req.output_text + req.detokenizer.decode(req.output_token_ids, flush=reason is not None)
-        if p.stop and reason is None:
-            hit = find_stop(full, len(req.output_text), p.stop)
+        new_text = req.detokenizer.decode(req.output_token_ids, flush=reason is not None)
+        if p.stop and reason is None and new_text:
+            # a match may start up to len(s) characters back in the text already searched
+            tail = text.tail(max(len(s) for s in p.stop))
+            window = tail + new_text
+            hit = find_stop(window, len(tail), p.stop)
             if hit >= 0:
-                full, reason = full[:hit], "stop"
-        new_text, req.output_text = full[len(req.output_text):], full
+                reason = "stop"
+                if hit < len(tail):  # it started in text already streamed: the text is cut there
+                    text.truncate(len(text) - len(tail) + hit)
+                new_text = window[len(tail):max(hit, len(tail))]
+        text.append(new_text)
     prompt_lp = None
     if p.prompt_logprobs is not None and not req.prompt_logprobs_sent:
         prompt_lp, req.prompt_logprobs_sent = [None, *req.prompt_logprobs], True
+    P = req.num_prompt_tokens
     return RequestOutput(req.request_id, new, new_text, reason is not None, reason,
-                         list(req.output_token_ids), req.output_text,
-                         req.metrics.num_steps, req.metrics.num_accepted_drafts,
-                         None if logprobs is None else logprobs[:len(new)], prompt_lp)
+                         output_token_ids=TokenView(req.all_token_ids, P, P + req.num_output_tokens),
+                         text_pieces=text.pieces, num_text_pieces=len(text.pieces),
+                         num_steps=req.metrics.num_steps, num_accepted_drafts=req.metrics.num_accepted_drafts,
+                         logprobs=None if logprobs is None else logprobs[:len(new)], prompt_logprobs=prompt_lp)

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from bole.engine.detokenizer import IncrementalDetokenizer
+from bole.engine.detokenizer import IncrementalDetokenizer, OutputText
 from bole.sampling_params import SamplingParams
 from bole.spec.logprobs import TokenLogprob
 
@@ -46,7 +46,7 @@ class RequestStatus(enum.Enum):
 class TokenView(Sequence):
     """A read-only window ``[start, stop)`` of a token list (``stop`` None: to its end, growing with
     it), without copying: a request's prompt or output within its one token list. Compares equal to
-    any sequence of the same ints; slices are lists."""
+    any sequence of the same ints; slices and concatenations are lists."""
 
     __slots__ = ("_ids", "_start", "_stop")
 
@@ -74,6 +74,12 @@ class TokenView(Sequence):
         if isinstance(other, Sequence) and not isinstance(other, str):
             return len(self) == len(other) and all(a == b for a, b in zip(self, other))
         return NotImplemented
+
+    def __add__(self, other) -> list[int]:   # concatenates like the list it views
+        return self[:] + list(other)
+
+    def __radd__(self, other) -> list[int]:
+        return list(other) + self[:]
 
     __hash__ = None
 
@@ -114,7 +120,7 @@ class Request:
     prefilled: bool = False
     mtp_computed: int = 0
     pending_hidden: torch.Tensor | None = None   # [num_computed - mtp_computed, H]
-    output_text: str = ""
+    output_text: OutputText = field(default_factory=OutputText)   # appended pieces: str() is the text
     detokenizer: IncrementalDetokenizer | None = None   # with a tokenizer: ``output_text``, a step at a time
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (``score_prompt``)
     prompt_logprobs_sent: bool = False   # delivered with the first output

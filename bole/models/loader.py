@@ -144,16 +144,33 @@ def normalize_name(name: str) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------- plan
-class _Reader:
-    def __init__(self, files: dict[str, str], stack: ExitStack):
-        self.files, self.stack, self.handles = files, stack, {}
+class CheckpointReader:
+    """A checkpoint's tensors by name (``files``: name -> safetensors file, ``checkpoint_files``), each
+    file opened once, on first use; a context manager that closes them:
+
+        with CheckpointReader(checkpoint_files(path)) as reader:
+            t = reader.get("model.norm.weight")
+    """
+
+    def __init__(self, files: dict[str, str]):
+        self.files, self._stack, self._handles = files, ExitStack(), {}
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._handles.clear()
+        self._stack.close()
 
     def get(self, name: str) -> torch.Tensor:
         f = self.files[name]
-        if f not in self.handles:
-            self.handles[f] = self.stack.enter_context(open_safetensors(f))
+        if f not in self._handles:
+            self._handles[f] = self._stack.enter_context(open_safetensors(f))
         try:
-            return self.handles[f].get_tensor(name)
+            return self._handles[f].get_tensor(name)
         except (SafetensorError, OSError) as e:  # a header that lies about the data (truncated file)
             raise ValueError(f"{f}: tensor {name} cannot be read ({e})") from None
 
@@ -336,8 +353,7 @@ def load_model(path: str, dtype="auto", device="cpu", tp_rank: int = 0, tp_size:
         model.lm_head.weight = model.model.embed_tokens.weight
     params = dict(model.named_parameters())
     mismatches = []
-    with ExitStack() as stack, torch.no_grad():
-        reader = _Reader(files, stack)
+    with CheckpointReader(files) as reader, torch.no_grad():
         for name, produce in producers.items():
             t = tp_slice(name, produce(reader), cfg, tp_rank, tp_size)
             p = params[name]

@@ -47,7 +47,6 @@ import json
 import math
 import os
 import shutil
-from contextlib import ExitStack
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -55,7 +54,7 @@ import torch
 from safetensors.torch import save_file
 
 from bole.config import ModelConfig
-from bole.models.loader import INDEX_FILE, _Reader, build_plan, checkpoint_files, read_config, resolve_dtype
+from bole.models.loader import INDEX_FILE, CheckpointReader, build_plan, checkpoint_files, read_config, resolve_dtype
 
 HIDDEN_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight", "mtp.norm.weight",
                 "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")  # the others are per head
@@ -240,8 +239,7 @@ def widen(src: str, dst: str, shape: ModelConfig, dtype="auto", shard_bytes: int
         producers["lm_head.weight"] = producers["model.embed_tokens.weight"]
     os.makedirs(dst, exist_ok=True)
     shards = _Shards(dst, shard_bytes)
-    with ExitStack() as stack, torch.no_grad():
-        reader = _Reader(files, stack)
+    with CheckpointReader(files) as reader, torch.no_grad():
         widened = lambda name: w.tensor(name, producers[name](reader).float()).to(out_dtype)
         for name in producers:
             shards.add(name, widened(name))

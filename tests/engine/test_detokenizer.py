@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
+import tracemalloc
 
 import pytest
 from transformers import AutoTokenizer
@@ -14,6 +16,8 @@ from transformers import AutoTokenizer
 from bole.config import EngineConfig
 from bole.engine.detokenizer import IncrementalDetokenizer
 from bole.engine.engine import LLMEngine
+from bole.engine.output import emit
+from bole.engine.sequence import Request
 from bole.llm import resolve_repo_path
 from bole.models.loader import load_model
 from bole.sampling_params import SamplingParams
@@ -66,6 +70,74 @@ def test_incremental_deltas_concatenate_to_the_full_decode(tok):
             assert full.startswith(text)
             if not full.endswith("\ufffd") or n == len(seq):
                 assert text == full, (seq[:n], text, full)
+
+
+class _Counting:
+    """The tokenizer, counting the tokens each decode call is given."""
+
+    def __init__(self, tok):
+        self.tok, self.calls = tok, []
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def decode(self, ids, **kw):
+        self.calls.append(len(ids))
+        return self.tok.decode(ids, **kw)
+
+
+def test_window_advances_over_empty_and_incomplete_tokens(tok):
+    """Runs of tokens that decode to nothing (skipped special tokens) and partial UTF-8 characters
+    (byte tokens, U+FFFD until the last byte) interleaved: the deltas add up to the full decode, no
+    delta shows a U+FFFD the final text lacks, and the window stays short (it skips the empty runs)."""
+    eos, euro, emoji = tok.eos_token_id, tok("€")["input_ids"], tok("🎉")["input_ids"]
+    assert len(euro) == 3 and len(emoji) == 4 and tok.decode(euro[:2]).endswith("\ufffd")
+    lone = emoji[1:2]  # a continuation byte alone: invalid UTF-8, a U+FFFD in the final text too
+    seq = tok("x = 1")["input_ids"] + [eos] * 200 + euro[:1] + [eos] * 50 + euro[1:2] + [eos] * 50 + euro[2:]
+    seq += [eos] * 100 + emoji[:2] + [eos] * 30 + emoji[2:] + lone + tok(" y")["input_ids"] + [eos] * 80
+    rng = random.Random(1)
+    for trial in range(6):
+        counting = _Counting(tok)
+        detok, deltas, n = IncrementalDetokenizer(counting), [], 0
+        while n < len(seq):
+            n = min(len(seq), n + (1 if trial == 0 else rng.randint(1, 5)))
+            deltas.append(detok.decode(seq[:n], flush=n == len(seq)))
+        final = tok.decode(seq, skip_special_tokens=True)
+        assert "".join(deltas) == final and "€" in final and "🎉" in final
+        assert all(d.count("\ufffd") <= final.count("\ufffd") for d in deltas)
+        streamed = ""
+        for d in deltas:
+            streamed += d
+            assert streamed.count("\ufffd") <= final.count("\ufffd") == 1
+        assert max(counting.calls) <= 16, max(counting.calls)   # not the 200-token run of empties
+
+
+def test_emission_cost_does_not_grow_with_the_output(tok):
+    """A step's work is proportional to its new tokens: over a 3000-token output (one token a step,
+    stop strings on), the tokens decoded and the bytes allocated per step stay flat (a copy of the
+    token list or a rebuilt text a step would add ~8 bytes / token and a character per emitted one)."""
+    ids = tok("def f(x):\n    return x ** 2  # 日本 🎉\n")["input_ids"]
+    seq = (ids * (3000 // len(ids) + 1))[:3000]
+    counting = _Counting(tok)
+    params = SamplingParams(temperature=0, max_tokens=len(seq), ignore_eos=True, stop=["never seen", "zzz"])
+    req = Request("r", [1, 2, 3], params, seed=0, detokenizer=IncrementalDetokenizer(counting))
+    grew, deltas, touched = [], [], []
+    tracemalloc.start()
+    try:
+        for t in seq:
+            before, calls = tracemalloc.get_traced_memory()[0], len(counting.calls)
+            tracemalloc.reset_peak()
+            out = emit(req, [t])
+            grew.append(tracemalloc.get_traced_memory()[1] - before)
+            touched.append(sum(counting.calls[calls:]))
+            deltas.append(out.new_text)
+    finally:
+        tracemalloc.stop()
+    assert out.finish_reason == "length" and out.text == "".join(deltas) == tok.decode(seq)
+    assert str(req.output_text) == out.text and list(out.output_token_ids) == seq
+    assert max(touched) <= 16
+    early, late = statistics.median(grew[100:400]), statistics.median(grew[2600:2900])
+    assert late <= early + 256, (early, late)
 
 
 def _stream(eng: LLMEngine, prompt, params):

@@ -25,6 +25,7 @@ def test_one_list_with_prompt_and_output_views():
     with pytest.raises(IndexError):
         out[2]
     assert out != [8] and out != "89" and repr(out) == "[8, 9]"
+    assert [1] + out == [1, 8, 9] and out + (1,) == [8, 9, 1] and isinstance([1] + out, list)
     r.reset_for_recompute()
     assert r.output_token_ids == [8, 9] and r.needs_prompt_logits is False
 

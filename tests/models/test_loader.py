@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bole.config import ModelConfig
-from bole.models.loader import load_model, read_config, tp_slice
+from bole.models.loader import CheckpointReader, checkpoint_files, load_model, read_config, tp_slice
 
 
 def _copy(ck, dst, edit=None):
@@ -68,6 +68,26 @@ def test_multimodal_prefix_and_vision_tower_skipped(dense, tmp_path):
     assert hf_cfg.model_type == "qwen3_5" and mc.model_type == "qwen3_5_text"
     got = _params(load_model(str(out), dtype="float32", backend="torch"))
     assert got.keys() == ref.keys() and all(torch.equal(got[n], ref[n]) for n in ref)
+
+
+def test_checkpoint_reader_reads_shards_by_name_and_closes(dense, tmp_path):
+    ck, _ = dense
+    tensors = load_file(os.path.join(ck.path, "model.safetensors"))
+    names = sorted(tensors)
+    half = len(names) // 2
+    dst = tmp_path / "sharded"
+    shutil.copytree(ck.path, dst)
+    os.remove(dst / "model.safetensors")
+    shards = {"a.safetensors": names[:half], "b.safetensors": names[half:]}
+    for f, ns in shards.items():
+        save_file({n: tensors[n] for n in ns}, str(dst / f), metadata={"format": "pt"})
+    (dst / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {n: f for f, ns in shards.items() for n in ns}}))
+    with CheckpointReader(checkpoint_files(str(dst))) as reader:
+        for n in (names[0], names[-1], names[0]):
+            assert torch.equal(reader.get(n), tensors[n])
+        assert len(reader._handles) == 2   # each shard opened once
+    assert not reader._handles
 
 
 def test_dtype_choice(dense):
