@@ -37,16 +37,7 @@ from typing import Sequence
 import torch
 
 from bole.backend import FLA_MIN_TOKENS
-from bole.engine.graphs.base import (
-    DEFAULT_BATCH_SIZES,
-    DEFAULT_MIN_KV,
-    Graph,
-    GraphFamily,
-    StaticRows,
-    graphs_unsupported,
-    sizes_upto,
-    smallest_at_least,
-)
+from bole.engine.graphs import base
 from bole.models.context import ForwardContext
 
 DEFAULT_TOKEN_SIZES = (16, 32, 64)
@@ -55,7 +46,7 @@ _CNT, _POS, _SLOT, _TABLE = 0, 1, 2, 3  # columns of the per-row input buffer
 
 def prefill_graphs_unsupported(model) -> str | None:
     """Why the model's short prefill cannot be captured (None: it can)."""
-    why = graphs_unsupported(model)
+    why = base.graphs_unsupported(model)
     if why:
         return why
     backend = getattr(model, "backend", None)
@@ -64,13 +55,13 @@ def prefill_graphs_unsupported(model) -> str | None:
     return None
 
 
-class PrefillGraphs(GraphFamily):
+class PrefillGraphs(base.GraphFamily):
     """Captured short prefill forwards of one ``ModelRunner``; see the module docstring."""
 
     kind = "prefill"
 
-    def __init__(self, runner, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, pad_block: int = 0,
-                 pad_slot: int = 0, capture: bool = True, min_kv: int = DEFAULT_MIN_KV,
+    def __init__(self, runner, batch_sizes: Sequence[int] = base.DEFAULT_BATCH_SIZES, pad_block: int = 0,
+                 pad_slot: int = 0, capture: bool = True, min_kv: int = base.DEFAULT_MIN_KV,
                  token_sizes: Sequence[int] = DEFAULT_TOKEN_SIZES, pool=None):
         super().__init__(runner, batch_sizes, runner.kv_cache, min_kv, capture, pool)
         tokens = sorted({int(n) for n in token_sizes})
@@ -79,14 +70,14 @@ class PrefillGraphs(GraphFamily):
         sizes = [b for b in self.batch_sizes if b < tokens[-1]]  # Bc + 1 rows of >= 1 token each fit the largest bucket
         if not sizes:
             raise ValueError(f"no batch size in {list(batch_sizes)} fits {tokens[-1]} tokens with its padding row")
-        why = prefill_graphs_unsupported(runner.model) if capture else graphs_unsupported(runner.model)
+        why = prefill_graphs_unsupported(runner.model) if capture else base.graphs_unsupported(runner.model)
         if why:
             raise ValueError(f"prefill cannot be captured for this model: {why}")
         self.batch_sizes, self.token_sizes = sizes, tokens
         self.pad_block, self.pad_slot = int(pad_block), int(pad_slot)
         dev = runner.device
-        self.rows = StaticRows(sizes[-1] + 1, _TABLE + self.max_blocks, dev)
-        self.ids = StaticRows(1, tokens[-1], dev)
+        self.rows = base.StaticRows(sizes[-1] + 1, _TABLE + self.max_blocks, dev)
+        self.ids = base.StaticRows(1, tokens[-1], dev)
         H, V = self.model.config.hidden_size, self.model.config.vocab_size
         dtype = self.model.lm_head.weight.dtype
         self.out_hidden = torch.zeros(tokens[-1], H, dtype=dtype, device=dev)
@@ -98,21 +89,21 @@ class PrefillGraphs(GraphFamily):
         B = len(chunks)
         if not 0 < B <= self.batch_sizes[-1] or any(n < 1 for _, n in chunks):
             return None  # (an empty chunk: the eager path's context rejects it)
-        Bc = smallest_at_least(self.batch_sizes, B)
+        Bc = base.smallest_at_least(self.batch_sizes, B)
         need = sum(n for _, n in chunks) + Bc - B + 1  # the padding rows' tokens: one each, >= 1 in the last
         if need > self.token_sizes[-1]:
             return None
-        Nc = smallest_at_least(self.token_sizes, need)
+        Nc = base.smallest_at_least(self.token_sizes, need)
         longest = max(max(r.num_computed + n for r, n in chunks), Nc)
         if longest > self.kv_lengths[-1]:
             return None
-        return Bc, Nc, smallest_at_least(self.kv_lengths, longest)
+        return Bc, Nc, base.smallest_at_least(self.kv_lengths, longest)
 
     def supports(self, chunks) -> bool:
         return self.key(chunks) is not None
 
     # -- building --------------------------------------------------------------------------------
-    def _make(self, key: tuple[int, int, int]) -> Graph:
+    def _make(self, key: tuple[int, int, int]) -> base.Graph:
         (Bc, Nc, Lc), dev, bs, runner = key, self.runner.device, self.block_size, self.runner
         R = Bc + 1
         inp, tok = self.rows.device[:R], self.ids.device[0, :Nc]
@@ -147,12 +138,12 @@ class PrefillGraphs(GraphFamily):
             out_h[:Nc].copy_(hidden)
             out_l[:R].copy_(model.compute_logits(hidden[end - 1]))
 
-        return Graph(key, run, ctx)
+        return base.Graph(key, run, ctx)
 
-    def _load_padding(self, g: Graph) -> None:
+    def _load_padding(self, g: base.Graph) -> None:
         self._load([], g)
 
-    def _load(self, chunks, g: Graph) -> None:
+    def _load(self, chunks, g: base.Graph) -> None:
         """The step's rows, then the padding rows, into the static inputs (and, uncaptured, the
         context's host lists)."""
         Bc, Nc, Lc = g.key
@@ -191,9 +182,9 @@ class PrefillGraphs(GraphFamily):
                            for tbl, c, n in zip(tables, nc, cnt, strict=True)]
 
     def _keys_upto(self, max_batch: int | None, max_len: int | None) -> list[tuple[int, int, int]]:
-        return [(Bc, Nc, Lc) for Bc in sizes_upto(self.batch_sizes, max_batch) for Nc in self.token_sizes
+        return [(Bc, Nc, Lc) for Bc in base.sizes_upto(self.batch_sizes, max_batch) for Nc in self.token_sizes
                 if Nc >= Bc + 1
-                for Lc in sizes_upto(self.kv_lengths, None if max_len is None else max(Nc, max_len)) if Lc >= Nc]
+                for Lc in base.sizes_upto(self.kv_lengths, None if max_len is None else max(Nc, max_len)) if Lc >= Nc]
 
     @torch.inference_mode()
     def run(self, chunks) -> tuple[torch.Tensor, torch.Tensor]:
