@@ -42,8 +42,9 @@ Registered backends:
     "auto":   "triton" on CUDA when the kernels import, else "torch". Resolved once, logged.
 
 The "triton" backend's per-layer kernels whose arguments include what every layer of a forward shares
-(state slots, positions, KV slots, forest: tree_conv, tree_verify, conv_update, decode_step,
-qk_norm_rope_store) are taken with ``checked=True`` (``context_checked``): the layers' ``ForwardContext``
+(state slots, positions, KV slots, forest, token offsets, key layouts and lengths: tree_conv, tree_verify,
+conv_update, decode_step, qk_norm_rope_store, prefill_conv, the recurrent prefill, decode_attention,
+tree_attention) are taken with ``checked=True`` (``context_checked``): the layers' ``ForwardContext``
 checks those once per forward (``ForwardContext.check_kernel_inputs``), and each launch checks only its
 own tensors. Called directly, the kernels check everything.
 """
@@ -179,10 +180,11 @@ def short_to_recurrent(long_prefill, min_tokens: int = FLA_MIN_TOKENS, fp32_to_r
     model 1.5e-2 (max-relative logits) from transformers' fp32 forward on the CPU after a 70-token
     prefill on the H200 (2026-12-02, tests/models/test_gpu.py); the recurrence is fp32 throughout."""
     from kernels.gdn_recurrent import gdn_recurrent
+    recurrent = context_checked(gdn_recurrent)   # the layers' prefill: offsets and slots checked per forward
 
     def prefill(q, k, v, g, beta, **kw):
         if q.shape[1] < min_tokens or (fp32_to_recurrent and q.dtype == torch.float32):
-            return gdn_recurrent(q, k, v, g, beta, **kw)
+            return recurrent(q, k, v, g, beta, **kw)
         return long_prefill(q, k, v, g, beta, **kw)
     return prefill
 
@@ -222,10 +224,10 @@ def _triton_backend() -> GDNBackend:
     tree_verify = context_checked(triton_verify, tuned=True)
     return GDNBackend("triton", prefill=prefill, decode_step=context_checked(gdn_decode_step),
                       conv_update=context_checked(causal_conv1d_update), tree_verify=tree_verify,
-                      prefill_conv=causal_conv1d_varlen, commit=triton_commit, tree_serial=triton_serial,
-                      tree_conv=context_checked(gdn_tree_conv), rms_norm=rms_norm,
-                      gated_rms_norm=gated_rms_norm, decode_attention=paged_decode_attention,
-                      tree_attention=tree_attention,
+                      prefill_conv=context_checked(causal_conv1d_varlen), commit=triton_commit,
+                      tree_serial=triton_serial, tree_conv=context_checked(gdn_tree_conv), rms_norm=rms_norm,
+                      gated_rms_norm=gated_rms_norm, decode_attention=context_checked(paged_decode_attention),
+                      tree_attention=context_checked(tree_attention),
                       qk_norm_rope_store=context_checked(qk_norm_rope_store), act_mul=act_mul, tree_layout=tree_layout,
                       greedy_accept=tree_acceptance(greedy_accept),
                       log_softmax_topk=topk_within(log_softmax_topk, MAX_V, MAX_K))

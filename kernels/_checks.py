@@ -134,12 +134,46 @@ def check_forest_inputs(forest, state_indices, device, checked: bool = False) ->
         check_index("state_indices", state_indices, forest.num_requests, device, checked)
 
 
+def check_mask(mask, B: int, L: int, device, checked: bool = False) -> None:
+    """An attention mask bool [B, 1, tq, L] on ``device`` (``checked``: only its sizes are compared)."""
+    if not checked:
+        check_tensor("mask", mask, 4, (torch.bool,), device)
+    if mask.shape[0] != B or mask.shape[1] != 1 or mask.shape[3] != L:
+        raise ValueError(f"mask must be [{B}, 1, tq, {L}], got {tuple(mask.shape)}")
+
+
+def check_keys(kv_index, num_requests: int | None, device, mask=None, kv_len=None,
+               checked: bool = False) -> tuple[int, int]:
+    """The attention kernels' key layout: ``kv_index`` int [B, L] (each request's key slots; B =
+    ``num_requests`` unless None), an optional ``mask`` bool [B, 1, tq, L] and an optional ``kv_len`` int
+    [B], on ``device``; returns (B, L). ``checked``: they passed this check once for the whole forward
+    (``check_forward_inputs``); only sizes are compared."""
+    if not checked:
+        check_tensor("kv_index", kv_index, 2, INDEX, device)
+    B, L = kv_index.shape
+    if num_requests is not None and B != num_requests:
+        raise ValueError(f"kv_index must be [{num_requests}, L], got {tuple(kv_index.shape)}")
+    if mask is not None:
+        check_mask(mask, B, L, device, checked)
+    if kv_len is not None:
+        check_index("kv_len", kv_len, B, device, checked)
+    return B, L
+
+
 def check_forward_inputs(device, num_requests: int, num_tokens: int, state_indices, positions, slot_mapping,
-                         forest=None) -> None:
+                         forest=None, cu_seqlens=None, num_cached=None, keys=()) -> None:
     """What every layer's kernels share in one forward (a forward context's), checked once: the state
     slot of each request [B], the rotary positions and KV slots of each token [N], the forest of a tree
-    forward. Callers that ran it pass ``checked=True`` to the per-layer kernels, which then check only
-    their own tensors; a bad argument is refused either way, by name (docs/DESIGN.md §8)."""
+    forward, the token offsets [B+1] and committed lengths [B] of the requests, and each key layout in
+    ``keys`` (``check_keys``' (kv_index, mask, kv_len)). Callers that ran it pass ``checked=True`` to the
+    per-layer kernels, which then check only their own tensors and compare the shared ones' sizes; a bad
+    argument is refused either way, by name (docs/DESIGN.md §8)."""
+    if cu_seqlens is not None:
+        check_index("cu_seqlens", cu_seqlens, num_requests + 1, device)
+    if num_cached is not None:
+        check_index("num_cached", num_cached, num_requests, device)
+    for kv_index, mask, kv_len in keys:
+        check_keys(kv_index, num_requests, device, mask, kv_len)
     if forest is not None:
         check_forest_inputs(forest, None, device)
         if forest.num_nodes != num_tokens or forest.num_requests != num_requests:

@@ -16,9 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import FLOATS, check_conv_inputs, check_tensor
-
-_INDEX = (torch.int32, torch.int64)
+from kernels._checks import FLOATS, INDEX, check_conv_inputs, check_index, check_tensor
 _ACTIVATIONS = {"silu": True, "swish": True, None: False, "identity": False}
 
 
@@ -83,7 +81,8 @@ def causal_conv1d_varlen_kernel(
 
 
 def causal_conv1d_varlen(x, weight, conv_state, state_indices, cu_seqlens, bias=None, activation="silu", out=None,
-                         *, block_t: int = 32, block_c: int = 128, num_warps: int = 4, **_host):
+                         *, block_t: int = 32, block_c: int = 128, num_warps: int = 4, checked: bool = False,
+                         **_host):
     """Depthwise causal conv of B packed sequences, each continuing its slot's conv window (in place).
 
     Twin: `bole.ops.conv.causal_conv1d` (the same arguments; the host copies ``cu_host`` / ``slots_host``
@@ -98,16 +97,17 @@ def causal_conv1d_varlen(x, weight, conv_state, state_indices, cu_seqlens, bias=
         cu_seqlens: int32/int64 [B+1] offsets of the sequences in x.
         bias: optional [C]. activation: "silu" / "swish" or None / "identity".
         out: optional [N, C] in x's dtype, last dim contiguous.
+        checked: the caller checked state_indices and cu_seqlens once for the whole forward
+            (`kernels._checks.check_forward_inputs`): only their sizes are compared.
     Returns:
         y [N, C] in x's dtype.
     """
     N, C, W = check_conv_inputs(x, weight, conv_state)
     dev = x.device
-    check_tensor("state_indices", state_indices, 1, _INDEX, dev)
-    check_tensor("cu_seqlens", cu_seqlens, 1, _INDEX, dev)
+    if not checked:
+        check_tensor("state_indices", state_indices, 1, INDEX, dev)
     B = state_indices.shape[0]
-    if cu_seqlens.shape[0] != B + 1:
-        raise ValueError(f"cu_seqlens must be [{B + 1}] for {B} sequences, got {tuple(cu_seqlens.shape)}")
+    check_index("cu_seqlens", cu_seqlens, B + 1, dev, checked)
     if bias is not None:
         check_tensor("bias", bias, 1, FLOATS, dev)
         if bias.shape[0] != C:

@@ -72,7 +72,7 @@ def gdn_recurrent_kernel(
 
 
 def gdn_recurrent(q, k, v, g, beta, scale=None, initial_state=None, state_indices=None, cu_seqlens=None,
-                  use_qk_l2norm=False, *, block_v: int | None = None):
+                  use_qk_l2norm=False, *, block_v: int | None = None, checked: bool = False):
     """Serial recurrence over variable-length sequences, one launch; twin `bole.ops.gdn.gdn_recurrent_ref`.
 
     Args:
@@ -81,6 +81,8 @@ def gdn_recurrent(q, k, v, g, beta, scale=None, initial_state=None, state_indice
         state_indices: int [B] slot per sequence (default: sequence b reads slot b).
         cu_seqlens: int [B+1] offsets (default: one sequence of N tokens).
         block_v: value tile per program (a power of two >= 16; default by grid size).
+        checked: the caller checked cu_seqlens and state_indices once for the whole forward
+            (`kernels._checks.check_forward_inputs`): only their sizes are compared.
     Returns:
         o [1, N, HV, V] in v's dtype, final_state [B, HV, V, K] fp32.
     """
@@ -90,7 +92,7 @@ def gdn_recurrent(q, k, v, g, beta, scale=None, initial_state=None, state_indice
         raise ValueError(f"head dims K={K}, V={V} exceed 256")
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, N], dtype=torch.int32, device=dev)
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.device != dev:
+    if cu_seqlens.numel() < 2 or (not checked and (cu_seqlens.dim() != 1 or cu_seqlens.device != dev)):
         raise ValueError(f"cu_seqlens must be a 1-d int tensor [B+1] on {dev}, got {tuple(cu_seqlens.shape)} "
                          f"on {cu_seqlens.device}")
     B = cu_seqlens.numel() - 1
@@ -102,7 +104,7 @@ def gdn_recurrent(q, k, v, g, beta, scale=None, initial_state=None, state_indice
             raise ValueError("initial_state must be contiguous and on q's device")
         if state_indices is None and initial_state.shape[0] < B:
             raise ValueError(f"{B} sequences but only {initial_state.shape[0]} state slots")
-    if state_indices is not None and (state_indices.dim() != 1 or state_indices.numel() != B):
+    if state_indices is not None and ((not checked and state_indices.dim() != 1) or state_indices.numel() != B):
         raise ValueError(f"state_indices must be [{B}] (one slot per sequence), got {tuple(state_indices.shape)}")
     if block_v is None:
         block_v = 16 if B * HV * triton.cdiv(V, 32) < 256 else 32

@@ -31,10 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import attention_out, check_attention_inputs, check_tensor, interpreting
-
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_INDEX = (torch.int32, torch.int64)
+from kernels._checks import attention_out, check_attention_inputs, check_keys, interpreting
 
 
 @triton.jit
@@ -171,7 +168,8 @@ def _default_num_splits(B: int, HKV: int, L: int, block_n: int, device: torch.de
 
 
 def paged_decode_attention(q, k_cache, v_cache, kv_index, kv_len, scale=None, out=None, *,
-                           block_n: int | None = None, num_splits: int | None = None, num_warps: int = 4):
+                           block_n: int | None = None, num_splits: int | None = None, num_warps: int = 4,
+                           checked: bool = False):
     """softmax(q kᵀ · scale) v for one query token per row over its first kv_len[b] paged keys.
 
     Twin: `bole.ops.attention.paged_decode_attention_ref`. No host read of a device value.
@@ -179,7 +177,7 @@ def paged_decode_attention(q, k_cache, v_cache, kv_index, kv_len, scale=None, ou
     Args:
         q: [B, Hq, D] fp32/fp16/bf16, last dim contiguous (any row / head strides), D <= 256.
         k_cache, v_cache: [num_slots, Hkv, D] per-layer flat views of the paged cache (e.g.
-            ``cache.k(layer).flatten(0, 1)``), any dtype of _FLOATS, last dim contiguous, any slot /
+            ``cache.k(layer).flatten(0, 1)``), fp32/fp16/bf16, last dim contiguous, any slot /
             head strides; Hq a multiple of Hkv (query head h reads kv head h // (Hq / Hkv)).
         kv_index: int32/int64 [B, L] flat slot of key position p of row b (any strides); entries
             at p >= kv_len[b] are never read, so they may hold anything.
@@ -188,17 +186,14 @@ def paged_decode_attention(q, k_cache, v_cache, kv_index, kv_len, scale=None, ou
         out: optional [B, Hq, D] in q's dtype, last dim contiguous.
         block_n: keys per block (power of two >= 16; default 64, 32 when D > 128).
         num_splits: key splits per (row, kv head) (default: about two waves of programs).
+        checked: the caller checked kv_index and kv_len once for the whole forward
+            (`kernels._checks.check_forward_inputs`): only their sizes are compared.
     Returns:
         o [B, Hq, D] in q's dtype.
     """
     B, HQ, D, HKV = check_attention_inputs(q, k_cache, v_cache)
     dev = q.device
-    check_tensor("kv_index", kv_index, 2, _INDEX, dev)
-    check_tensor("kv_len", kv_len, 1, _INDEX, dev)
-    if kv_index.shape[0] != B or kv_len.shape[0] != B:
-        raise ValueError(f"kv_index must be [{B}, L] and kv_len [{B}], got {tuple(kv_index.shape)} "
-                         f"and {tuple(kv_len.shape)}")
-    L = kv_index.shape[1]
+    _, L = check_keys(kv_index, B, dev, kv_len=kv_len, checked=checked)
     if block_n is None:
         block_n = 32 if D > 128 else 64
     if block_n < 16 or block_n & (block_n - 1):

@@ -30,9 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import attention_out, check_attention_inputs, check_tensor, interpreting
-
-_INDEX = (torch.int32, torch.int64)
+from kernels._checks import attention_out, check_attention_inputs, check_index, check_keys, interpreting
 _PRECISIONS = ("ieee", "tf32")
 
 
@@ -112,7 +110,7 @@ def tree_attention_kernel(
 
 
 def tree_attention(q, k_cache, v_cache, kv_index, mask, cu_seqlens, num_cached, scale=None, out=None, *,
-                   precision: str | None = None, block_n: int = 64, num_warps: int = 4):
+                   precision: str | None = None, block_n: int = 64, num_warps: int = 4, checked: bool = False):
     """softmax(q kᵀ · scale + mask) v for the tree rows of every request over its paged keys.
 
     Twin: `bole.ops.attention.tree_attention_ref`. No host read of a device value.
@@ -132,22 +130,16 @@ def tree_attention(q, k_cache, v_cache, kv_index, mask, cu_seqlens, num_cached, 
         out: optional [N, Hq, D] in q's dtype, last dim contiguous.
         precision: fp32 dot precision, "ieee" (default) or "tf32" (the drafter's fast math).
         block_n: keys per block (power of two >= 16).
+        checked: the caller checked kv_index, mask, cu_seqlens and num_cached once for the whole forward
+            (`kernels._checks.check_forward_inputs`): only their sizes are compared.
     Returns:
         o [N, Hq, D] in q's dtype.
     """
     N, HQ, D, HKV = check_attention_inputs(q, k_cache, v_cache)
     dev = q.device
-    check_tensor("kv_index", kv_index, 2, _INDEX, dev)
-    B, L = kv_index.shape
-    if mask is not None:
-        check_tensor("mask", mask, 4, (torch.bool,), dev)
-        if mask.shape[0] != B or mask.shape[1] != 1 or mask.shape[3] != L:
-            raise ValueError(f"mask must be [{B}, 1, tq, {L}], got {tuple(mask.shape)}")
-    check_tensor("cu_seqlens", cu_seqlens, 1, _INDEX, dev)
-    check_tensor("num_cached", num_cached, 1, _INDEX, dev)
-    if cu_seqlens.shape[0] != B + 1 or num_cached.shape[0] != B:
-        raise ValueError(f"cu_seqlens must be [{B + 1}] and num_cached [{B}], got {tuple(cu_seqlens.shape)} "
-                         f"and {tuple(num_cached.shape)}")
+    B, L = check_keys(kv_index, None, dev, mask, checked=checked)
+    check_index("cu_seqlens", cu_seqlens, B + 1, dev, checked)
+    check_index("num_cached", num_cached, B, dev, checked)
     precision = precision or "ieee"
     if precision not in _PRECISIONS:
         raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")

@@ -36,7 +36,7 @@ import torch
 from bole.cache.kv_cache import PagedKVCache
 from bole.cache.state_pool import StatePool
 from bole.spec.tree import PackedForest
-from kernels._checks import check_forward_inputs
+from kernels._checks import check_forward_inputs, check_keys, check_mask
 
 Mode = Literal["prefill", "decode", "verify"]
 MODES = ("prefill", "decode", "verify")
@@ -174,24 +174,37 @@ class ForwardContext:
     def check_kernel_inputs(self) -> None:
         """The kernels' checks of what every layer shares (state slots, positions, KV slots, forest:
         ``kernels._checks.check_forward_inputs``), once per forward; the backend's per-layer kernels then
-        skip them (``checked=True``, bole.backend). Every mixer calls it before its kernels."""
+        skip them (``checked=True``, bole.backend). Every mixer calls it before its kernels. The key
+        layouts checked: the static decode's and those a graph set in the memo; the ones built later
+        (``padded_attention``, ``key_index``) are checked where they are built."""
         if "checked" not in self._memo:
+            keys = [(self.static.kv_index, None, self.static.kv_len)] if self.static is not None else []
+            if "padded" in self._memo:
+                keys.append((self._memo["padded"].kv_index, self._memo["padded"].mask, None))
+            if "keys" in self._memo:
+                keys.append((self._memo["keys"], None, None))
             check_forward_inputs(self.positions.device, self.num_requests, self.num_tokens, self.state_slots,
-                                 self.positions, self.slot_mapping, self.forest)
+                                 self.positions, self.slot_mapping, self.forest, self.cu_seqlens, self.num_cached,
+                                 keys)
             self._memo["checked"] = True
 
     def padded_attention(self) -> PaddedAttention:
         """The batched attention layout of a verify or decode step (see ``PaddedAttention``), memoized."""
         if "padded" not in self._memo:
-            self._memo["padded"] = self._build_padded_attention()
+            pa = self._build_padded_attention()
+            check_mask(pa.mask, *pa.kv_index.shape, self.slot_mapping.device)  # once (the kernels skip it);
+            # its kv_index is key_index(), checked there
+            self._memo["padded"] = pa
         return self._memo["padded"]
 
     def key_index(self) -> torch.Tensor:
         """int64 [B, L]: request b's key slots (``kv_slots[b]``: prefix, then its new tokens), 0 past them;
         built once per forward, shared by every attention layer."""
         if "keys" not in self._memo:
-            self._memo["keys"] = self.kv_slots[0][None] if len(self.kv_slots) == 1 else \
+            keys = self.kv_slots[0][None] if len(self.kv_slots) == 1 else \
                 torch.nn.utils.rnn.pad_sequence(self.kv_slots, batch_first=True)
+            check_keys(keys, self.num_requests, self.slot_mapping.device)  # once (the kernels skip it)
+            self._memo["keys"] = keys
         return self._memo["keys"]
 
     def _build_padded_attention(self) -> PaddedAttention:

@@ -58,9 +58,15 @@ def test_default_tiles_and_width_two(device):
     assert y is out and rel(y, y_ref) < 1e-5 and torch.equal(state, ref_state)
 
 
-@pytest.mark.parametrize("case", ["x_rank", "x_stride", "w_shape", "w_narrow", "state_shape", "idx_dtype",
-                                  "cu_rows", "bias_shape", "activation", "block", "block_small", "out_shape"])
-def test_bad_inputs_raise(device, case):
+BAD_CASES = ["x_rank", "x_stride", "w_shape", "w_narrow", "state_shape", "idx_dtype",
+             "cu_rows", "bias_shape", "activation", "block", "block_small", "out_shape"]
+# the forward context's checks (checked=True skips them; sizes are still compared)
+SHARED_CASES = ("idx_dtype",)
+
+
+@pytest.mark.parametrize("case,checked", [(c, False) for c in BAD_CASES]
+                         + [(c, True) for c in BAD_CASES if c not in SHARED_CASES])
+def test_bad_inputs_raise(device, case, checked):
     x, w, bias, state, slots, cu = make([3, 2], 16, 4, torch.float32, torch.float32, seed=0, device=device)
     kw = dict(x=x, weight=w, conv_state=state, state_indices=slots, cu_seqlens=cu)
     bad = {"x_rank": dict(x=x[None]), "x_stride": dict(x=x.t().contiguous().t()), "w_shape": dict(weight=w[:8]),
@@ -71,4 +77,4 @@ def test_bad_inputs_raise(device, case):
            "out_shape": dict(out=torch.zeros(5, 8, device=device))}
     kw.update(bad[case])
     with pytest.raises(ValueError):
-        causal_conv1d_varlen(**kw)
+        causal_conv1d_varlen(**kw, checked=checked)

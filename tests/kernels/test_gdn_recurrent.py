@@ -62,16 +62,21 @@ def test_raw_qk_and_explicit_scale(device):
     assert rel(o, o_r) < 1e-5 and rel(final, f_r) < 1e-5
 
 
-def test_bad_inputs_raise():
+@pytest.mark.parametrize("checked", [False, True])
+def test_bad_inputs_raise(checked):
+    # checked=True (the forward context checked the offsets and slots): their sizes are still compared
     x, pool, idx, cu = make([3, 2], 2, 4, 16, 16, torch.float32, torch.float32, seed=1, device="cpu")
     with pytest.raises(ValueError, match="initial_state must be"):
-        gdn_recurrent(*x, initial_state=pool[:, :2], state_indices=idx, cu_seqlens=cu)
+        gdn_recurrent(*x, initial_state=pool[:, :2], state_indices=idx, cu_seqlens=cu, checked=checked)
     with pytest.raises(ValueError, match="state_indices must be"):
-        gdn_recurrent(*x, initial_state=pool, state_indices=idx[:1], cu_seqlens=cu)
+        gdn_recurrent(*x, initial_state=pool, state_indices=idx[:1], cu_seqlens=cu, checked=checked)
     with pytest.raises(ValueError, match="block_v must be"):
-        gdn_recurrent(*x, initial_state=pool, state_indices=idx, cu_seqlens=cu, block_v=24)
+        gdn_recurrent(*x, initial_state=pool, state_indices=idx, cu_seqlens=cu, block_v=24, checked=checked)
     with pytest.raises(ValueError, match="cu_seqlens must be"):
-        gdn_recurrent(*x, cu_seqlens=cu[None])
+        gdn_recurrent(*x, cu_seqlens=cu[:1], checked=checked)
+    if not checked:
+        with pytest.raises(ValueError, match="cu_seqlens must be"):
+            gdn_recurrent(*x, cu_seqlens=cu[None])
 
 
 def test_backend_sends_short_and_fp32_prefills_here(device):

@@ -108,10 +108,16 @@ def test_matches_static_decode_path(device):
     assert rel_err(o_k, static_decode_sdpa(q, cache, 1, kv_index, kv_len)) <= 1e-5
 
 
-@pytest.mark.parametrize("case", ["q_rank", "q_dtype", "q_stride", "k_dim", "gqa", "v_shape", "k_stride",
-                                  "idx_dtype", "idx_rows", "len_rows", "len_dtype", "head_dim", "block_n",
-                                  "block_small", "splits", "out_dtype", "out_shape"])
-def test_bad_inputs_raise(device, case):
+BAD_CASES = ["q_rank", "q_dtype", "q_stride", "k_dim", "gqa", "v_shape", "k_stride",
+             "idx_dtype", "idx_rows", "len_rows", "len_dtype", "head_dim", "block_n",
+             "block_small", "splits", "out_dtype", "out_shape"]
+# the forward context's checks (checked=True skips them; sizes are still compared)
+SHARED_CASES = ("idx_dtype", "len_dtype")
+
+
+@pytest.mark.parametrize("case,checked", [(c, False) for c in BAD_CASES]
+                         + [(c, True) for c in BAD_CASES if c not in SHARED_CASES])
+def test_bad_inputs_raise(device, case, checked):
     q, kc, vc, kv_index, kv_len, _ = attn_inputs(device, [3, 5, 2], 4, 2, 16, 16, torch.float32,
                                                  torch.float32, seed=0)
     kw = dict(q=q, k_cache=kc, v_cache=vc, kv_index=kv_index, kv_len=kv_len)
@@ -126,7 +132,7 @@ def test_bad_inputs_raise(device, case):
            "out_dtype": dict(out=z(3, 4, 16, dt=torch.float16)), "out_shape": dict(out=z(3, 2, 16))}
     kw.update(bad[case])
     with pytest.raises(ValueError):
-        paged_decode_attention(**kw)
+        paged_decode_attention(**kw, checked=checked)
 
 
 @pytest.mark.gpu

@@ -134,9 +134,15 @@ def test_matches_padded_verify_path(device):
     assert rel_err(o_k, padded_verify_sdpa(q, cache, 1, kv_index, mask, cu, 64)) <= 1e-5
 
 
-@pytest.mark.parametrize("case", ["q_rank", "q_dtype", "q_stride", "gqa", "v_shape", "idx_dtype", "mask_dtype",
-                                  "mask_shape", "cu_rows", "nc_rows", "precision", "block_n", "out_shape"])
-def test_bad_inputs_raise(device, case):
+BAD_CASES = ["q_rank", "q_dtype", "q_stride", "gqa", "v_shape", "idx_dtype", "mask_dtype",
+             "mask_shape", "cu_rows", "nc_rows", "precision", "block_n", "out_shape"]
+# the forward context's checks (checked=True skips them; sizes are still compared)
+SHARED_CASES = ("idx_dtype", "mask_dtype")
+
+
+@pytest.mark.parametrize("case,checked", [(c, False) for c in BAD_CASES]
+                         + [(c, True) for c in BAD_CASES if c not in SHARED_CASES])
+def test_bad_inputs_raise(device, case, checked):
     args, _ = tree_inputs(device, [3, 5], [2, 4], 4, 2, 16, torch.float32, torch.float32, seed=0)
     q, kc, vc, kv_index, mask, cu, nc = args
     kw = dict(q=q, k_cache=kc, v_cache=vc, kv_index=kv_index, mask=mask, cu_seqlens=cu, num_cached=nc)
@@ -149,7 +155,7 @@ def test_bad_inputs_raise(device, case):
            "out_shape": dict(out=z(6, 2, 16))}
     kw.update(bad[case])
     with pytest.raises(ValueError):
-        tree_attention(**kw)
+        tree_attention(**kw, checked=checked)
 
 
 @pytest.mark.gpu

@@ -115,9 +115,10 @@ def test_backend_kernels_reach_the_layers(checkpoints):
     # the drafter's verify-mode attention: kernels.tree_attention on "triton", SDPA for the target
     from kernels.tree_attention import tree_attention
 
-    for model, want in ((torch_model, None), (triton_model, tree_attention)):
+    for model, want in ((torch_model, None), (triton_model, (tree_attention, {"checked": True}))):
         mtp_attn = {id(m) for m in model.mtp.modules() if isinstance(m, GatedAttention)}
+        of = lambda f: None if f is None else kernel_of(f)
         for m in model.modules():
             if isinstance(m, GatedAttention):
-                assert m.tree_attention is (want if id(m) in mtp_attn else None)
-                assert m.prefill_attention is want   # short prefill chunks, every attention layer
+                assert of(m.tree_attention) == (want if id(m) in mtp_attn else None)
+                assert of(m.prefill_attention) == want   # short prefill chunks, every attention layer
