@@ -1,8 +1,7 @@
-"""The kernels' checks of a forward's shared arguments (state slots, positions, KV slots, forest, offsets,
-committed lengths, key layouts) run once
-per ForwardContext (``ForwardContext.check_kernel_inputs``), not once per layer, and still refuse a bad
-argument by name; the "triton" backend's per-layer kernels then skip them (``checked=True``), interpreted
-on CPU here.
+"""The kernels' checks of a forward's shared arguments (state slots, positions, KV slots, forest, token
+offsets, committed lengths, key layouts) run once per ForwardContext (``ForwardContext.check_kernel_inputs``),
+not once per layer, and still refuse a bad argument by name; the "triton" backend's per-layer kernels then
+skip them (``checked=True``), interpreted on CPU here.
 """
 
 import dataclasses
