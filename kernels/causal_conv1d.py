@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels._checks import FLOATS, INDEX, check_conv_inputs, check_index, check_tensor
+
 _ACTIVATIONS = {"silu": True, "swish": True, None: False, "identity": False}
 
 

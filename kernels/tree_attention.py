@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels._checks import attention_out, check_attention_inputs, check_index, check_keys, interpreting
+
 _PRECISIONS = ("ieee", "tf32")
 
 
