@@ -33,20 +33,26 @@ def dense(checkpoints):
     return ck, _params(load_model(ck.path, dtype="float32", backend="torch"))
 
 
-def test_sharded_with_index(dense, tmp_path):
-    ck, ref = dense
+def _shard(ck, out, first: str, second: str) -> tuple[dict, list]:
+    """``ck``'s checkpoint copied to ``out`` as two shards (names sorted, split in half) with the index;
+    its tensors and sorted names."""
     tensors = load_file(os.path.join(ck.path, "model.safetensors"))
     names = sorted(tensors)
     half = len(names) // 2
-    out = tmp_path / "sharded"
     shutil.copytree(ck.path, out)
     os.remove(out / "model.safetensors")
-    shards = {"model-00001-of-00002.safetensors": names[:half],
-              "model-00002-of-00002.safetensors": names[half:]}
+    shards = {first: names[:half], second: names[half:]}
     for fname, ns in shards.items():
         save_file({n: tensors[n] for n in ns}, str(out / fname), metadata={"format": "pt"})
     index = {"metadata": {}, "weight_map": {n: f for f, ns in shards.items() for n in ns}}
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    return tensors, names
+
+
+def test_sharded_with_index(dense, tmp_path):
+    ck, ref = dense
+    out = tmp_path / "sharded"
+    _shard(ck, out, "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
     got = _params(load_model(str(out), dtype="float32", backend="torch"))
     assert got.keys() == ref.keys() and all(torch.equal(got[n], ref[n]) for n in ref)
 
@@ -72,17 +78,8 @@ def test_multimodal_prefix_and_vision_tower_skipped(dense, tmp_path):
 
 def test_checkpoint_reader_reads_shards_by_name_and_closes(dense, tmp_path):
     ck, _ = dense
-    tensors = load_file(os.path.join(ck.path, "model.safetensors"))
-    names = sorted(tensors)
-    half = len(names) // 2
     dst = tmp_path / "sharded"
-    shutil.copytree(ck.path, dst)
-    os.remove(dst / "model.safetensors")
-    shards = {"a.safetensors": names[:half], "b.safetensors": names[half:]}
-    for f, ns in shards.items():
-        save_file({n: tensors[n] for n in ns}, str(dst / f), metadata={"format": "pt"})
-    (dst / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {n: f for f, ns in shards.items() for n in ns}}))
+    tensors, names = _shard(ck, dst, "a.safetensors", "b.safetensors")
     with CheckpointReader(checkpoint_files(str(dst))) as reader:
         for n in (names[0], names[-1], names[0]):
             assert torch.equal(reader.get(n), tensors[n])
