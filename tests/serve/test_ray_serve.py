@@ -319,6 +319,7 @@ def test_ray_serve_replica_killed_mid_stream(cluster):
         ray.kill(ray.get_actor(before[busy[0]], namespace="serve"), no_restart=False)
         events += [line[6:] for line in lines if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
+    assert "error" in json.loads(events[-2]), f"the stream ended without the replica's error: {events[-2]}"
     err = json.loads(events[-2])["error"]
     assert err["type"] == "unavailable_error" and "Traceback" not in err["message"], err
     oai = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
