@@ -197,6 +197,16 @@ def is_heldout(key: str, seed: int, frac: float) -> bool:
     return v < frac * float(1 << 48)
 
 
+def split_files(files: list[dict], seed: int, frac: float) -> tuple[list[dict], list[dict]]:
+    """(train in its seeded order, held-out in hash order). The tokenizer sample is a prefix of the
+    train order and the token cap cuts its tail (``scripts/token_frequencies.py`` counts a prefix)."""
+    train = [f for f in files if not is_heldout(split_key(f["path"]), seed, frac)]
+    heldout = [f for f in files if is_heldout(split_key(f["path"]), seed, frac)]
+    order = list(range(len(train)))
+    random.Random(seed).shuffle(order)
+    return [train[i] for i in order], heldout
+
+
 # --------------------------------------------------------------------------- tokenizer
 
 
@@ -387,18 +397,11 @@ def main(argv: list[str] | None = None) -> int:
     file_set_sha256 = hashlib.sha256(
         "".join(f"{f['path']}\0{f['hash']}\n" for f in files).encode()).hexdigest()
 
-    train = [f for f in files if not is_heldout(split_key(f["path"]), args.seed, args.heldout_frac)]
-    heldout = [f for f in files if is_heldout(split_key(f["path"]), args.seed, args.heldout_frac)]
+    train, heldout = split_files(files, args.seed, args.heldout_frac)
     train_bytes = sum(len(f["text"].encode()) for f in train)
     heldout_bytes = sum(len(f["text"].encode()) for f in heldout)
     print(f"split: train {len(train)} files / {train_bytes / 1e6:.1f} MB, "
           f"held-out {len(heldout)} files / {heldout_bytes / 1e6:.1f} MB")
-
-    # seeded order of the train files: tokenizer sample = prefix, token cap cuts the tail
-    rng = random.Random(args.seed)
-    order = list(range(len(train)))
-    rng.shuffle(order)
-    train = [train[i] for i in order]
 
     sample, nbytes = [], 0
     for f in train:

@@ -63,7 +63,7 @@ TARGET_FIELDS = ("hidden_size", "num_hidden_layers", "layer_types", "num_attenti
                  "linear_key_head_dim", "linear_value_head_dim", "intermediate_size", "moe_intermediate_size",
                  "shared_expert_intermediate_size")  # what a target shape sets (the rest is the source's)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "chat_template.jinja", "vocab.json", "merges.txt")
+                   "chat_template.jinja", "vocab.json", "merges.txt", "token_frequencies.json")
 
 
 @dataclass
