@@ -238,15 +238,22 @@ class SpecConfig:
     per expanded node. beam: nodes expanded per level (by cumulative draft probability ρ).
     draft_fast_math: the drafter's fp32 products on tensor cores (TF32 GEMMs, bf16 attention;
     ``bole.layers.draft_math``). Outputs stay exact either way: only the proposals can change.
+    draft_vocab: the drafter scores only the N most frequent training tokens (FR-Spec; the model folder's
+    ``token_frequencies.json``, ``bole.spec.draft_vocab``), N >= topk, capped at the vocabulary; None: all.
     """
 
     depth: int = 4
     topk: int = 4
     beam: int = 4
     draft_fast_math: bool = True
+    draft_vocab: int | None = None
 
     def __post_init__(self):
-        check_types(self, ints=("depth", "topk", "beam"), bools=("draft_fast_math",))
+        check_types(self, ints=("depth", "topk", "beam") + (("draft_vocab",) if self.draft_vocab is not None else ()),
+                    bools=("draft_fast_math",))
+        if self.draft_vocab is not None and self.draft_vocab < self.topk:
+            raise ValueError(f"SpecConfig.draft_vocab must be an int >= topk={self.topk} (or None), "
+                             f"got {self.draft_vocab!r}")
         for name in ("depth", "topk", "beam"):
             v = getattr(self, name)
             if v < 1:

@@ -85,3 +85,16 @@ def save_char_tokenizer(path, vocab_size: int) -> None:
                                    unk_token="\ufffd")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
+
+
+def write_token_frequencies(path, vocab_size: int, seed: int = 0) -> list[int]:
+    """A ``token_frequencies.json`` in ``path`` ranking the ids in a seeded random order (so a reduced
+    draft vocabulary is not simply the lowest ids); returns that order."""
+    import json
+
+    order = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed)).tolist()
+    counts = list(range(vocab_size, 0, -1))
+    with open(f"{path}/token_frequencies.json", "w") as fh:
+        json.dump({"token_ids": order, "counts": counts, "total_tokens": sum(counts),
+                   "source": {"script": "tests/checkpoints.py"}}, fh)
+    return order

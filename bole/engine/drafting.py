@@ -56,4 +56,5 @@ def grow_draft_tree(mtp, h_root: torch.Tensor, depth: int, topk: int, beam: int,
         return mtp.compute_logits(h[:, S0:])
 
     # the steps return raw logits: the backend's fused log-softmax top-k forms the children's log-probs
-    return expand_tree(root_logits, step, depth, topk, beam, topk_fn=mtp.backend.log_softmax_topk)
+    # (over the drafter's scored columns: its reduced vocabulary's ids when it has one)
+    return expand_tree(root_logits, step, depth, topk, beam, topk_fn=mtp.log_softmax_topk)

@@ -55,6 +55,7 @@ from bole.errors import InvalidRequest
 from bole.hardware import resolve_calibration
 from bole.sampling_params import SamplingParams
 from bole.spec.budget import CalibrationTable
+from bole.spec.draft_vocab import read_draft_vocab
 from bole.spec.drafter import tree_size
 from bole.spec.logprobs import TokenLogprob
 from bole.spec.tree import MAX_TREE_NODES
@@ -70,13 +71,17 @@ class LLMEngine:
         self.mode = config.mode
         if self.mode != "ar" and model.mtp is None:
             raise ValueError(f"mode {self.mode!r} needs a checkpoint with an MTP drafter (mtp.* tensors)")
-        # KV blocks and checkpoint slots planned once from the free memory (bole.cache.memory_plan)
-        self.memory_plan, config = plan_engine_memory(model, config)
-        self.config, spec = config, config.spec
+        spec, V = config.spec, model.config.vocab_size
         if model.mtp is not None:
             model.mtp.fast_math = spec.draft_fast_math
-        V = model.config.vocab_size
-        self.max_draft_nodes = tree_size(V, spec.depth, spec.topk, spec.beam) if self.mode != "ar" else 0
+            # the reduced draft vocabulary's [N, H] lm_head rows, gathered before memory is planned
+            model.mtp.restrict_vocab(None if spec.draft_vocab is None else
+                                     read_draft_vocab(getattr(model, "source_path", None), spec.draft_vocab, V))
+        # KV blocks and checkpoint slots planned once from the free memory (bole.cache.memory_plan)
+        self.memory_plan, config = plan_engine_memory(model, config)
+        self.config = config
+        self.max_draft_nodes = tree_size(model.mtp.vocab_width, spec.depth, spec.topk, spec.beam) \
+            if self.mode != "ar" else 0
         self.lookahead = 1 + self.max_draft_nodes
         # "auto" picks a table for (hardware class, model shapes) with fallbacks (bole.hardware);
         # bole.recalibration.recalibrate swaps this attribute between steps.

@@ -374,4 +374,5 @@ def load_model(path: str, dtype="auto", device="cpu", tp_rank: int = 0, tp_size:
         raise ValueError(f"{path}: shape mismatches ({len(mismatches)}): " + "; ".join(mismatches))
     logger.info("loaded %s (%s, %d MTP layers, tp %d/%d) from %s", cfg.model_type, dt, num_mtp,
                 tp_rank, tp_size, path)
+    model.source_path = path  # the folder: files beside the weights (token_frequencies.json, bole.spec.draft_vocab)
     return model.eval().fuse_projections()

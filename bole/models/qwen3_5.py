@@ -38,6 +38,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from bole.backend import GDNBackend, resolve_backend
@@ -138,6 +139,25 @@ and lm_head are the target's (shared, not registered here).
         # TF32 GEMMs and bf16 attention on fp32 CUDA activations (bole.layers.draft_math: drafts only
         # propose, so outputs stay exact); the engine sets it from SpecConfig.draft_fast_math
         self.fast_math = True
+        self.vocab_ids: torch.Tensor | None = None      # the ids the drafter scores [N] (None: all)
+        self._vocab_weight: torch.Tensor | None = None  # their lm_head rows [N, H], contiguous
+
+    def restrict_vocab(self, ids: Sequence[int] | None) -> None:
+        """Score only the token ids ``ids`` (``SpecConfig.draft_vocab``, ``bole.spec.draft_vocab``;
+        None: the whole vocabulary again). Their lm_head rows are gathered once into a contiguous
+        [N, H] weight; logits column j is token ``ids[j]``. Every TP rank holds the full (replicated)
+        lm_head, so each gathers the same rows."""
+        if ids is None:
+            self.vocab_ids = self._vocab_weight = None
+            return
+        w = self._shared[1].weight
+        self.vocab_ids = torch.tensor(list(ids), dtype=torch.long, device=w.device)
+        self._vocab_weight = w.detach()[self.vocab_ids].contiguous()
+
+    @property
+    def vocab_width(self) -> int:
+        """Columns of ``compute_logits``: N with a reduced vocabulary, else the vocabulary size."""
+        return self._shared[1].weight.shape[0] if self.vocab_ids is None else self.vocab_ids.numel()
 
     def _math(self, x: torch.Tensor):
         return draft_math(self.fast_math and x.is_cuda and x.dtype == torch.float32)
@@ -153,8 +173,17 @@ and lm_head are the target's (shared, not registered here).
             return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits [..., vocab_width]: hidden @ W^T over the shared lm_head's rows (all, or the
+        ``restrict_vocab`` ones)."""
+        weight = self._shared[1].weight if self._vocab_weight is None else self._vocab_weight
         with self._math(hidden):
-            return self._shared[1](hidden)
+            return F.linear(hidden, weight)
+
+    def log_softmax_topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs, token ids) [..., k] of ``compute_logits`` rows: the backend's fused log-softmax
+        top-k over the scored columns, their indices mapped to token ids by a device gather."""
+        lp, idx = self.backend.log_softmax_topk(logits, k)
+        return lp, (idx if self.vocab_ids is None else self.vocab_ids[idx])
 
 
 class HybridForCausalLM(nn.Module):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from checkpoints import make_checkpoint
+from checkpoints import make_checkpoint, write_token_frequencies
 from engine_helpers import default_table
 
 from bole.config import EngineConfig
@@ -29,6 +29,7 @@ def ckpt(tmp_path_factory):
         if key not in cache:
             path = tmp_path_factory.mktemp(f"eng_{kind}_{vocab}")
             cache[key] = (str(path), make_checkpoint(path, kind, vocab))
+            write_token_frequencies(path, vocab)  # for draft_vocab
         return cache[key]
     return get
 
@@ -105,12 +106,27 @@ def test_seeded_stochastic_identical_across_modes(ckpt):
     assert outs["ar"] == outs["serial_tree"] == outs["bole"]
 
 
-def test_stochastic_distribution_matches_target(ckpt):
-    """Chi-square: the first two tokens under `bole` follow the target model's exact distribution."""
+def test_draft_vocab_outputs_identical_to_ar(ckpt):
+    """A drafter scoring 3 of the 16 ids (draft_vocab) only proposes: greedy and seeded outputs equal ar's."""
+    path, _ = ckpt("dense")
+    eng = engine(path, "bole", draft_vocab=3)
+    assert eng.model.mtp.vocab_ids.tolist() == write_token_frequencies(path, 16)[:3]
+    for params in ([SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 5, 9, 14, 7)],
+                   [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=10, ignore_eos=True, seed=s)
+                    for s in range(5)]):
+        assert run_staggered(eng, PROMPTS, params) == run_staggered(engine(path, "ar"), PROMPTS, params)
+    assert engine(path, "bole").model.mtp.vocab_ids is None  # the next engine without the option: all ids
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 3])
+def test_stochastic_distribution_matches_target(ckpt, draft_vocab):
+    """Chi-square: the first two tokens under `bole` follow the target model's exact distribution (also
+    with a drafter that scores only 3 of the 6 ids: drafts propose, the target decides)."""
     path, hf = ckpt("dense", 6)
     prompt = [1, 2, 3]
     n = 400
-    eng = engine(path, "bole", max_num_seqs=16, num_blocks=256, max_num_batched_tokens=64, depth=2)
+    eng = engine(path, "bole", max_num_seqs=16, num_blocks=256, max_num_batched_tokens=64, depth=2,
+                 draft_vocab=draft_vocab)
     ids = [eng.add_request(prompt, SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=1000 + i))
            for i in range(n)]
     while eng.has_unfinished():

@@ -175,13 +175,15 @@ def test_static_verify_reads_nothing_on_the_host():
     assert hidden.shape == (4 * 8, 32) and ctx.forest.num_requests == 4
 
 
-def _compare_draft(path, device, capture, tol, tree_attention=None):
+def _compare_draft(path, device, capture, tol, tree_attention=None, draft_vocab=None):
     """Two draft + verify + commit steps of the same requests on an eager runner and a draft-graph
     runner: the selected, compacted drafts agree (tokens, parents, depths, sources and counts
     exactly; log-probabilities within tol), with a budget that keeps everything, then one that cuts.
     ``tree_attention``: the graph runner's drafter attends through it (its own model copy), the eager
-    one through the batched SDPA path."""
+    one through the batched SDPA path. ``draft_vocab``: both drafters score only these token ids, and
+    every draft is one of them."""
     model = load_model(path, dtype="float32", device=device)
+    model.mtp.restrict_vocab(draft_vocab)
     D, k, beam = 3, 3, 2
     kw = dict(num_blocks=128, block_size=4, num_state_slots=6, max_batch_nodes=4 * 32,
               kv_dtype=torch.float32, device=device)
@@ -209,6 +211,9 @@ def _compare_draft(path, device, capture, tol, tree_attention=None):
             # T_max = 3 + 6 + 6 drafts, and each tree's root
             assert int(d2.num_nodes.sum()) == min(b_ver, 15 * len(batch_prompts)) + len(batch_prompts)
             assert d1.tokens[:, 0].tolist() == _roots(re) and (d1.parents[:, 0] == -1).all()
+            if draft_vocab is not None:
+                drafts = d2.tokens[:, 1:][d2.tokens[:, 1:] >= 0]
+                assert drafts.numel() and torch.isin(drafts, torch.tensor(draft_vocab)).all()
             # verify the kept drafts, commit each request's deepest node (paths of different lengths)
             for runner, reqs, d in ((eager, re, d1), (graph, rg, d2)):
                 batch = d.trimmed()
@@ -229,6 +234,14 @@ def _compare_draft(path, device, capture, tol, tree_attention=None):
 def test_static_draft_matches_eager_cpu(ckpt):
     dg = _compare_draft(ckpt, "cpu", capture=False, tol=1e-4)
     assert dg.num_captured == 0
+
+
+def test_static_draft_reduced_vocab_matches_eager_cpu(ckpt):
+    # the drafter scoring 16 of the 64 ids (a scattered subset): eager and static drafts agree, and
+    # draft only those ids (the graph's reduced lm_head and id gather are device ops at fixed shapes)
+    ids = torch.randperm(64, generator=torch.Generator().manual_seed(3))[:16].tolist()
+    dg = _compare_draft(ckpt, "cpu", capture=False, tol=1e-4, draft_vocab=ids)
+    assert dg.mtp.vocab_width == 16 and dg.num_captured == 0
 
 
 def test_static_draft_tree_attention_kernel_cpu(ckpt):

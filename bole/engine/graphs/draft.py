@@ -43,7 +43,7 @@ class DraftGraphs(GraphFamily):
         self.mtp = runner.model.mtp
         self.depth, self.topk, self.beam = int(depth), int(topk), int(beam)
         self.pad_block = int(pad_block)
-        V, H = self.model.config.vocab_size, self.model.config.hidden_size
+        V, H = self.mtp.vocab_width, self.model.config.hidden_size   # V: the drafter's scored columns
         self.t_max = tree_size(V, self.depth, self.topk, self.beam)
         self.catch_up = C = self.depth + 1   # the most positions a verify step commits
         dev = runner.device
@@ -75,7 +75,7 @@ class DraftGraphs(GraphFamily):
 
     def _levels(self) -> list[int]:
         """Frontier size evaluated at each expansion level (depth 2..D), as ``expand_tree`` forms them."""
-        return frontier_sizes(self.model.config.vocab_size, self.depth, self.topk, self.beam)
+        return frontier_sizes(self.mtp.vocab_width, self.depth, self.topk, self.beam)
 
     def _make(self, key: tuple[int, int]) -> Graph:
         """The draft of key (Bc, Lc) as a closure over static buffers (captured by ``capture``)."""
