@@ -21,6 +21,8 @@ tokens equal the ar cell's at the same batch; None on ar rows, the reference). A
 ``oom`` (the mode's larger batches then ``skipped_after_oom``), one whose engine construction raises
 ValueError ``refused``. The worker computes the ratios (bole/ar, bole/serial_tree, serial_tree/ar per
 batch; geometric means over batches 1-16) from its own cells: every ratio is of one process.
+``--draft-vocab N ...`` adds a bole cell ``bole_fr<N>`` per N at every batch (``SpecConfig.draft_vocab``:
+the drafter scores the N most frequent training tokens), with its ratio to ar.
 
 Budgets: ``--budget-s`` for the whole run, widening included (no cell starts after it; a worker still
 running ``--grace-s`` later is killed), ``--cell-budget-s`` per cell (no further timed run starts after
@@ -61,6 +63,7 @@ from bole.models.widen import TARGET_FIELDS, copy_tokenizer_files, widen  # noqa
 
 MODES = ("ar", "serial_tree", "bole")
 RATIOS = (("bole", "ar"), ("bole", "serial_tree"), ("serial_tree", "ar"))
+FR_PREFIX = "bole_fr"  # bole_fr<N>: the bole cell with draft_vocab=N
 GEOMEAN_MAX_BATCH = 16
 TAG = "@@e2e_scale "  # a worker's stdout lines that carry an event (JSON) for the parent
 SMOKE_SHAPE = dict(hidden_size=512, num_hidden_layers=20, linear_num_key_heads=4, linear_num_value_heads=8,
@@ -69,6 +72,13 @@ SMOKE_SHAPE = dict(hidden_size=512, num_hidden_layers=20, linear_num_key_heads=4
 
 def label(shape: str) -> str:
     return f"{shape}-cost, embedded model's predictions"
+
+
+def engine_mode(cell_mode: str) -> tuple[str, dict]:
+    """A cell's engine mode and extra options: ``bole_fr<N>`` is bole with ``draft_vocab=N``."""
+    if cell_mode.startswith(FR_PREFIX):
+        return "bole", dict(draft_vocab=int(cell_mode[len(FR_PREFIX):]))
+    return cell_mode, {}
 
 
 def shape_config(name: str):
@@ -94,6 +104,8 @@ def parse_args(argv=None):
     ap.add_argument("--depth", type=int, default=None, help="draft tree depth (4; smoke 2)")
     ap.add_argument("--topk", type=int, default=None, help="(4; smoke 2)")
     ap.add_argument("--beam", type=int, default=None, help="(4; smoke 2)")
+    ap.add_argument("--draft-vocab", type=int, nargs="+", default=[],
+                    help="a bole_fr<N> cell per N: the drafter scores the N most frequent tokens")
     ap.add_argument("--calibration-table", default="calibration_tables/default.yaml")
     ap.add_argument("--budget-s", type=float, default=None, help="whole run, widening included (480; smoke 150)")
     ap.add_argument("--cell-budget-s", type=float, default=None, help="per cell (60; smoke 40)")
@@ -110,7 +122,7 @@ def parse_args(argv=None):
     bad = sorted(set(a.models) - set(SHAPES) - ({"smoke"} if a.smoke else set()))
     if bad:
         ap.error(f"unknown models {bad}; choose from {sorted(SHAPES)}")
-    a.modes = [m for m in MODES if m in a.modes]  # ar first: the reference of every batch
+    a.modes = [m for m in MODES if m in a.modes] + [f"{FR_PREFIX}{n}" for n in a.draft_vocab]  # ar first
     a.batches = pick(a.batches, [1, 2, 4, 8, 16, 32], [1, 2])
     a.max_tokens = pick(a.max_tokens, 128, 4)
     a.depth, a.topk, a.beam = (pick(v, 4, 2) for v in (a.depth, a.topk, a.beam))
@@ -131,6 +143,7 @@ def widened(source: str, shape: str, widen_dir: str) -> tuple[str, dict]:
     dst = Path(widen_dir) / shape
     record = dst / "widen.json"
     if record.exists() and json.loads(record.read_text()).get("input") == want:
+        copy_tokenizer_files(source, str(dst))  # files added to the source since (token_frequencies.json)
         return str(dst), dict(json.loads(record.read_text()), reused=True)
     t0 = time.time()
     tmp = dst.with_name(shape + ".partial")
@@ -161,6 +174,8 @@ def run_cell(spec: dict, mode: str, batch: int, prompts: list[dict]) -> tuple[di
     cuda = spec["device"] == "cuda"
     row = dict(model=label(spec["shape"]), shape=spec["shape"], mode=mode, batch=batch, status="ok",
                cuda_graphs=cuda, dtype="bfloat16" if cuda else "float32", max_tokens=spec["max_tokens"])
+    run_mode, extra = engine_mode(mode)
+    row.update(extra)
     t0 = time.time()
     if cuda:
         gc.collect()
@@ -168,7 +183,7 @@ def run_cell(spec: dict, mode: str, batch: int, prompts: list[dict]) -> tuple[di
         torch.cuda.reset_peak_memory_stats()
     llm, toks = None, None
     try:
-        llm = LLM(spec["path"], mode=mode, depth=spec["depth"], topk=spec["topk"], beam=spec["beam"],
+        llm = LLM(spec["path"], mode=run_mode, **extra, depth=spec["depth"], topk=spec["topk"], beam=spec["beam"],
                   device=spec["device"], dtype=row["dtype"], enable_cuda_graphs=cuda, max_num_seqs=batch,
                   enable_prefix_cache=False, calibration_table=spec["calibration_table"],
                   num_blocks=num_blocks([p["prompt_tokens"] for p in prompts[:batch]], spec["max_tokens"],
@@ -206,18 +221,20 @@ def run_cell(spec: dict, mode: str, batch: int, prompts: list[dict]) -> tuple[di
 
 
 def ratios(rows: list[dict]) -> dict:
-    """Tokens/s ratios of one worker's cells per batch, and their geometric means over batches <= 16."""
+    """Tokens/s ratios of one worker's cells per batch (``RATIOS``, and each bole_fr<N> cell's to ar), and
+    their geometric means over batches <= 16."""
     ok = {(r["mode"], r["batch"]): r for r in rows if r["status"] == "ok"}
+    pairs = RATIOS + tuple((m, "ar") for m in dict.fromkeys(r["mode"] for r in rows) if m.startswith(FR_PREFIX))
     per_batch = []
     for b in sorted({b for _, b in ok}):
         d = dict(batch=b)
-        for num, den in RATIOS:
+        for num, den in pairs:
             if (num, b) in ok and (den, b) in ok:
                 d[f"{num}/{den}"] = round(ok[num, b]["tokens_per_s"] / ok[den, b]["tokens_per_s"], 3)
         d["all_exact_vs_ar"] = all(r["exact_vs_ar"] is not False for (_, rb), r in ok.items() if rb == b)
         per_batch.append(d)
     geo = {}
-    for num, den in RATIOS:
+    for num, den in pairs:
         pts = [(d["batch"], d[f"{num}/{den}"]) for d in per_batch if f"{num}/{den}" in d
                and d["batch"] <= GEOMEAN_MAX_BATCH]
         geo[f"{num}/{den}"] = None if not pts else dict(
@@ -325,7 +342,7 @@ def plot(doc: dict, path: Path) -> str | None:
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.6), squeeze=False)
     for ax, model in zip(axes[0], models):
         rows = [r for r in doc["rows"] if r["model"] == model]
-        for mode in MODES:
+        for mode in dict.fromkeys(r["mode"] for r in rows):
             pts = sorted((r["batch"], r["tokens_per_s"], r["mat"]) for r in rows if r["mode"] == mode
                          and r["status"] == "ok")
             failed = sorted(f"{r['status']}@{r['batch']}" for r in rows if r["mode"] == mode
@@ -369,6 +386,7 @@ def main(argv=None) -> dict | None:
         command=shlex.join(["python", "benchmarks/e2e.py", "--scale", *argv_list]), smoke=args.smoke,
         settings=dict(models=args.models, batches=args.batches, modes=args.modes, max_tokens=args.max_tokens,
                       repeats=args.repeats, spec=dict(depth=args.depth, topk=args.topk, beam=args.beam),
+                      draft_vocab=args.draft_vocab,
                       calibration_table=args.calibration_table, budget_s=args.budget_s,
                       cell_budget_s=args.cell_budget_s, source=args.source, widen_dir=args.widen_dir),
         methods=dict(

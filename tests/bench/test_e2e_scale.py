@@ -114,3 +114,21 @@ def test_a_cell_past_its_budget_is_recorded_as_timeout(smoke, tmp_path):
     assert doc["models"][0]["reused"]
     assert [(r["mode"], r["status"]) for r in doc["rows"]] == [("ar", "timeout"), ("bole", "not_run")]
     assert "killed: cell budget" in doc["notes"][0]
+
+
+def test_draft_vocab_cells(smoke, tmp_path):
+    # a bole_fr<N> cell per --draft-vocab N: bole with the reduced draft vocabulary, exact against ar,
+    # with its tokens/s ratio to ar (the reused widening carries the source's token_frequencies.json)
+    _, _, wd = smoke
+    out = tmp_path / "fr.json"
+    run_scale("--out", str(out), "--png", "none", "--widen-dir", str(wd), "--batches", "1", "--modes", "ar",
+              "--draft-vocab", "512")
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["draft_vocab"] == [512] and not doc["notes"]
+    ar, fr = doc["rows"]
+    assert (ar["mode"], fr["mode"], fr["status"], fr["draft_vocab"]) == ("ar", "bole_fr512", "ok", 512)
+    assert fr["exact_vs_ar"] is True and fr["mat"] >= 1.0
+    (d,) = doc["ratios"]["smoke-cost, embedded model's predictions"]["per_batch"]
+    assert d["bole_fr512/ar"] == round(fr["tokens_per_s"] / ar["tokens_per_s"], 3)
+    assert e2e_scale.engine_mode("bole_fr512") == ("bole", {"draft_vocab": 512})
+    assert e2e_scale.engine_mode("serial_tree") == ("serial_tree", {})
