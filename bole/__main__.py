@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     g.add_argument("--topk", type=int, default=SpecConfig.topk)
     g.add_argument("--beam", type=int, default=SpecConfig.beam)
     g.add_argument("--draft-vocab", type=int, default=SpecConfig.draft_vocab,
-                   help="the drafter scores only the N most frequent tokens (the model folder's token_frequencies.json)")
+                   help="the drafter scores only the N most frequent tokens (token_frequencies.json)")
     g.add_argument("--num-blocks", type=int, default=CacheConfig.num_blocks)
     g.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt and the metrics")
