@@ -14,7 +14,7 @@ import dataclasses
 
 import pytest
 import torch
-from checkpoints import make_checkpoint
+from checkpoints import make_checkpoint, write_token_frequencies
 from engine_helpers import default_table, meta_model, run_arrivals
 
 from bole.backend import tree_acceptance
@@ -38,6 +38,7 @@ DEPTH = 4  # tree depth bound with the root
 def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("vgraphs_dense")
     make_checkpoint(path, "dense", 64)
+    write_token_frequencies(path, 64)  # for draft_vocab
     return str(path)
 
 
@@ -262,12 +263,13 @@ def _engine(path, device, mode, graphs: bool, **opts):
     return LLMEngine(load_model(path, dtype="float32", device=device), cfg)
 
 
-@pytest.mark.parametrize("mode,prefix_cache,layout_kernel", [
-    ("bole", True, False), ("bole", False, False), ("serial_tree", True, False), ("bole", True, True)])
-def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel):
+@pytest.mark.parametrize("mode,prefix_cache,layout_kernel,draft_vocab", [
+    ("bole", True, False, None), ("bole", False, False, None), ("serial_tree", True, False, None),
+    ("bole", True, True, None), ("bole", True, False, 16)])
+def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel, draft_vocab):
     max_tokens = [12, 5, 20, 9]
     ref = run_arrivals(_engine(ckpt, "cpu", "ar", False, enable_prefix_cache=False), PROMPTS, max_tokens)
-    eng = _engine(ckpt, "cpu", mode, False, enable_prefix_cache=prefix_cache)
+    eng = _engine(ckpt, "cpu", mode, False, enable_prefix_cache=prefix_cache, draft_vocab=draft_vocab)
     if layout_kernel:  # forest layouts and the tail's acceptance by their kernels (interpreted), as on a GPU
         from kernels.greedy_accept import greedy_accept
         from kernels.tree_layout import tree_layout
