@@ -36,21 +36,22 @@ Per tensor (original channels keep their index in each widened axis; anything no
 * Layers: the source's layers keep their index (the target's layer-type pattern must start with the
   source's); extra layers are residual pass-throughs: all matrices zero (norms 1, dt_bias 1), so each
   adds exactly 0 to the residual stream.
-* MTP: its layer is widened like a full-attention layer; fc reads both halves as readers, writes copies.
+* MTP: its layer is widened like a full-attention layer; fc reads both halves as readers, writes copies
+  (and the constant, below).
 * Constant channels and the vocabulary (V -> V', the target shape's). Two channels after the copies,
   j = k·H and j + 1, hold per token t the constant pair c·(cos θ_t, sin θ_t): the embedding writes it, no
   other writer touches it and no reader but lm_head and mtp.fc reads it, so every projection is
   unchanged. A hidden norm then sees mean'(x'²) = r_h·mean(x²) + c²/H' for every token, and with
   c² = (r_h·eps - eps')·H' its mean' + eps' = r_h·(mean + eps) exactly: the hidden norms are exact for
-  any k, and ``k = (H' - 2) // H`` (the most copies) makes r_h > eps'/eps (c > 0) in every usual
-  widening. If r_h <= r_gdn anyway, c² = r_h·eps·H'/16: the hidden norms see (1 + 1/16)·eps
+  any k, and ``k = (H' - 2) // H`` (the most copies: the largest c) makes r_h > eps'/eps (c > 0) in
+  every usual widening. If r_h <= r_gdn anyway, c² = r_h·eps·H'/16: the hidden norms see (1 + 1/16)·eps
   (``eps_bounds``; eps' stays r_gdn·eps, as the GDN norm's small inputs need it), as does eps below.
-  The final norm's weight at j is sqrt(r_h) (at j + 1: 0), so the
-  target hidden holds v_t = c·cos θ_t / sqrt(m + eps) > 0 at j (m: the final residual's source mean x²),
-  like every logit a 1/rms quantity. lm_head row p >= V is real row p mod V (read through the copies)
-  with -alpha at column j (real rows: 0 there), so logit_p = logit_(p mod V) - alpha·v_t: strictly below
-  a real token's, never the greedy argmax, and sampled at most exp(-alpha·v_t / T) times as often as it
-  (margin >= alpha·c / sqrt(2(m + eps)), as cos θ_t >= 1/sqrt(2)). Embedding rows p >= V are real row
+  The final norm's weight at j is sqrt(r_h) (at j + 1: 0), so the target hidden holds
+  v_t = c·cos θ_t / sqrt(m + eps) > 0 at j (m: the final residual's source mean x²), like every logit a
+  1/rms quantity. lm_head row p >= V is real row p mod V (read through the copies) with -alpha at column
+  j (real rows: 0 there), so logit_p = logit_(p mod V) - alpha·v_t: strictly below a real token's, never
+  the greedy argmax, and sampled at most exp(-alpha·v_t / T) times as often as it (margin
+  alpha·v_t >= alpha·c / sqrt(2(m + eps)), as cos θ_t >= 1/sqrt(2)). Embedding rows p >= V are real row
   p mod V's (never produced). In floating point the inequality needs a margin above the logits' rounding.
 * MTP and the constant: fc writes copies only, so its residual would have 0 at j and padded rows would
   tie with their real rows in the drafter's top-k. θ_t makes it exact: with M = max_t mean(e_t²) over the
@@ -59,9 +60,9 @@ Per tensor (original channels keep their index in each widened axis; anything no
   a·c·(cos θ_t + sin θ_t) / sqrt(r_h·(mean(e_t²) + eps)) = c at j for every token, nothing at j + 1:
   the drafter's residual holds the target's constant, its layer norms are exact, its final norm (weight
   sqrt(r_h) at j) gives c / sqrt(m_mtp + eps) > 0 and padded rows lose there by alpha times that. One norm
-  is not exact: pre_fc_norm_hidden reads the target hidden, whose channel j is v_t, not c: it sees
-  eps + (eps - eps'/r_h)·(cos²θ_t / (m + eps) - 1) for eps, off by at most
-  ``WidenReport.hidden_input_bound``·max(1, 1/(m + eps)) (< eps once m + eps >= 1).
+  is not exact: pre_fc_norm_hidden reads the target hidden (or, deeper in a draft, the drafter's), whose
+  channel j is v_t, not c: it sees eps + β·(cos²θ_t / (m + eps) - 1) for eps, β = c²/(H'·r_h)
+  (``WidenReport.hidden_input_bound``; eps - eps'/r_h < eps), so off by at most β·max(1, 1/(m + eps)).
 """
 
 from __future__ import annotations

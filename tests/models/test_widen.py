@@ -106,10 +106,14 @@ def test_widened_logits_equal(widened, kind, hidden):
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 @torch.no_grad()
 def test_widened_mtp_logits_equal(widened, kind):
-    src, dst, _ = widened(kind, 256 if kind == "dense" else 128)
-    outs = []
+    """The drafter's real-token logits and top-k are the source's; mtp.fc writes the constant c at channel j
+    (nothing at j + 1) for every token, so padded rows lose in the drafter's head too."""
+    src, dst, report = widened(kind, 256 if kind == "dense" else 128)
+    outs, fc_out = [], []
     for path in (src, dst):
         model = load_model(path, dtype="float32", backend="torch")
+        if path == dst:
+            model.mtp.fc.register_forward_hook(lambda mod, inp, o: fc_out.append(o[:, report.channel:][:, :2]))
         _, hidden = step_logits(model, PROMPTS[2], steps=())
         cfg = model.config
         kv = PagedKVCache(1, 16, 4, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.float32)
@@ -124,6 +128,9 @@ def test_widened_mtp_logits_equal(widened, kind):
     assert outs[1].shape[1] == VOCAB and rel_err(outs[1][:, :128], outs[0]) <= TOL
     assert padded_margin(outs[1], 128) > 2 * (outs[0].max() - outs[0].min())
     assert torch.equal(outs[1].topk(4).indices, outs[0].topk(4).indices)  # the drafter's top-k is the source's
+    const = torch.cat(fc_out)
+    assert torch.allclose(const[:, 0], torch.full_like(const[:, 0], report.constant), rtol=1e-5, atol=0)
+    assert not const[:, 1].any()
 
 
 @pytest.mark.parametrize("alpha", [ALPHA, 0.0])
