@@ -176,6 +176,8 @@ class _Widener:
 
     def __init__(self, s: ModelConfig, t: ModelConfig, alpha: float = ALPHA, embed_ms_max: float | None = None):
         """``embed_ms_max``: max over the source embedding's rows of mean(e²) (for mtp.fc; None: no weights)."""
+        if not alpha >= 0:
+            raise ValueError(f"alpha must be >= 0 (padded rows lose by alpha·v), got {alpha}")
         self.s, self.t, self.alpha, self.embed_ms_max = s, t, alpha, embed_ms_max
         D, D2, R, R2 = s.head_dim, t.head_dim, s.rotary_dim, t.rotary_dim
         if R2 % R or D2 - R2 < D - R:

@@ -203,11 +203,13 @@ def test_unequal_norm_ratios_are_reported(widened):
     (dict(num_hidden_layers=5, layer_types=("full_attention",) + ("linear_attention",) * 4), "layer types"),
     (dict(hidden_size=65), "two constant"),                                       # no room for the constant
     (dict(vocab_size=100), "vocab_size"),                                         # 128 -> 100 rows
+    (dict(alpha=-1.0), "alpha"),                                                  # padded rows would win
 ])
 def test_impossible_widenings_refused(checkpoints, tmp_path, overrides, match):
     src = checkpoints("dense").path
+    shape = target_shape(read_config(src)[1], **{k: v for k, v in overrides.items() if k != "alpha"})
     with pytest.raises(ValueError, match=match):
-        widen(src, str(tmp_path), target_shape(read_config(src)[1], **overrides))
+        widen(src, str(tmp_path), shape, alpha=overrides.get("alpha", ALPHA))
 
 
 def test_group_copies_keep_each_query_on_its_kv_head(widened):
