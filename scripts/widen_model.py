@@ -4,8 +4,9 @@
 
     python scripts/widen_model.py --model models/bole-tiny-coder --shape qwen3.5-9b --out /tmp/w9b
 
-Shapes are ``bole.calibrate_sweep.SHAPES``; the vocabulary stays the source's. The tokenizer and
-generation files are copied, so the widened folder serves like the source.
+Shapes are ``bole.calibrate_sweep.SHAPES``, vocabulary included (248,320 rows): the rows past the
+source's copy real rows minus alpha times a positive constant channel, so they never win (the module
+docstring). The tokenizer and generation files are copied, so the widened folder serves like the source.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def main(argv=None) -> None:
     cfg = report.config
     exact = "every norm exact" if not any(report.eps_bounds.values()) else f"eps bounds {report.eps_bounds}"
     print(f"{args.out}: {args.shape} shapes (hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, vocab "
-          f"{cfg.vocab_size}), {report.copies} hidden copies, eps {report.eps:g}, {exact}")
+          f"{cfg.vocab_size}: padded rows -{report.alpha:g} at constant channel {report.channel}, c = "
+          f"{report.constant:.4g}), {report.copies} hidden copies, eps {report.eps:g}, {exact}")
 
 
 if __name__ == "__main__":

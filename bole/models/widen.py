@@ -5,20 +5,21 @@
     copy_tokenizer_files(src, dst)                         (so the widened folder serves like the source)
 
 The widened model is "<shape>-cost, embedded model's predictions": its layers, GEMMs, states and KV
-cache are the shape's (its vocabulary, below, the source's), its logits the source's up to rounding.
+cache and vocabulary are the shape's, its logits the source's up to rounding (padded tokens never win).
 Per tensor (original channels keep their index in each widened axis; anything not listed is zero):
 
-* Hidden stream: H -> H' holds k copies of the original channels (copy c of channel i at c·H + i), the
-  rest zero. Writers (embedding, o_proj, out_proj, down_proj, experts, mtp.fc) write every copy;
-  readers (all input projections, router, lm_head, mtp.fc) read each copy with weight / k, so W'x' = Wx.
+* Hidden stream: H -> H' holds k copies of the original channels (copy n of channel i at n·H + i), two
+  constant channels (below), the rest zero. Writers (embedding, o_proj, out_proj, down_proj, experts,
+  mtp.fc) write every copy; readers (all input projections, router, lm_head, mtp.fc) read each copy with
+  weight / k, so W'x' = Wx.
 * Norms. A norm whose input grows from d to d' channels by zeros or copies sees mean(x'²) = r·mean(x²)
   (r = k·H/H' for the hidden stream, d/d' for zero padding); with eps' = r·eps it is exact once its
   weights undo the change: (1 + w)·sqrt(r) (zero-centred; padded channels 0, stored -1). eps is one
-  value: ``k`` is chosen so that r is the same for all three norm families (hidden, attention q/k, GDN
-  output), and then every norm is exact. Otherwise eps' = r_gdn·eps (the GDN norm has the smallest
-  inputs), a family f sees eps'/r_f for eps, and its output's relative error is at most
-  |eps'/r_f - eps| / (2·mean x²) (``WidenReport.eps_bounds``). In bf16 the rescaled norm weights round
-  (2^-9): the embedded model's bf16 widening, run in fp32, moves its logits by ~1e-3 relative.
+  value, eps' = r_gdn·eps (the GDN norm has the smallest inputs): a zero-padded family f sees eps'/r_f
+  for eps and its output's relative error is at most |eps'/r_f - eps| / (2·mean x²) (``eps_bounds``: 0
+  when r_attention = r_gdn); the hidden norms are exact by the constant channels (below). In bf16 the
+  rescaled norm weights round (2^-9): the embedded model's bf16 widening, run in fp32, moves its logits
+  by ~1e-3 relative.
 * Gated attention: head_dim D -> D' zero padded, r = D/D' for the q/k norms; the softmax scale 1/sqrt(D')
   is compensated by sqrt(D'/D) on q, so q_norm keeps (1 + w)·sqrt(r)·sqrt(D'/D) = (1 + w) and k_norm
   gets (1 + w)·sqrt(D/D'). Partial RoPE: the rotary dims R -> R' = D'·p' must be an integer multiple m of R;
@@ -35,9 +36,33 @@ Per tensor (original channels keep their index in each widened axis; anything no
 * Layers: the source's layers keep their index (the target's layer-type pattern must start with the
   source's); extra layers are residual pass-throughs: all matrices zero (norms 1, dt_bias 1), so each
   adds exactly 0 to the residual stream.
-* MTP: its layer is widened like a full-attention layer; fc reads both halves as readers, writes copies.
-* Vocabulary: the source's (embedding / lm_head cost too): with no bias and an RMS norm last no feature
-  is constant, so no padded lm_head row provably loses (a constant channel enters every norm's mean).
+* MTP: its layer is widened like a full-attention layer; fc reads both halves as readers, writes copies
+  (and the constant, below).
+* Constant channels and the vocabulary (V -> V', the target shape's). Two channels after the copies,
+  j = k·H and j + 1, hold per token t the constant pair c·(cos θ_t, sin θ_t): the embedding writes it, no
+  other writer touches it and no reader but lm_head and mtp.fc reads it, so every projection is
+  unchanged. A hidden norm then sees mean'(x'²) = r_h·mean(x²) + c²/H' for every token, and with
+  c² = (r_h·eps - eps')·H' its mean' + eps' = r_h·(mean + eps) exactly: the hidden norms are exact for
+  any k, and ``k = (H' - 2) // H`` (the most copies: the largest c) makes r_h > eps'/eps (c > 0) in
+  every usual widening. If r_h <= r_gdn anyway, c² = r_h·eps·H'/16: the hidden norms see (1 + 1/16)·eps
+  (``eps_bounds``; eps' stays r_gdn·eps, as the GDN norm's small inputs need it), as does eps below.
+  The final norm's weight at j is sqrt(r_h) (at j + 1: 0), so the target hidden holds
+  v_t = c·cos θ_t / sqrt(m + eps) > 0 at j (m: the final residual's source mean x²), like every logit a
+  1/rms quantity. lm_head row p >= V is real row p mod V (read through the copies) with -alpha at column
+  j (real rows: 0 there), so logit_p = logit_(p mod V) - alpha·v_t: strictly below a real token's, never
+  the greedy argmax, and sampled at most exp(-alpha·v_t / T) times as often as it (margin
+  alpha·v_t >= alpha·c / sqrt(2(m + eps)), as cos θ_t >= 1/sqrt(2)). Embedding rows p >= V are real row
+  p mod V's (never produced). In floating point the inequality needs a margin above the logits' rounding.
+* MTP and the constant: fc writes copies only, so its residual would have 0 at j and padded rows would
+  tie with their real rows in the drafter's top-k. θ_t makes it exact: with M = max_t mean(e_t²) over the
+  source embedding, sin(θ_t + π/4) = sqrt((mean(e_t²) + eps) / (M + eps)) (θ_t in (-π/4, π/4]), the
+  embedding norm's weight 1 at j, j + 1, and fc row j = a at both (a = sqrt(r_h·(M + eps)/2)), fc writes
+  a·c·(cos θ_t + sin θ_t) / sqrt(r_h·(mean(e_t²) + eps)) = c at j for every token, nothing at j + 1:
+  the drafter's residual holds the target's constant, its layer norms are exact, its final norm (weight
+  sqrt(r_h) at j) gives c / sqrt(m_mtp + eps) > 0 and padded rows lose there by alpha times that. One norm
+  is not exact: pre_fc_norm_hidden reads the target hidden (or, deeper in a draft, the drafter's), whose
+  channel j is v_t, not c: it sees eps + β·(cos²θ_t / (m + eps) - 1) for eps, β = c²/(H'·r_h)
+  (``WidenReport.hidden_input_bound``; eps - eps'/r_h < eps), so off by at most β·max(1, 1/(m + eps)).
 """
 
 from __future__ import annotations
@@ -58,23 +83,32 @@ from bole.models.loader import INDEX_FILE, CheckpointReader, build_plan, checkpo
 
 HIDDEN_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight", "mtp.norm.weight",
                 "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")  # the others are per head
-TARGET_FIELDS = ("hidden_size", "num_hidden_layers", "layer_types", "num_attention_heads", "num_key_value_heads",
-                 "head_dim", "partial_rotary_factor", "linear_num_key_heads", "linear_num_value_heads",
-                 "linear_key_head_dim", "linear_value_head_dim", "intermediate_size", "moe_intermediate_size",
-                 "shared_expert_intermediate_size")  # what a target shape sets (the rest is the source's)
+TARGET_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "layer_types", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "partial_rotary_factor", "linear_num_key_heads",
+                 "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "intermediate_size",
+                 "moe_intermediate_size", "shared_expert_intermediate_size")  # set by a target shape
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "vocab.json", "merges.txt", "token_frequencies.json")
 
 
+ALPHA = 2.0 ** 15  # lm_head weight of a padded row at the constant channel (exact in bf16 and fp16)
+
+
 @dataclass
 class WidenReport:
-    """The widened config, k copies of the hidden stream, its eps, r per norm family and per family
-    |eps'/r - eps| (0: exact; over 2·mean x² it bounds the norm's relative error)."""
+    """The widened config, k copies of the hidden stream, its eps, r per norm family, per family
+    |eps'/r - eps| (0: exact; over 2·mean x² it bounds the norm's relative error), the constant c of
+    channels j, j + 1 (``channel`` = j), the padded rows' alpha, and eps - eps'/r_h, which bounds the
+    eps error of mtp.pre_fc_norm_hidden (times max(1, 1/(m + eps)); module docstring)."""
     config: ModelConfig
     copies: int
     eps: float
     ratios: dict
     eps_bounds: dict
+    constant: float
+    channel: int
+    alpha: float
+    hidden_input_bound: float
 
 
 @dataclass
@@ -127,6 +161,11 @@ def apply(t: torch.Tensor, dim: int, ax: Axis) -> torch.Tensor:
     return out.index_copy(dim, torch.tensor(ax.dst, dtype=torch.long), t)
 
 
+def row_ms(t: torch.Tensor) -> torch.Tensor:
+    """mean(e²) of each row (fp64): what the embedding norm of the token's row sees."""
+    return t.double().pow(2).mean(1)
+
+
 def norm_weight(w: torch.Tensor, ax: Axis, scale: float, centred: bool = True) -> torch.Tensor:
     """A norm's weight on axis ``ax`` times ``scale``; padded channels weight 0 (stored -1 if centred)."""
     return apply(w.float() + float(centred), 0, ax) * scale - float(centred)
@@ -135,8 +174,11 @@ def norm_weight(w: torch.Tensor, ax: Axis, scale: float, centred: bool = True) -
 class _Widener:
     """The axes of every widened tensor kind, from the source and target configs (module docstring)."""
 
-    def __init__(self, s: ModelConfig, t: ModelConfig):
-        self.s, self.t = s, t
+    def __init__(self, s: ModelConfig, t: ModelConfig, alpha: float = ALPHA, embed_ms_max: float | None = None):
+        """``embed_ms_max``: max over the source embedding's rows of mean(e²) (for mtp.fc; None: no weights)."""
+        if not alpha >= 0:
+            raise ValueError(f"alpha must be >= 0 (padded rows lose by alpha·v), got {alpha}")
+        self.s, self.t, self.alpha, self.embed_ms_max = s, t, alpha, embed_ms_max
         D, D2, R, R2 = s.head_dim, t.head_dim, s.rotary_dim, t.rotary_dim
         if R2 % R or D2 - R2 < D - R:
             raise ValueError(f"rotary dims {R} -> {R2} (head_dim {D} -> {D2}): need a multiple, {D - R} pass dims")
@@ -149,12 +191,21 @@ class _Widener:
                                                  t.linear_num_key_heads, t.linear_num_value_heads, "GDN")
         K, K2, V, V2 = s.linear_key_head_dim, t.linear_key_head_dim, s.linear_value_head_dim, t.linear_value_head_dim
         r_attn, r_gdn = Fraction(D, D2), Fraction(K, K2) * Fraction(V, V2)
-        H, H2 = s.hidden_size, t.hidden_size
-        k = r_gdn * Fraction(H2, H)  # copies that give the hidden norms the GDN norm's ratio
-        self.k = int(k) if r_attn == r_gdn and k.denominator == 1 and 1 <= k <= H2 // H else 1
-        self.ratios = dict(hidden=float(Fraction(self.k * H, H2)), attention=float(r_attn), gdn=float(r_gdn))
-        self.eps = s.rms_norm_eps * float(r_gdn)
-        self.bounds = {f: abs(self.eps / r - s.rms_norm_eps) for f, r in self.ratios.items()}
+        H, H2, NV, NV2 = s.hidden_size, t.hidden_size, s.vocab_size, t.vocab_size
+        if H2 < H + 2 or NV2 < NV:
+            raise ValueError(f"hidden_size {H2} / vocab_size {NV2}: need >= {H + 2} (a copy and two constant "
+                             f"channels) / >= {NV}")
+        self.k = (H2 - 2) // H
+        r_h = Fraction(self.k * H, H2)
+        eps = Fraction(s.rms_norm_eps)
+        c2 = (r_h - r_gdn) * eps * H2 if r_h > r_gdn else r_h * eps * H2 / 16  # c²: fills r_h·eps - eps' if it can
+        eps_h = (eps * r_gdn + c2 / H2) / r_h  # what the hidden norms see for eps
+        self.ratios = dict(hidden=float(r_h), attention=float(r_attn), gdn=float(r_gdn))
+        self.eps, self.eps_h, self.c = float(eps * r_gdn), float(eps_h), math.sqrt(float(c2))
+        self.bounds = dict(hidden=float(abs(eps_h - eps)), attention=float(abs(eps * r_gdn / r_attn - eps)), gdn=0.0)
+        self.hidden_input_bound = float(c2 / (H2 * r_h))
+        self.j = self.k * H
+        self.vocab = torch.arange(NV2) % NV  # source row of each widened vocabulary row
         hid = [(i, c * H + i) for c in range(self.k) for i in range(H)]
         self.h_out = Axis(H, H2, [i for i, _ in hid], [j for _, j in hid], [1.0] * len(hid))
         self.h_in = Axis(H, H2, self.h_out.src, self.h_out.dst, [1.0 / self.k] * len(hid))
@@ -177,7 +228,12 @@ class _Widener:
     def tensor(self, name: str, t: torch.Tensor) -> torch.Tensor:  # one source tensor (model naming)
         s, tg, hin, hout, m = self.s, self.t, self.h_in, self.h_out, self._mat
         if name.endswith(HIDDEN_NORMS):
-            return norm_weight(t, hout, math.sqrt(self.ratios["hidden"]))
+            out, j = norm_weight(t, hout, math.sqrt(self.ratios["hidden"])), self.j
+            if name.endswith(("model.norm.weight", "mtp.norm.weight")):  # weight sqrt(r_h) at j: v = c / rms
+                out[j] = math.sqrt(self.ratios["hidden"]) - 1
+            elif name.endswith("pre_fc_norm_embedding.weight"):  # weight 1 at j, j + 1: what mtp.fc reads
+                out[j:j + 2] = 0.0
+            return out
         if name.endswith(("A_log", "dt_bias")):  # extra heads: the layers' initial values
             out, keep = apply(t, 0, self.gdn_vh), torch.zeros(self.gdn_vh.size, dtype=torch.bool)
             keep[self.gdn_vh.dst] = True
@@ -188,8 +244,8 @@ class _Widener:
                     (s.intermediate_size or 0, tg.intermediate_size or 0)))
         moe = pad(s.moe_intermediate_size, tg.moe_intermediate_size)
         rules = {  # name suffix -> the widened tensor
-            "embed_tokens.weight": lambda: apply(t, 1, hout), "lm_head.weight": lambda: apply(t, 1, hin),
-            "mtp.fc.weight": lambda: m(t, hout, hin + hin),
+            "embed_tokens.weight": lambda: self._embedding(t), "lm_head.weight": lambda: self._lm_head(t),
+            "mtp.fc.weight": lambda: self._mtp_fc(t),
             "self_attn.q_proj.weight": lambda: m(t, self.q_rows, hin),
             "self_attn.k_proj.weight": lambda: m(t, self.kv_rows, hin),
             "self_attn.v_proj.weight": lambda: m(t, self.kv_rows, hin),
@@ -213,25 +269,55 @@ class _Widener:
                 return rule()
         raise ValueError(f"no widening rule for {name}")
 
+    def _embedding(self, t: torch.Tensor) -> torch.Tensor:
+        """[V, H] -> [V', H']: copies of row p mod V, c·(cos θ, sin θ) of that row at j, j + 1."""
+        if self.embed_ms_max is None:
+            raise ValueError("the embedding needs embed_ms_max, the source embedding's max mean(e²)")
+        s = ((row_ms(t) + self.eps_h) / (self.embed_ms_max + self.eps_h)).sqrt()
+        theta = torch.asin(s.clamp(max=1.0)) - math.pi / 4
+        out = apply(t[self.vocab], 1, self.h_out)
+        out[:, self.j] = (self.c * torch.cos(theta))[self.vocab].to(out.dtype)
+        out[:, self.j + 1] = (self.c * torch.sin(theta))[self.vocab].to(out.dtype)
+        return out
 
-def widen_config(src: ModelConfig, shape: ModelConfig) -> WidenReport:
-    """The widened model's config and norm ratios, without weights: the target shape's sizes, the
-    source's vocabulary, rope_theta and MTP, eps' = r_gdn·eps, untied embeddings."""
+    def _lm_head(self, t: torch.Tensor) -> torch.Tensor:
+        """[V, H] -> [V', H']: row p reads row p mod V through the copies; padded rows -alpha at j."""
+        out = apply(t[self.vocab], 1, self.h_in)
+        out[self.s.vocab_size:, self.j] = -self.alpha
+        return out
+
+    def _mtp_fc(self, t: torch.Tensor) -> torch.Tensor:
+        """[H, 2H] -> [H', 2H']: copies, plus row j = a at the normed embedding's j, j + 1 (writes c there)."""
+        if self.embed_ms_max is None:
+            raise ValueError("mtp.fc needs embed_ms_max, the source embedding's max mean(e²)")
+        # x_j = a·c·(cos θ + sin θ) / sqrt(r_h·(ms + eps)) = c, as sqrt(2)·sin(θ + π/4) = sqrt((ms + eps) / (M + eps))
+        out = self._mat(t, self.h_out, self.h_in + self.h_in)
+        out[self.j, self.j:self.j + 2] = math.sqrt(
+            self.ratios["hidden"] * (self.embed_ms_max + self.eps_h) / 2)
+        return out
+
+
+def widen_config(src: ModelConfig, shape: ModelConfig, alpha: float = ALPHA) -> WidenReport:
+    """The widened model's config and norm ratios, without weights: the target shape's sizes and
+    vocabulary, the source's rope_theta and MTP, eps' (module docstring), untied embeddings."""
     t = dataclasses.replace(src, **{f: getattr(shape, f) for f in TARGET_FIELDS}, tie_word_embeddings=False)
     if t.layer_types[:src.num_hidden_layers] != src.layer_types:
         raise ValueError("the target's layer types must start with the source's (same pattern)")
-    w = _Widener(src, t)
-    return WidenReport(dataclasses.replace(t, rms_norm_eps=w.eps), w.k, w.eps, w.ratios, w.bounds)
+    w = _Widener(src, t, alpha)
+    return WidenReport(dataclasses.replace(t, rms_norm_eps=w.eps), w.k, w.eps, w.ratios, w.bounds, w.c, w.j, alpha,
+                       w.hidden_input_bound)
 
 
-def widen(src: str, dst: str, shape: ModelConfig, dtype="auto", shard_bytes: int = 4 << 30) -> WidenReport:
+def widen(src: str, dst: str, shape: ModelConfig, dtype="auto", shard_bytes: int = 4 << 30,
+          alpha: float = ALPHA) -> WidenReport:
     """Write the widened checkpoint of folder ``src`` to folder ``dst`` (config.json + model.safetensors).
 
     ``shape``: a ModelConfig with the target sizes (``TARGET_FIELDS``), e.g. ``shapes_config("qwen3.5-9b")``.
-    ``dtype``: of the written tensors ("auto": the source config's); shards of at most ``shard_bytes``."""
+    ``dtype``: of the written tensors ("auto": the source config's); shards of at most ``shard_bytes``.
+    ``alpha``: the padded lm_head rows' weight at the constant channel (> 0: they lose by alpha·v)."""
     _, s = read_config(src)
-    report = widen_config(s, shape)
-    t, w = report.config, _Widener(s, report.config)
+    report = widen_config(s, shape, alpha)
+    t = report.config
     out_dtype = resolve_dtype(dtype, s)
     files = checkpoint_files(src)
     producers, _, _ = build_plan(list(files), s)
@@ -240,6 +326,8 @@ def widen(src: str, dst: str, shape: ModelConfig, dtype="auto", shard_bytes: int
     os.makedirs(dst, exist_ok=True)
     shards = _Shards(dst, shard_bytes)
     with CheckpointReader(files) as reader, torch.no_grad():
+        ms_max = row_ms(producers["model.embed_tokens.weight"](reader).float()).max().item()
+        w = _Widener(s, t, alpha, ms_max)
         widened = lambda name: w.tensor(name, producers[name](reader).float()).to(out_dtype)
         for name in producers:
             shards.add(name, widened(name))

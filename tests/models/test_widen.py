@@ -1,11 +1,13 @@
 """Widened models (bole.models.widen): the widened checkpoint computes the source model's function.
 
 Tiny random checkpoints (hidden 64, 4 layers, vocab 128, one MTP layer) are widened to hidden 128 or 256
-(1 or 2 copies of the hidden stream), 8 layers (4 pass-throughs), attention heads 4/2 -> 6/3, head_dim
-16 -> 32 (rotary dims 4 -> 8), GDN heads 2/4 -> 3/6, key head dim 16 -> 32, FFN / expert widths x2; the
-logits of prefill and decode steps, the MTP drafter's logits and greedy generation through bole.LLM
-must match the source model's. The trained embedded model is checked too (widened in fp32, and through
-scripts/widen_model.py at a small shape of the Qwen3.5 family), and its config at the project's shapes.
+(1 or 3 copies of the hidden stream and two constant channels), vocab 1000 (872 padded rows), 8 layers
+(4 pass-throughs), attention heads 4/2 -> 6/3, head_dim 16 -> 32 (rotary dims 4 -> 8), GDN heads 2/4 -> 3/6,
+key head dim 16 -> 32, FFN / expert widths x2; the real-token logits of prefill and decode steps, the MTP
+drafter's logits and greedy generation through bole.LLM must match the source model's, and every padded
+row's logit must lie strictly below the real row it copies, in both heads (alpha = 0 ties them). The
+trained embedded model is checked too (widened in fp32, and through scripts/widen_model.py at a small
+shape of the Qwen3.5 family), and its config at the project's shapes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -27,9 +30,10 @@ from bole.calibrate_sweep import SHAPES, shapes_config
 from bole.llm import REPO_ROOT, resolve_repo_path
 from bole.models.context import ForwardContext
 from bole.models.loader import load_model, read_config
-from bole.models.widen import widen, widen_config
+from bole.models.widen import ALPHA, widen, widen_config
 
 TOL = 1e-4
+VOCAB = 1000  # widened vocabulary: 7 full copies of the 128 real rows and a partial one
 _CLI = importlib.util.spec_from_file_location("widen_model", os.path.join(REPO_ROOT, "scripts", "widen_model.py"))
 widen_model = importlib.util.module_from_spec(_CLI)
 _CLI.loader.exec_module(widen_model)
@@ -37,9 +41,10 @@ _CLI.loader.exec_module(widen_model)
 
 def target_shape(cfg, hidden=128, **overrides):
     return dataclasses.replace(cfg, **{
-        **dict(hidden_size=hidden, num_hidden_layers=8, layer_types=cfg.layer_types * 2, num_attention_heads=6,
-               num_key_value_heads=3, head_dim=32, linear_num_key_heads=3, linear_num_value_heads=6,
-               linear_key_head_dim=32, intermediate_size=2 * (cfg.intermediate_size or 0) or None,
+        **dict(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=8, layer_types=cfg.layer_types * 2,
+               num_attention_heads=6, num_key_value_heads=3, head_dim=32, linear_num_key_heads=3,
+               linear_num_value_heads=6, linear_key_head_dim=32,
+               intermediate_size=2 * (cfg.intermediate_size or 0) or None,
                moe_intermediate_size=2 * cfg.moe_intermediate_size,
                shared_expert_intermediate_size=2 * cfg.shared_expert_intermediate_size), **overrides})
 
@@ -48,13 +53,13 @@ def target_shape(cfg, hidden=128, **overrides):
 def widened(checkpoints, tmp_path_factory):
     cache = {}
 
-    def get(kind, hidden=128, **overrides):
-        key = (kind, hidden, tuple(sorted(overrides.items())))
+    def get(kind, hidden=128, alpha=ALPHA, **overrides):
+        key = (kind, hidden, alpha, tuple(sorted(overrides.items())))
         if key not in cache:
             src = checkpoints(kind).path
             _, cfg = read_config(src)
             dst = str(tmp_path_factory.mktemp(f"widened_{kind}_{hidden}"))
-            report = widen(src, dst, target_shape(cfg, hidden, **overrides), dtype="float32")
+            report = widen(src, dst, target_shape(cfg, hidden, **overrides), dtype="float32", alpha=alpha)
             cache[key] = (src, dst, report)
         return cache[key]
     return get
@@ -71,28 +76,44 @@ def step_logits(model, prompt, steps=(5, 7)):
     return torch.cat(out), hidden
 
 
+def padded_margin(logits, vocab):
+    """min over rows and padded tokens p of logit(p mod vocab) - logit(p): > 0 iff every padded row loses."""
+    copied = logits[:, torch.arange(vocab, logits.shape[1]) % vocab]
+    return float((copied - logits[:, vocab:]).min())
+
+
 PROMPTS = [[1, 2, 3], [5, 17, 99, 4, 4, 60, 2, 7, 11, 3, 8], list(range(30, 60))]
 
 
 @pytest.mark.parametrize("kind,hidden", [("dense", 128), ("dense", 256), ("moe", 128)])
 def test_widened_logits_equal(widened, kind, hidden):
+    """Real-token logits are the source's; padded rows lose to the row they copy by a wide margin. At hidden
+    128 (1 copy: r_h = r_gdn = 1/2) the constant cannot fill r_h·eps - eps' = 0: the hidden norms see 17/16·eps
+    (relative error up to eps/16 / (2·mean x²), not the 1e-4 of the exact widenings)."""
     src, dst, report = widened(kind, hidden)
-    assert report.copies == hidden // 128 and set(report.eps_bounds.values()) == {0.0}  # every norm exact
+    eps = read_config(src)[1].rms_norm_eps
+    assert report.copies == (hidden - 2) // 64 and report.constant > 0 and report.channel == 64 * report.copies
+    assert report.eps_bounds == dict(hidden=pytest.approx(eps / 16 if hidden == 128 else 0.0), attention=0.0, gdn=0.0)
     a, b = (load_model(p, dtype="float32", backend="torch") for p in (src, dst))
-    assert (b.config.hidden_size, b.config.num_hidden_layers, b.config.head_dim, b.config.rotary_dim) == \
-        (hidden, 8, 32, 8)
+    assert (b.config.vocab_size, b.config.hidden_size, b.config.num_hidden_layers, b.config.head_dim,
+            b.config.rotary_dim) == (VOCAB, hidden, 8, 32, 8)
     for prompt in PROMPTS:
         (la, _), (lb, _) = step_logits(a, prompt), step_logits(b, prompt)
-        assert lb.shape == la.shape and rel_err(lb, la) <= TOL
+        assert lb.shape == (la.shape[0], VOCAB) and rel_err(lb[:, :128], la) <= (1e-3 if hidden == 128 else TOL)
+        assert padded_margin(lb, 128) > 2 * (la.max() - la.min())  # padded tokens below every real one
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 @torch.no_grad()
 def test_widened_mtp_logits_equal(widened, kind):
-    src, dst, _ = widened(kind, 256 if kind == "dense" else 128)
-    outs = []
+    """The drafter's real-token logits and top-k are the source's; mtp.fc writes the constant c at channel j
+    (nothing at j + 1) for every token, so padded rows lose in the drafter's head too."""
+    src, dst, report = widened(kind, 256 if kind == "dense" else 128)
+    outs, fc_out = [], []
     for path in (src, dst):
         model = load_model(path, dtype="float32", backend="torch")
+        if path == dst:
+            model.mtp.fc.register_forward_hook(lambda mod, inp, o: fc_out.append(o[:, report.channel:][:, :2]))
         _, hidden = step_logits(model, PROMPTS[2], steps=())
         cfg = model.config
         kv = PagedKVCache(1, 16, 4, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.float32)
@@ -104,7 +125,42 @@ def test_widened_mtp_logits_equal(widened, kind):
             ctx = ForwardContext.build("decode", [1], [t], [0], [blocks], kv, None)
             out.append(model.mtp.compute_logits(model.mtp(ids[t:t + 1], hidden[t:t + 1], ctx)))
         outs.append(torch.cat(out))
-    assert rel_err(outs[1], outs[0]) <= TOL
+    assert outs[1].shape[1] == VOCAB and rel_err(outs[1][:, :128], outs[0]) <= TOL
+    assert padded_margin(outs[1], 128) > 2 * (outs[0].max() - outs[0].min())
+    assert torch.equal(outs[1].topk(4).indices, outs[0].topk(4).indices)  # the drafter's top-k is the source's
+    const = torch.cat(fc_out)
+    assert torch.allclose(const[:, 0], torch.full_like(const[:, 0], report.constant), rtol=1e-5, atol=0)
+    assert not const[:, 1].any()
+
+
+@pytest.mark.parametrize("alpha", [ALPHA, 0.0])
+@pytest.mark.parametrize("scale", [1e-4, 1e-2, 1.0, 1e3])
+@torch.no_grad()
+def test_padded_rows_lose_on_adversarial_hidden_states(widened, alpha, scale):
+    """Final-norm inputs of any rms, random or pushing every real logit far negative, as the widened model
+    holds them (copies, the constant pair at j, j + 1 with the extreme angles θ = ±π/4; the drafter's
+    residual: c at j): each padded logit is strictly below its real row's in both heads, the real logits
+    the source's. alpha = 0 leaves the rows tied (the check is not vacuous)."""
+    src, dst, report = widened("dense", 256, alpha=alpha)
+    a, b = (load_model(p, dtype="float32", backend="torch") for p in (src, dst))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 64, generator=gen)
+    x[3:] -= 4 * a.lm_head.weight.sum(0)  # every real logit very negative
+    x = scale * x / x.pow(2).mean(1, keepdim=True).sqrt()
+    j, c, k = report.channel, report.constant, report.copies
+    target = [(c * math.cos(t), c * math.sin(t)) for t in (math.pi / 4, -math.pi / 4 + 1e-3)]
+    for src_head, wide_head, pairs in ((a, b, target), (a.mtp, b.mtp, [(c, 0.0)])):
+        src_norm, wide_norm = (a.model.norm, b.model.norm) if src_head is a else (a.mtp.norm, b.mtp.norm)
+        for pair in pairs:
+            xw = torch.zeros(6, 256)
+            xw[:, :64 * k] = x.repeat(1, k)
+            xw[:, j:j + 2] = torch.tensor(pair)
+            ref, out = src_head.compute_logits(src_norm(x)), wide_head.compute_logits(wide_norm(xw))
+            assert rel_err(out[:, :128], ref) <= TOL
+            if alpha:
+                assert padded_margin(out, 128) > 0 and int(out.argmax(1).max()) < 128
+            else:
+                assert abs(padded_margin(out, 128)) <= 1e-5 * float(ref.abs().max())
 
 
 @pytest.mark.parametrize("mode", ["ar", "bole"])
@@ -118,52 +174,63 @@ def test_widened_greedy_generation_identical(widened, mode):
     assert out == ref and any(len(set(t)) > 1 for t in ref)
 
 
-def test_vocabulary_and_rope_theta_kept(widened):
-    src, dst, report = widened("dense", 128)
-    with open(os.path.join(src, "config.json")) as f_src, open(os.path.join(dst, "config.json")) as f_dst:
-        a, b = json.load(f_src), json.load(f_dst)
-    assert b["vocab_size"] == a["vocab_size"] and report.config.vocab_size == a["vocab_size"]
+def test_target_vocabulary_and_source_rope_theta(widened):
+    src, dst, report = widened("dense", 256)
+    with open(os.path.join(dst, "config.json")) as f_dst:
+        b = json.load(f_dst)
+    assert b["vocab_size"] == VOCAB and report.config.vocab_size == VOCAB
+    eps = read_config(src)[1].rms_norm_eps
     assert report.config.rope_theta == read_config(src)[1].rope_theta
-    assert report.config.rms_norm_eps == pytest.approx(read_config(src)[1].rms_norm_eps / 2)
+    assert report.config.rms_norm_eps == pytest.approx(eps / 2)
+    # c² = (r_h·eps - eps')·H': the hidden norms' mean' + eps' = r_h·(mean + eps)
+    assert report.constant ** 2 == pytest.approx((0.75 * eps - eps / 2) * 256)
+    assert report.hidden_input_bound == pytest.approx(eps / 3)
 
 
 def test_unequal_norm_ratios_are_reported(widened):
-    """Hidden 64 -> 96 cannot give the hidden norms the ratio 1/2 of the others: eps is then inexact for
-    them, the report says by how much, and the logits stay close (the bound is ~eps'/r / mean x²)."""
-    src, dst, report = widened("dense", 96)
-    assert report.copies == 1 and report.eps_bounds["hidden"] > 0 == report.eps_bounds["gdn"]
+    """head_dim 16 -> 64 (r_attention 1/4) beside r_gdn 1/2: eps' = r_gdn·eps, so the q/k norms see 2·eps
+    (bound eps); the hidden norms (64 -> 96, one copy) stay exact by the constant; the logits stay close."""
+    src, dst, report = widened("dense", 96, head_dim=64)
+    eps = read_config(src)[1].rms_norm_eps
+    assert report.copies == 1 and report.eps_bounds == dict(hidden=0.0, attention=pytest.approx(eps), gdn=0.0)
     a, b = (load_model(p, dtype="float32", backend="torch") for p in (src, dst))
-    assert rel_err(step_logits(b, PROMPTS[1])[0], step_logits(a, PROMPTS[1])[0]) <= 1e-3
+    assert rel_err(step_logits(b, PROMPTS[1])[0][:, :128], step_logits(a, PROMPTS[1])[0]) <= 1e-3
 
 
 @pytest.mark.parametrize("overrides,match", [
     (dict(num_attention_heads=8, num_key_value_heads=1), "cannot be grouped"),   # 2 kv heads -> 1
     (dict(head_dim=24), "rotary dims"),                                           # 4 -> 6 rotary dims
     (dict(num_hidden_layers=5, layer_types=("full_attention",) + ("linear_attention",) * 4), "layer types"),
+    (dict(hidden_size=65), "two constant"),                                       # no room for the constant
+    (dict(vocab_size=100), "vocab_size"),                                         # 128 -> 100 rows
+    (dict(alpha=-1.0), "alpha"),                                                  # padded rows would win
 ])
 def test_impossible_widenings_refused(checkpoints, tmp_path, overrides, match):
     src = checkpoints("dense").path
+    shape = target_shape(read_config(src)[1], **{k: v for k, v in overrides.items() if k != "alpha"})
     with pytest.raises(ValueError, match=match):
-        widen(src, str(tmp_path), target_shape(read_config(src)[1], **overrides))
+        widen(src, str(tmp_path), shape, alpha=overrides.get("alpha", ALPHA))
 
 
 def test_group_copies_keep_each_query_on_its_kv_head(widened):
     """Fewer query heads per kv head (2 -> 1): each new kv head is a copy of the one its queries read."""
     src, dst, _ = widened("dense", 128, num_attention_heads=4, num_key_value_heads=4)
     a, b = (load_model(p, dtype="float32", backend="torch") for p in (src, dst))
-    assert rel_err(step_logits(b, PROMPTS[1])[0], step_logits(a, PROMPTS[1])[0]) <= TOL
+    assert rel_err(step_logits(b, PROMPTS[1])[0][:, :128], step_logits(a, PROMPTS[1])[0]) <= TOL
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_embedded_model_widens_exactly_to_the_project_shapes(shape):
-    """models/bole-tiny-coder at the Qwen3.5 shapes (config only: the weights are GBs): every norm's ratio
-    equal (hidden copies 4 / 5), rotary dims 16 -> 64 on the source's frequencies, vocabulary kept."""
+    """models/bole-tiny-coder at the Qwen3.5 shapes (config only: the weights are GBs): every norm exact
+    (hidden copies 15 / 19 and the constant), rotary dims 16 -> 64 on the source's frequencies, the
+    shape's vocabulary (248,320 rows: the tokenizer's 8,192 and padded ones)."""
     _, cfg = read_config(resolve_repo_path("models/bole-tiny-coder"))
     report = widen_config(cfg, shapes_config(shape))
-    assert set(report.eps_bounds.values()) == {0.0} and report.copies == {"qwen3.5-9b": 4, "qwen3.5-27b": 5}[shape]
+    assert set(report.eps_bounds.values()) == {0.0} and report.copies == {"qwen3.5-9b": 15, "qwen3.5-27b": 19}[shape]
+    assert report.constant > 0.05 and report.eps == cfg.rms_norm_eps / 4
     t = report.config
     assert (t.hidden_size, t.num_hidden_layers, t.rotary_dim, t.vocab_size, t.rope_theta) == (
-        SHAPES[shape]["hidden_size"], SHAPES[shape]["num_hidden_layers"], 64, cfg.vocab_size, cfg.rope_theta)
+        SHAPES[shape]["hidden_size"], SHAPES[shape]["num_hidden_layers"], 64, 248320, cfg.rope_theta)
 
 
 def test_cli_help():
@@ -192,16 +259,18 @@ def test_embedded_model_widened_logits_equal(tmp_path):
                     reason="the embedded model's weights are not checked out")
 def test_cli_widens_the_embedded_model(tmp_path, monkeypatch):
     """scripts/widen_model.py on the embedded model at a small shape of the Qwen3.5 family (its head dims
-    256 / 128, rotary factor 0.25): the folder serves text like the source, with the source's logits."""
+    256 / 128, rotary factor 0.25, vocabulary 248,320 beside the tokenizer's 8,192): the folder serves text
+    like the source (engine, sampler and detokenizer take the padded vocabulary), with the source's logits."""
     monkeypatch.setitem(SHAPES, "mini", dict(hidden_size=1024, num_hidden_layers=20, linear_num_key_heads=4,
                                              linear_num_value_heads=8, num_attention_heads=4, num_key_value_heads=2,
                                              intermediate_size=1024))
     src, dst = resolve_repo_path("models/bole-tiny-coder"), str(tmp_path / "mini")
     widen_model.main(["--model", src, "--shape", "mini", "--out", dst, "--dtype", "float32"])
     a, b = (load_model(p, dtype="float32", backend="torch") for p in (src, dst))
-    assert b.config.head_dim == 256 and b.config.linear_key_head_dim == 128
+    assert b.config.head_dim == 256 and b.config.linear_key_head_dim == 128 and b.config.vocab_size == 248320
     prompt = list(range(100, 130))
-    assert rel_err(step_logits(b, prompt, steps=())[0], step_logits(a, prompt, steps=())[0]) <= TOL
+    (la, _), (lb, _) = step_logits(a, prompt, steps=()), step_logits(b, prompt, steps=())
+    assert rel_err(lb[:, :8192], la) <= TOL and padded_margin(lb, 8192) > 2 * (la.max() - la.min())
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     opts = dict(mode="ar", device="cpu", dtype="float32", num_blocks=64, block_size=16, max_num_seqs=2)
     texts = [LLM(p, **opts).generate("def add(a, b):", sp)[0].text for p in (src, dst)]
