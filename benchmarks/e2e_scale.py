@@ -4,7 +4,7 @@ on widened checkpoints, one worker process per model, on one GPU.
 Models: models/bole-tiny-coder widened (``bole.models.widen``) to each shape of ``--models``
 (``bole.calibrate_sweep.SHAPES``: qwen3.5-9b, qwen3.5-27b; no 4B: the repository records only the 4B's
 layer count and hidden size, not its heads or FFN width). A widened model costs what its shape costs
-(layers, GEMMs, GDN states, KV cache; the vocabulary stays the embedded model's) and predicts what the
+(layers, GEMMs, GDN states, KV cache, the 248,320-row vocabulary: embedding and lm_head) and predicts what the
 embedded model predicts, so MAT is the trained drafter's: every row is labelled "<shape>-cost, embedded
 model's predictions". Checkpoints are written once under ``--widen-dir`` (bf16) and reused while their
 ``widen.json`` (source files, shape, dtype) matches.
@@ -67,7 +67,8 @@ FR_PREFIX = "bole_fr"  # bole_fr<N>: the bole cell with draft_vocab=N
 GEOMEAN_MAX_BATCH = 16
 TAG = "@@e2e_scale "  # a worker's stdout lines that carry an event (JSON) for the parent
 SMOKE_SHAPE = dict(hidden_size=512, num_hidden_layers=20, linear_num_key_heads=4, linear_num_value_heads=8,
-                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024)  # Qwen3.5 head dims
+                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024,
+                   vocab_size=16384)  # Qwen3.5 head dims
 
 
 def label(shape: str) -> str:
@@ -220,6 +221,17 @@ def run_cell(spec: dict, mode: str, batch: int, prompts: list[dict]) -> tuple[di
     return row, toks
 
 
+def first_divergence(toks: list[list[int]], ref: list[list[int]]) -> list[dict]:
+    """Per request whose tokens differ from ar's: its index, the first differing position, both tokens."""
+    out = []
+    for i, (a, b) in enumerate(zip(toks, ref)):
+        if a != b:
+            j = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            out.append(dict(request=i, position=j, token=a[j] if j < len(a) else None,
+                            ar_token=b[j] if j < len(b) else None))
+    return out
+
+
 def ratios(rows: list[dict]) -> dict:
     """Tokens/s ratios of one worker's cells per batch (``RATIOS``, and each bole_fr<N> cell's to ar), and
     their geometric means over batches <= 16."""
@@ -264,6 +276,8 @@ def worker(spec: dict) -> None:
             if toks is not None and mode == "ar":
                 refs[batch] = toks
             row["exact_vs_ar"] = None if toks is None or mode == "ar" or batch not in refs else toks == refs[batch]
+            if row["exact_vs_ar"] is False:
+                row["divergence"] = first_divergence(toks, refs[batch])
             rows.append(row)
             emit("row", row)
             emit("ratios", ratios(rows))
@@ -351,7 +365,7 @@ def main(argv=None) -> dict | None:
                       cell_budget_s=args.cell_budget_s, source=args.source, widen_dir=args.widen_dir),
         methods=dict(
             models="the source widened to each shape (bole.models.widen, bf16): the shape's cost, the source's "
-                   "predictions (vocabulary the source's)",
+                   "predictions (the shape's vocabulary: padded rows never win, bole.models.widen)",
             cell="fresh bole.LLM per (model, mode, batch), max_num_seqs=batch, prefix cache off; "
                  "benchmarks.engine_modes.time_llm: warm-up, median of the timed runs, greedy, ignore_eos, "
                  "tokens/s of the batch with its prefills",

@@ -32,7 +32,8 @@ from bole.calibrate_sweep import SHAPES, shapes_config  # noqa: E402
 from bole.models.widen import widen  # noqa: E402
 
 SMOKE_SHAPE = dict(hidden_size=512, num_hidden_layers=20, linear_num_key_heads=4, linear_num_value_heads=8,
-                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024)
+                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024,
+                   vocab_size=16384)
 
 
 def generate(path: str, prompts: list[str], max_tokens: int, **opts) -> tuple[list[list[int]], float, int]:

@@ -98,7 +98,7 @@ def shapes_config(name: str) -> ModelConfig:
     s = SHAPES[name]
     layer_types = tuple("full_attention" if i % 4 == 3 else "linear_attention"   # 3 GDN : 1 attention
                         for i in range(s["num_hidden_layers"]))
-    return ModelConfig(layer_types=layer_types, **_QWEN35, **s)
+    return ModelConfig(layer_types=layer_types, **{**_QWEN35, **s})  # an entry may set its own vocab_size
 
 
 def random_model(cfg: ModelConfig, dtype: torch.dtype, device, seed: int = 0):

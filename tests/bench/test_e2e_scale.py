@@ -132,3 +132,9 @@ def test_draft_vocab_cells(smoke, tmp_path):
     assert d["bole_fr512/ar"] == round(fr["tokens_per_s"] / ar["tokens_per_s"], 3)
     assert e2e_scale.engine_mode("bole_fr512") == ("bole", {"draft_vocab": 512})
     assert e2e_scale.engine_mode("serial_tree") == ("serial_tree", {})
+
+
+def test_first_divergence_names_each_differing_request():
+    from benchmarks.e2e_scale import first_divergence
+    assert first_divergence([[1, 2, 3], [4, 5], [6]], [[1, 2, 3], [4, 7], [6, 8]]) == [
+        dict(request=1, position=1, token=5, ar_token=7), dict(request=2, position=1, token=None, ar_token=8)]

@@ -100,13 +100,13 @@ def fleet(url) -> dict:
     return out
 
 
-def wait_for(pred, timeout=20.0):
+def wait_for(pred, timeout=20.0, poll=0.25):
     deadline = time.time() + timeout
     while time.time() < deadline:
         value = pred()
         if value:
             return value
-        time.sleep(0.25)
+        time.sleep(poll)
     raise AssertionError("condition not met in time")
 
 
@@ -307,7 +307,9 @@ def test_ray_serve_replica_killed_mid_stream(cluster):
         return {r["replica_id"]: r["actor_name"] for r in dep["replicas"] if r["state"] == "RUNNING"}
 
     before = wait_for(lambda: (r := running()) and len(r) == 2 and r, timeout=60)
-    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    # the longest stream the replica admits, so it is still running when the kill lands
+    limit = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": limit - 3, "ignore_eos": True, "stream": True}
     events = []
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as s:
         lines = s.iter_lines()
@@ -315,9 +317,12 @@ def test_ray_serve_replica_killed_mid_stream(cluster):
             if line.startswith("data: "):
                 events.append(line[6:])
                 break
-        busy = wait_for(lambda: [r for r, v in fleet(url).items() if v.get("bole_running_requests", 0) >= 1])
+        busy = wait_for(lambda: [r for r, v in fleet(url).items() if v.get("bole_running_requests", 0) >= 1],
+                        poll=0.02)
         ray.kill(ray.get_actor(before[busy[0]], namespace="serve"), no_restart=False)
         events += [line[6:] for line in lines if line.startswith("data: ")]
+    tokens = sum(1 for e in events[:-1] if "error" not in json.loads(e))
+    assert tokens < body["max_tokens"], f"the stream finished ({tokens} tokens) before the kill landed"
     assert events[-1] == "[DONE]"
     assert "error" in json.loads(events[-2]), f"the stream ended without the replica's error: {events[-2]}"
     err = json.loads(events[-2])["error"]
