@@ -260,7 +260,8 @@ def test_embedded_model_widened_logits_equal(tmp_path):
 def test_cli_widens_the_embedded_model(tmp_path, monkeypatch):
     """scripts/widen_model.py on the embedded model at a small shape of the Qwen3.5 family (its head dims
     256 / 128, rotary factor 0.25; vocabulary 32,768 beside the tokenizer's 8,192, padded as the 248,320
-    rows are): the folder serves text like the source (engine, sampler and detokenizer take the padded vocabulary), with the source's logits."""
+    rows are): the folder serves text like the source (engine, sampler and detokenizer take the padded
+    vocabulary), with the source's logits."""
     monkeypatch.setitem(SHAPES, "mini", dict(hidden_size=1024, num_hidden_layers=20, linear_num_key_heads=4,
                                              linear_num_value_heads=8, num_attention_heads=4, num_key_value_heads=2,
                                              intermediate_size=1024, vocab_size=32768))
