@@ -76,7 +76,7 @@ class LLMEngine:
             model.mtp.fast_math = spec.draft_fast_math
             # the reduced draft vocabulary's [N, H] lm_head rows, gathered before memory is planned
             model.mtp.restrict_vocab(None if spec.draft_vocab is None else
-                                     read_draft_vocab(getattr(model, "source_path", None), spec.draft_vocab, V))
+                                     read_draft_vocab(model.source_path, spec.draft_vocab, V))
         # KV blocks and checkpoint slots planned once from the free memory (bole.cache.memory_plan)
         self.memory_plan, config = plan_engine_memory(model, config)
         self.config = config

@@ -192,6 +192,8 @@ class HybridForCausalLM(nn.Module):
                  device=None):
         super().__init__()
         self.config = cfg
+        # the checkpoint folder (``load_model`` sets it): files beside the weights, e.g. token_frequencies.json
+        self.source_path: str | None = None
         self.tp_size = tp_size
         self.local_config = local_model_config(cfg, tp_size)  # per-rank heads, for cache sizing
         self.backend = backend if isinstance(backend, GDNBackend) else resolve_backend(backend, device)
