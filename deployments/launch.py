@@ -39,7 +39,10 @@ def check_model(path: str) -> str | None:
     full = resolve_repo_path(path)
     if not os.path.isdir(full):
         return f"{path}: no such folder"
-    missing = [f for f in ("config.json", "model.safetensors") if not os.path.exists(os.path.join(full, f))]
+    # weights as the loader reads them (bole.models.loader): one file or shards, *.safetensors only
+    missing = [] if os.path.exists(os.path.join(full, "config.json")) else ["config.json"]
+    if not any(f.endswith(".safetensors") for f in os.listdir(full)):
+        missing.append("*.safetensors")
     if missing:
         return (f"{path} has no weights yet (missing {', '.join(missing)}). The embedded model is trained by "
                 "scripts/run_gpu_train.sh (issue 6); or point the config's `model:` at another checkpoint.")

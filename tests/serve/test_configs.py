@@ -65,6 +65,18 @@ def test_make_serve_explains_missing_weights(tmp_path):
     assert "no weights" in check_model(str(tmp_path))
 
 
+def test_make_serve_accepts_sharded_weights(tmp_path):
+    """A sharded checkpoint (model-0000k-of-0000n.safetensors + index, as Hugging Face writes large
+    models and bole.models.widen writes the widened ones) has no model.safetensors; it is servable."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    assert "*.safetensors" in check_model(str(tmp_path))   # an index alone is no weights
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
+    assert check_model(str(tmp_path)) is None
+    (tmp_path / "config.json").unlink()
+    assert "config.json" in check_model(str(tmp_path))
+
+
 def test_capacity_defaults_follow_what_the_engines_admit():
     """Serve's default max_ongoing_requests (5) had capped the endpoint at 5 requests."""
     with open(os.path.join(REPO_ROOT, "cluster_configs", "local.yaml")) as f:
