@@ -22,7 +22,9 @@ tokens equal the ar cell's at the same batch; None on ar rows, the reference). A
 ValueError ``refused``. The worker computes the ratios (bole/ar, bole/serial_tree, serial_tree/ar per
 batch; geometric means over batches 1-16) from its own cells: every ratio is of one process.
 ``--draft-vocab N ...`` adds a bole cell ``bole_fr<N>`` per N at every batch (``SpecConfig.draft_vocab``:
-the drafter scores the N most frequent training tokens), with its ratio to ar.
+the drafter scores the N most frequent training tokens), with its ratio to ar; ``--also-table NAME ...``
+a cell ``bole@NAME`` per NAME (bole with calibration_tables/NAME.yaml as its budget table, e.g. the
+unmeasured defaults beside a calibrated ``--calibration-table``).
 
 Budgets: ``--budget-s`` for the whole run, widening included (no cell starts after it; a worker still
 running ``--grace-s`` later is killed), ``--cell-budget-s`` per cell (no further timed run starts after
@@ -64,6 +66,7 @@ from bole.models.widen import TARGET_FIELDS, copy_tokenizer_files, widen  # noqa
 MODES = ("ar", "serial_tree", "bole")
 RATIOS = (("bole", "ar"), ("bole", "serial_tree"), ("serial_tree", "ar"))
 FR_PREFIX = "bole_fr"  # bole_fr<N>: the bole cell with draft_vocab=N
+TABLE_SEP = "@"        # bole@<table>: the bole cell with calibration_tables/<table>.yaml as its budget table
 GEOMEAN_MAX_BATCH = 16
 TAG = "@@e2e_scale "  # a worker's stdout lines that carry an event (JSON) for the parent
 SMOKE_SHAPE = dict(hidden_size=512, num_hidden_layers=20, linear_num_key_heads=4, linear_num_value_heads=8,
@@ -76,9 +79,12 @@ def label(shape: str) -> str:
 
 
 def engine_mode(cell_mode: str) -> tuple[str, dict]:
-    """A cell's engine mode and extra options: ``bole_fr<N>`` is bole with ``draft_vocab=N``."""
+    """A cell's engine mode and extra options: ``bole_fr<N>`` is bole with ``draft_vocab=N``,
+    ``bole@<name>`` bole with the budget table calibration_tables/<name>.yaml."""
     if cell_mode.startswith(FR_PREFIX):
         return "bole", dict(draft_vocab=int(cell_mode[len(FR_PREFIX):]))
+    if cell_mode.startswith("bole" + TABLE_SEP):
+        return "bole", dict(calibration_table=f"calibration_tables/{cell_mode.split(TABLE_SEP, 1)[1]}.yaml")
     return cell_mode, {}
 
 
@@ -108,6 +114,8 @@ def parse_args(argv=None):
     ap.add_argument("--draft-vocab", type=int, nargs="+", default=[],
                     help="a bole_fr<N> cell per N: the drafter scores the N most frequent tokens")
     ap.add_argument("--calibration-table", default="calibration_tables/default.yaml")
+    ap.add_argument("--also-table", nargs="+", default=[], metavar="NAME",
+                    help="a bole@<NAME> cell per NAME: bole with calibration_tables/<NAME>.yaml as its table")
     ap.add_argument("--budget-s", type=float, default=None, help="whole run, widening included (480; smoke 150)")
     ap.add_argument("--cell-budget-s", type=float, default=None, help="per cell (60; smoke 40)")
     ap.add_argument("--grace-s", type=float, default=60.0, help="a late worker is killed this much after a budget")
@@ -123,7 +131,11 @@ def parse_args(argv=None):
     bad = sorted(set(a.models) - set(SHAPES) - ({"smoke"} if a.smoke else set()))
     if bad:
         ap.error(f"unknown models {bad}; choose from {sorted(SHAPES)}")
-    a.modes = [m for m in MODES if m in a.modes] + [f"{FR_PREFIX}{n}" for n in a.draft_vocab]  # ar first
+    missing = [n for n in a.also_table if not (REPO_ROOT / "calibration_tables" / f"{n}.yaml").is_file()]
+    if missing:
+        ap.error(f"--also-table: no calibration_tables/<name>.yaml for {missing}")
+    a.modes = [m for m in MODES if m in a.modes] + [f"{FR_PREFIX}{n}" for n in a.draft_vocab] + \
+        [f"bole{TABLE_SEP}{n}" for n in a.also_table]  # ar first
     a.batches = pick(a.batches, [1, 2, 4, 8, 16, 32], [1, 2])
     a.max_tokens = pick(a.max_tokens, 128, 4)
     a.depth, a.topk, a.beam = (pick(v, 4, 2) for v in (a.depth, a.topk, a.beam))
@@ -184,9 +196,10 @@ def run_cell(spec: dict, mode: str, batch: int, prompts: list[dict]) -> tuple[di
         torch.cuda.reset_peak_memory_stats()
     llm, toks = None, None
     try:
-        llm = LLM(spec["path"], mode=run_mode, **extra, depth=spec["depth"], topk=spec["topk"], beam=spec["beam"],
+        llm = LLM(spec["path"], mode=run_mode, **{"calibration_table": spec["calibration_table"], **extra},
+                  depth=spec["depth"], topk=spec["topk"], beam=spec["beam"],
                   device=spec["device"], dtype=row["dtype"], enable_cuda_graphs=cuda, max_num_seqs=batch,
-                  enable_prefix_cache=False, calibration_table=spec["calibration_table"],
+                  enable_prefix_cache=False,
                   num_blocks=num_blocks([p["prompt_tokens"] for p in prompts[:batch]], spec["max_tokens"],
                                         spec["depth"]))
         if cuda:
@@ -236,7 +249,8 @@ def ratios(rows: list[dict]) -> dict:
     """Tokens/s ratios of one worker's cells per batch (``RATIOS``, and each bole_fr<N> cell's to ar), and
     their geometric means over batches <= 16."""
     ok = {(r["mode"], r["batch"]): r for r in rows if r["status"] == "ok"}
-    pairs = RATIOS + tuple((m, "ar") for m in dict.fromkeys(r["mode"] for r in rows) if m.startswith(FR_PREFIX))
+    pairs = RATIOS + tuple((m, "ar") for m in dict.fromkeys(r["mode"] for r in rows)
+                           if m.startswith((FR_PREFIX, "bole" + TABLE_SEP)))
     per_batch = []
     for b in sorted({b for _, b in ok}):
         d = dict(batch=b)
@@ -292,9 +306,11 @@ def worker(spec: dict) -> None:
 # -------------------------------------------------------------------------------------------- parent
 def run_worker(rep, spec: dict, grace_s: float) -> None:
     """Run one model's worker, recording its events as they come; kill it when a budget is past."""
+    # the repository first, then the caller's path (the GPU machine's carried wheels: fla, the serving stack)
+    path = [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     proc = subprocess.Popen([sys.executable, str(Path(__file__)), "--worker", json.dumps(spec)], cwd=REPO_ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(path)})
     state = dict(cell=None, cell_t0=time.time(), killed=None)
     tail = collections.deque(maxlen=30)
 
