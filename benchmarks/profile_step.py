@@ -11,6 +11,8 @@ Cases (``--cases``):
   bole_tiny    one engine step of ``bole`` on the embedded model, batch 1 (draft, budget, verify, commit)
   ar_tiny_graphs, bole_tiny_graphs   the same with CUDA graphs (decode / verify forwards replayed)
   decode9b_graph, verify9b_graph     the 9B forwards replayed from CUDA graphs (their kernels listed)
+  verify9b_graph_sdpa                the same verify with its attention through the batched SDPA path
+                     (gathered, padded keys) instead of kernels.tree_attention; ``--kv-len`` sets the prefix
   {ar,serial_tree,bole}_tiny_graphs_b16   engine steps at batch 16 with graphs
   {bole,serial_tree}_tiny_phases   a graphed step at batch 1 split into its graph replays (draft, verify
                      forward, tail): per graph the GPU kernels and the replay time, and the host time
@@ -89,10 +91,17 @@ def case_target(name: str, args, device) -> dict:
     from bole.calibrate_sweep import synthetic_batch
 
     eargs = parse_args((["--smoke"] if args.smoke else []) + ["--share-batches", "1", "--decode-batches", "1",
-                                                              "--tree-sizes", "64"])
+                                                              "--tree-sizes", "64", "--kv-len", str(args.kv_len)])
     tgt = Target(eargs, device, snapshots=False)
     reqs = tgt.reqs[:1]
     runner = tgt.runner
+    if name.endswith("_sdpa"):  # the verify forward's attention through the batched SDPA path (gathered keys)
+        from bole.layers.attention import GatedAttention
+
+        for m in runner.model.modules():
+            if isinstance(m, GatedAttention):
+                m.tree_attention = None
+        name = name[: -len("_sdpa")]
     if name == "decode9b":
         return profile(lambda: runner.decode_forward(reqs, use_graphs=False), device)
     if name == "decode9b_graph":  # kernels inside the replayed graph (CUPTI records them)
@@ -272,7 +281,7 @@ CASES = {"decode9b": case_target, "verify9b": case_target,
          "ar_tiny": lambda n, a, d: case_engine("ar", a, d), "bole_tiny": lambda n, a, d: case_engine("bole", a, d),
          "ar_tiny_graphs": lambda n, a, d: case_engine("ar", a, d, True),
          "bole_tiny_graphs": lambda n, a, d: case_engine("bole", a, d, True),
-         "decode9b_graph": case_target, "verify9b_graph": case_target,
+         "decode9b_graph": case_target, "verify9b_graph": case_target, "verify9b_graph_sdpa": case_target,
          **{f"{m}_tiny_graphs_b16": (lambda n, a, d, m=m: case_engine(m, a, d, True, 16))
             for m in ("ar", "serial_tree", "bole")},
          "bole_tiny_phases": case_phases, "serial_tree_tiny_phases": case_phases,
@@ -287,6 +296,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", nargs="*", default=DEFAULT_CASES, choices=list(CASES))
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--kv-len", type=int, default=1000, help="committed tokens of the 9B cases' request")
     ap.add_argument("--tiny-dtype", default="bfloat16", help="dtype of the embedded model's engine cases")
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--topk", type=int, default=4)

@@ -35,7 +35,8 @@ Registered backends:
               decode's attention with kernels.paged_decode_attention (keys read in place from the
               paged cache); the attention prologue (q / k norms, RoPE, KV store) with
               kernels.qk_norm_rope; x · silu / sigmoid(gate) (MLP, MoE, attention output gate) with
-              kernels.act_mul; the drafter's tree attention (its forwards over the frontier forest) with
+              kernels.act_mul; verify-mode tree attention (the target's verify forward and the drafter's
+              forwards over the frontier forest; keys read in place, split over the prefix) with
               kernels.tree_attention; the graphed speculative step's forest layouts with kernels.tree_layout and its
               greedy acceptance with kernels.greedy_accept; the drafter's per-level top-k of log-softmax with
               kernels.logits_topk.
@@ -86,7 +87,7 @@ class GDNBackend:
     rms_norm: Callable | None = None          # fused norms (kernels.rmsnorm); None: the torch twins
     gated_rms_norm: Callable | None = None
     decode_attention: Callable | None = None  # paged decode attention (kernels.paged_decode_attention)
-    tree_attention: Callable | None = None    # the drafter's verify-mode attention (kernels.tree_attention)
+    tree_attention: Callable | None = None    # verify-mode attention, target and drafter (kernels.tree_attention)
     qk_norm_rope_store: Callable = qk_norm_rope_store_ref  # attention prologue (kernels.qk_norm_rope)
     act_mul: Callable = act_mul_ref            # x · silu / sigmoid(gate): MLP, MoE, attention output gate
     tree_layout: Callable = tree_layout_ref   # a graphed step's forest layout (kernels.tree_layout)

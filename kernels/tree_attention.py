@@ -9,11 +9,19 @@ kernel, which at the drafter's sizes (a few dozen nodes, a few hundred keys) cos
 attention itself. Here a program reads its keys straight from the paged cache through ``kv_index``
 and its mask rows from ``mask``, and writes the flat output rows.
 
-    grid (B, Hkv, ceil(tq / BM)): program (b, h, m) owns BM tree rows t0..t0+BM of request b and the
-    REP query heads of kv head h, as one [BM * REPP, D] tile (row r: tree row t0 + r // REPP, head
-    h * REP + r % REPP; REPP = REP rounded up to a power of two, extra heads masked). Online softmax in
-    fp32 over key blocks [0, num_cached[b] + T_b) (the row's committed prefix and its tree: the keys
-    its mask can show); scores masked by ``mask[b, 0, t, p]``.
+    pass 1  grid (B, Hkv, ceil(tq / BM) * S): program (b, h, m, s) owns BM tree rows t0..t0+BM of
+            request b and the REP query heads of kv head h, as one [BM * REPP, D] tile (row r: tree row
+            t0 + r // REPP, head h * REP + r % REPP; REPP = REP rounded up to a power of two, extra heads
+            masked), and split s of the keys its mask can show, [0, num_cached[b] + T_b) (the committed
+            prefix and the tree; S near-equal chunks of whole BN-key blocks, a split past them empty).
+            Online softmax in fp32; scores masked by ``mask[b, 0, t, p]``. With S == 1 it writes the
+            output rows, else its normalised partial rows and their log2-sum-exp.
+    pass 2  (S > 1) grid (N, Hq): kernels.paged_decode_attention's combine over the S partials.
+
+Splitting the keys (flash-decoding) is what keeps the target's verify forward near its decode step at
+long prefixes: without it a request's tile streams its whole prefix alone (B · Hkv · ceil(tq / BM)
+programs: 8 at batch 1 on the 9B shapes, on 132 SMs), and the graphed path it replaces (gather into
+[B, Hkv, Lc, D], one masked SDPA call) also pays for the KV bucket's padding Lc, not the row's length.
 
 Key position p of request b is the slot ``kv_index[b, p]``; request b's rows are the flat tokens
 ``cu_seqlens[b]:cu_seqlens[b+1]`` (T_b of them, T_b <= tq), tree row t = flat row cu_seqlens[b] + t.
@@ -31,6 +39,7 @@ import triton
 import triton.language as tl
 
 from kernels._checks import attention_out, check_attention_inputs, check_index, check_keys, interpreting
+from kernels.paged_decode_attention import _num_sms, paged_decode_combine_kernel
 
 _PRECISIONS = ("ieee", "tf32")
 
@@ -63,13 +72,15 @@ def _attend_block(b_q, b_m, b_l, b_acc, p_i, p_k, p_v, p_m, m_r, last, start, hi
 
 @triton.jit
 def tree_attention_kernel(
-    q, k_cache, v_cache, kv_index, mask, cu_seqlens, num_cached, o,
+    q, k_cache, v_cache, kv_index, mask, cu_seqlens, num_cached, o, o_part, lse_part,
     L, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ib, stride_in,
     stride_mb, stride_mt, stride_ml, stride_on, stride_oh, qk_scale,
-    REP: tl.constexpr, REPP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, NB: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
+    HQ: tl.constexpr, REP: tl.constexpr, REPP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, S: tl.constexpr, NB: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr,
 ):
-    i_b, i_hk, i_m = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    i_b, i_hk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i_m, i_s = tl.program_id(2) // S, tl.program_id(2) % S
     bos = tl.load(cu_seqlens + i_b).to(tl.int64)
     T = (tl.load(cu_seqlens + i_b + 1).to(tl.int64) - bos).to(tl.int32)
     o_r = tl.arange(0, BM * REPP)
@@ -88,6 +99,9 @@ def tree_attention_kernel(
     last = P + o_t                                   # CAUSAL: row t sees keys p <= P + t
     if CAUSAL:
         hi = tl.minimum(hi, P + (i_m + 1) * BM)       # the tile's last row's keys
+    chunk = tl.cdiv(tl.cdiv(hi, S), BN) * BN          # split s: keys [lo, hi) of the tile's [0, hi)
+    lo = i_s * chunk
+    hi = tl.minimum(lo + chunk, hi)
 
     b_m = tl.full([BM * REPP], float("-inf"), dtype=tl.float32)  # running max (log2 units)
     b_l = tl.zeros([BM * REPP], dtype=tl.float32)                # running Σ 2^(s - m)
@@ -96,22 +110,29 @@ def tree_attention_kernel(
     p_k, p_v = k_cache + i_hk * stride_kh, v_cache + i_hk * stride_vh
     p_m = mask + i_b * stride_mb + o_t * stride_mt                             # [BM * REPP] mask rows
     if DYNAMIC_LOOP:  # compiled: the row's own key blocks only
-        for i_n in range(0, tl.cdiv(hi, BN)):
-            b_m, b_l, b_acc = _attend_block(b_q, b_m, b_l, b_acc, p_i, p_k, p_v, p_m, m_r, last, i_n * BN, hi,
+        for start in range(lo, hi, BN):
+            b_m, b_l, b_acc = _attend_block(b_q, b_m, b_l, b_acc, p_i, p_k, p_v, p_m, m_r, last, start, hi,
                                             stride_in, stride_kn, stride_vn, stride_ml, qk_scale, o_d, m_d, BN,
                                             PRECISION, CAUSAL)
     else:  # the interpreter cannot take tensor loop bounds: NB blocks, those past hi fully masked
         for i_n in range(NB):
-            b_m, b_l, b_acc = _attend_block(b_q, b_m, b_l, b_acc, p_i, p_k, p_v, p_m, m_r, last, i_n * BN, hi,
+            b_m, b_l, b_acc = _attend_block(b_q, b_m, b_l, b_acc, p_i, p_k, p_v, p_m, m_r, last, lo + i_n * BN, hi,
                                             stride_in, stride_kn, stride_vn, stride_ml, qk_scale, o_d, m_d, BN,
                                             PRECISION, CAUSAL)
-    b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
-    tl.store(o + p_row[:, None] * stride_on + i_hq[:, None] * stride_oh + o_d[None, :],
-             b_o.to(o.dtype.element_ty), mask=m_rd)
+    b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]   # an empty split: 0, not 0 / 0
+    if S == 1:
+        tl.store(o + p_row[:, None] * stride_on + i_hq[:, None] * stride_oh + o_d[None, :],
+                 b_o.to(o.dtype.element_ty), mask=m_rd)
+    else:  # [N, HQ, S, D] partials in paged_decode_combine_kernel's layout, lse -inf when empty
+        i_part = (p_row * HQ + i_hq) * S + i_s
+        tl.store(o_part + i_part[:, None] * D + o_d[None, :], b_o, mask=m_rd)
+        b_lse = tl.where(b_l > 0, b_m + tl.log2(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
+        tl.store(lse_part + i_part, b_lse, mask=m_r)
 
 
 def tree_attention(q, k_cache, v_cache, kv_index, mask, cu_seqlens, num_cached, scale=None, out=None, *,
-                   precision: str | None = None, block_n: int = 64, num_warps: int = 4, checked: bool = False):
+                   precision: str | None = None, block_n: int = 64, num_splits: int | None = None,
+                   num_warps: int = 4, checked: bool = False):
     """softmax(q kᵀ · scale + mask) v for the tree rows of every request over its paged keys.
 
     Twin: `bole.ops.attention.tree_attention_ref`. No host read of a device value.
@@ -131,6 +152,8 @@ def tree_attention(q, k_cache, v_cache, kv_index, mask, cu_seqlens, num_cached, 
         out: optional [N, Hq, D] in q's dtype, last dim contiguous.
         precision: fp32 dot precision, "ieee" (default) or "tf32" (the drafter's fast math).
         block_n: keys per block (power of two >= 16).
+        num_splits: key splits per tile (default: about two waves of pass-1 programs, at most 32 and
+            no more than the key blocks of L).
         checked: the caller checked kv_index, mask, cu_seqlens and num_cached once for the whole forward
             (`kernels._checks.check_forward_inputs`): only their sizes are compared.
     Returns:
@@ -146,6 +169,8 @@ def tree_attention(q, k_cache, v_cache, kv_index, mask, cu_seqlens, num_cached, 
         raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
     out = attention_out(out, q, N, HQ, D)
     tq = mask.shape[2] if mask is not None else N       # causal: no request has more rows than N
     if N == 0 or B == 0 or tq == 0:
@@ -154,17 +179,27 @@ def tree_attention(q, k_cache, v_cache, kv_index, mask, cu_seqlens, num_cached, 
     repp = triton.next_power_of_2(rep)
     bm = max(1, 32 // repp)               # 32 tile rows (at least 16 for tl.dot)
     bm = max(bm, triton.cdiv(16, repp))
+    tiles = triton.cdiv(tq, bm)
+    S = num_splits or max(1, min(triton.cdiv(L, block_n), triton.cdiv(2 * _num_sms(dev), B * HKV * tiles), 32))
     dynamic = not interpreting()
+    o_part = lse_part = out  # unused with S == 1
+    if S > 1:
+        o_part = torch.empty(N, HQ, S, D, dtype=torch.float32, device=dev)
+        lse_part = torch.empty(N, HQ, S, dtype=torch.float32, device=dev)
     # causal: the mask pointer is never read (kv_index stands in)
     m, m_strides = (mask.view(torch.uint8), (mask.stride(0), mask.stride(2), mask.stride(3))) if mask is not None \
         else (kv_index, (0, 0, 0))
-    tree_attention_kernel[(B, HKV, triton.cdiv(tq, bm))](
-        q, k_cache, v_cache, kv_index, m, cu_seqlens, num_cached, out,
+    BD = max(16, triton.next_power_of_2(D))
+    tree_attention_kernel[(B, HKV, tiles * S)](
+        q, k_cache, v_cache, kv_index, m, cu_seqlens, num_cached, out, o_part, lse_part,
         L, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         kv_index.stride(0), kv_index.stride(1), *m_strides,
         out.stride(0), out.stride(1), float(D ** -0.5 if scale is None else scale) * math.log2(math.e),
-        REP=rep, REPP=repp, D=D, BD=max(16, triton.next_power_of_2(D)), BM=bm, BN=block_n,
-        NB=triton.cdiv(L, block_n), DYNAMIC_LOOP=dynamic,
+        HQ=HQ, REP=rep, REPP=repp, D=D, BD=BD, BM=bm, BN=block_n, S=S,
+        NB=triton.cdiv(triton.cdiv(L, S), block_n), DYNAMIC_LOOP=dynamic,
         PRECISION=precision if q.dtype == torch.float32 else "tf32", CAUSAL=mask is None, num_warps=num_warps,
     )
+    if S > 1:  # rows of a request past its T_b hold no partials; only real rows (N of them) are combined
+        paged_decode_combine_kernel[(N, HQ)](o_part, lse_part, out, out.stride(0), out.stride(1),
+                                             HQ=HQ, D=D, S=S, BD=BD, num_warps=num_warps)
     return out

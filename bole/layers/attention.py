@@ -88,8 +88,9 @@ class GatedAttention(nn.Module):
         self.decode_attention = None  # paged decode attention
         self.qk_norm_rope_store: Callable = qk_norm_rope_store_ref  # q / k norms, RoPE, K/V into the cache
         self.act_mul: Callable = act_mul_ref                        # the output gate o · sigmoid(gate)
-        # verify-mode attention in one launch (kernels.tree_attention), set on the MTP drafter's layers:
-        # None keeps the batched SDPA path (the target's, where exactness is measured against ar)
+        # verify-mode attention in one launch, keys read in place and split over the prefix
+        # (kernels.tree_attention on "triton"; the target's verify forward and the drafter's); None keeps
+        # the batched SDPA path over gathered, padded keys (``_padded``, the "torch" backend)
         self.tree_attention: Callable | None = None
         # short prefill chunks' causal attention in one launch (kernels.tree_attention without a mask), on
         # every attention layer of the "triton" backend; None (or a long chunk) keeps the per-request SDPA

@@ -213,12 +213,9 @@ class HybridForCausalLM(nn.Module):
                 m.decode_attention = self.backend.decode_attention
                 m.qk_norm_rope_store = self.backend.qk_norm_rope_store
                 m.prefill_attention = self.backend.tree_attention   # short prefill chunks (causal rows)
+                m.tree_attention = self.backend.tree_attention      # verify forwards: the target's and the drafter's
             if isinstance(m, (GatedAttention, MLP, SparseMoE, Experts)):
                 m.act_mul = self.backend.act_mul
-        if self.mtp is not None:  # the drafter's tree forwards (proposals only: exactness never rests on them)
-            for m in self.mtp.modules():
-                if isinstance(m, GatedAttention):
-                    m.tree_attention = self.backend.tree_attention
 
     def fuse_projections(self) -> "HybridForCausalLM":
         """Concatenate the projections that share an input into one GEMM each (``bole.layers.linear``);

@@ -82,6 +82,29 @@ def test_matches_twin(device, prefixes, sizes, HQ, HKV, D, dtype, cache_dtype):
     assert rel_err(o_k, o_t) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_splits(device, num_splits, causal):
+    """Split keys (flash-decoding: partials, then the combine) equal the twin: splits that end inside the
+    tree, splits past a request's keys (empty: the 8-way split of 20 keys), an empty prefix, a long one
+    over several blocks per split, tiles past a request's rows."""
+    args, _ = tree_inputs(device, [150, 0, 12], [9, 20, 1], 8, 2, 32, torch.float32, torch.float32, seed=11,
+                          L=192, tq=24)
+    if causal:
+        args = args[:4] + (None,) + args[5:]
+    o_k, o_t = run_both(args, num_splits=num_splits, block_n=16)
+    assert rel_err(o_k, o_t) <= TOL[torch.float32]
+    assert torch.isfinite(o_k).all()
+
+
+def test_default_splits_match_one_split(device):
+    # the default split count (two waves of programs) against S = 1 on a long prefix, to summation order
+    args, _ = tree_inputs(device, [300], [17], 4, 2, 32, torch.float32, torch.float32, seed=12)
+    one = tree_attention(*args, num_splits=1)
+    assert rel_err(tree_attention(*args), one) <= 2e-6
+    assert rel_err(one, tree_attention_ref(*args)) <= TOL[torch.float32]
+
+
 @pytest.mark.parametrize("block_n", [16, 32])
 def test_padded_bucket_and_int32(device, block_n):
     # a key bucket past every request's keys, a mask wider than the widest tree, int32 indices, a scale
@@ -135,7 +158,7 @@ def test_matches_padded_verify_path(device):
 
 
 BAD_CASES = ["q_rank", "q_dtype", "q_stride", "gqa", "v_shape", "idx_dtype", "mask_dtype",
-             "mask_shape", "cu_rows", "nc_rows", "precision", "block_n", "out_shape"]
+             "mask_shape", "cu_rows", "nc_rows", "precision", "block_n", "splits", "out_shape"]
 # the forward context's checks (checked=True skips them; sizes are still compared)
 SHARED_CASES = ("idx_dtype", "mask_dtype")
 
@@ -152,6 +175,7 @@ def test_bad_inputs_raise(device, case, checked):
            "idx_dtype": dict(kv_index=kv_index.float()), "mask_dtype": dict(mask=mask.int()),
            "mask_shape": dict(mask=mask[:, :, :, :-1]), "cu_rows": dict(cu_seqlens=cu[:-1]),
            "nc_rows": dict(num_cached=nc[:1]), "precision": dict(precision="fp8"), "block_n": dict(block_n=24),
+           "splits": dict(num_splits=0),
            "out_shape": dict(out=z(6, 2, 16))}
     kw.update(bad[case])
     with pytest.raises(ValueError):
