@@ -19,7 +19,10 @@ def test_select_b_ver_eq12():
     assert select_b_ver(t_ver, 10.0, 0.1) == 32      # 11.0 <= 11.0 (bound inclusive)
     assert select_b_ver(t_ver, 10.0, 0.3) == 64
     assert select_b_ver(t_ver, 10.0, 0.0) == 8
-    assert select_b_ver(t_ver, 5.0, 0.1) == 8        # nothing fits: the smallest capacity
+    assert select_b_ver(t_ver, 9.0, 0.1) == 32       # T_dec below verify's floor: bounded over the floor
+    assert select_b_ver(t_ver, 5.0, 0.1) == 32       # 10.0 is the floor whatever decode costs
+    assert select_b_ver(t_ver, 5.0, 0.04) == 8       # 10.5 > 10.4: only the floor itself
+    assert select_b_ver(t_ver, 12.0, 0.0) == 32      # decode above the floor: eq. 12 as written
     with pytest.raises(ValueError):
         select_b_ver({}, 1.0, 0.1)
 
@@ -44,7 +47,7 @@ def measured_table() -> dict:
         "buckets": [
             bucket([1, 4], [0, 4095], 10.0, {16: 10.2, 32: 10.9, 64: 12.0}),
             bucket([1, 4], [4096, 65535], 12.0, {16: 12.1, 32: 12.5, 64: 13.1}),
-            bucket([5, 64], [0, 4095], 14.0, {16: 15.0, 32: 16.0, 64: 19.0}),
+            bucket([5, 64], [0, 4095], 14.0, {16: 15.0, 32: 16.8, 64: 19.0}),
             bucket([5, 64], [4096, 65535], 16.0, {16: 16.5, 32: 17.5, 64: 20.0}),
         ],
     }
