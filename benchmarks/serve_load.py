@@ -191,6 +191,9 @@ def summarize(outcomes: list[Outcome], duration_s: float) -> dict:
         "itl": _stats([g for o in ok for g in o.itl_s]),
         "latency": _stats([o.latency_s for o in ok]),
         "by_workload": {w: len([o for o in ok if o.workload == w]) for w in sorted({o.workload for o in outcomes})},
+        # every completed request's TTFT and TPOT, sorted (the distributions: CDF plots)
+        "samples_ms": {"ttft": sorted(round(o.ttft_s * 1000, 2) for o in ok),
+                       "tpot": sorted(round(o.tpot_s * 1000, 3) for o in ok if o.tpot_s is not None)},
     }
 
 

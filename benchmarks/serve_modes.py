@@ -8,8 +8,10 @@ counted (``/metrics``).
 Per mode (``--modes``, each a fresh server, so no mode inherits another's prefix cache):
   1. start the server on a free port (engine options: ``--device``, ``--dtype``, CUDA graphs on a GPU,
      ``--num-blocks``, ``--max-num-seqs``, any ``--engine-option KEY=VALUE``), wait for /health;
-  2. a warm-up phase at the highest rate (``--warmup-requests``, not reported with the rates): Triton
-     compiles and the lazily captured CUDA graphs (batch, KV length, tree width) are paid here;
+  2. a warm-up phase at every rate, highest first (``--warmup-requests`` each, not reported with the
+     rates): Triton compiles and the lazily captured CUDA graphs (batch, KV length, tree width) are paid
+     here, the small batches of the low rates included (a single warm-up at the highest rate left them
+     to the first measured phase: the H200 run of 2026-12-03, whose 2/s phase paid them in every mode);
   3. one phase per rate: ``serve_load.py --workload multiturn`` (conversations of ``--turns`` turns,
      each turn the previous prompt + answer + the next held-out prompt; conversations arrive at
      ``rate`` per second). Every phase takes its own slice of the held-out prompts, so no phase hits
@@ -201,7 +203,9 @@ def run_mode(args, mode: str, slices: list[list[str]], workdir: Path, doc: dict,
         if why:
             rec["error"], rec["server_log_tail"] = why, server.tail()
             return
-        phases = [("warmup", max(args.rates), slices[0])] + [(f"{r:g}", r, s) for r, s in zip(args.rates, slices[1:])]
+        k = len(args.rates)
+        warm = sorted(zip(args.rates, slices[:k]), key=lambda p: -p[0])
+        phases = [(f"warmup@{r:g}", r, s) for r, s in warm] + [(f"{r:g}", r, s) for r, s in zip(args.rates, slices[k:])]
         for name, rate, prompts in phases:
             if time.monotonic() > args.deadline:
                 rec.setdefault("skipped", []).append(name)
@@ -209,8 +213,8 @@ def run_mode(args, mode: str, slices: list[list[str]], workdir: Path, doc: dict,
             before = scrape(server.url + "/metrics")
             client = run_phase(args, server.url, f"{mode}@{name}", prompts, rate, workdir)
             row = {"rate": rate, "client": client, "server": server_delta(before, scrape(server.url + "/metrics"))}
-            if name == "warmup":
-                rec["warmup"] = row
+            if name.startswith("warmup"):
+                rec.setdefault("warmup", []).append(row)
             else:
                 rec["rates"].append(row)
             save()
@@ -247,6 +251,39 @@ def print_table(rows: list[dict]) -> None:
         print(cells + (f"  {r['error']}" if "error" in r else ""))
 
 
+def plot_cdfs(doc: dict, path: str) -> bool:
+    """TTFT and TPOT CDFs, one column per rate, one line per mode (from the clients' ``samples_ms``);
+    False when there is nothing to plot (or no matplotlib)."""
+    rates = sorted({row["rate"] for rec in doc["modes"].values() for row in rec["rates"]
+                    if "samples_ms" in row["client"]})
+    if not rates:
+        return False
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(2, len(rates), figsize=(4.6 * len(rates), 7), squeeze=False)
+    for j, rate in enumerate(rates):
+        for mode, rec in doc["modes"].items():
+            row = next((r for r in rec["rates"] if r["rate"] == rate and "samples_ms" in r["client"]), None)
+            for i, key in enumerate(("ttft", "tpot")):
+                xs = row["client"]["samples_ms"][key] if row else []
+                if xs:
+                    axes[i][j].step(xs, [(k + 1) / len(xs) for k in range(len(xs))], where="post", label=mode)
+        for i, key in enumerate(("TTFT", "TPOT")):
+            axes[i][j].set(xlabel=f"{key} (ms)", ylabel="fraction of requests", xscale="log",
+                           title=f"{rate:g} conversations/s")
+            axes[i][j].grid(alpha=0.3)
+            axes[i][j].legend()
+    fig.suptitle(f"serve_modes on {doc['hardware']}: {doc['settings']['model']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def versions() -> dict:
     out = {"python": platform.python_version()}
     for name in ("torch", "triton", "transformers", "fastapi", "uvicorn", "pydantic", "openai"):
@@ -280,6 +317,7 @@ def parse_args(argv=None):
     ap.add_argument("--tag", default=None, help="hardware name for the record (default: the device)")
     ap.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder)")
     ap.add_argument("--out", default=None, help="JSON results file")
+    ap.add_argument("--png", default=None, help="TTFT / TPOT CDFs (default: beside --out; 'none': off)")
     args = ap.parse_args(argv)
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
@@ -297,7 +335,7 @@ def main(argv=None) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="serve_modes_"))
     args.log_dir = args.log_dir or str(workdir)
     os.makedirs(args.log_dir, exist_ok=True)
-    slices, overlap = prompt_slices(heldout_prompts(HELDOUT), [args.warmup_requests]
+    slices, overlap = prompt_slices(heldout_prompts(HELDOUT), [args.warmup_requests] * len(args.rates)
                                     + [args.num_requests] * len(args.rates))
     settings = {k: v for k, v in vars(args).items() if k not in ("deadline", "out", "log_dir")}
     doc = {"benchmark": "serve_modes", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -319,6 +357,9 @@ def main(argv=None) -> dict:
         print(f"== {mode}: starting the server", flush=True)
         run_mode(args, mode, slices, workdir, doc, save)
     save()
+    png = args.png or (str(Path(args.out).with_suffix(".png")) if args.out else "none")
+    if png != "none" and plot_cdfs(doc, png):
+        print(f"CDFs: {png}", flush=True)
     print_table(doc["summary"])
     print(json.dumps(doc))
     return doc

@@ -1,13 +1,14 @@
 """Paged tree attention in Triton: many query rows per request, each with its own mask over the
-request's paged keys, in one launch (verify-mode attention: the drafter's per-level forward; with no
-mask, causal rows: a short prefill chunk).
+request's paged keys, in one launch (verify-mode attention: the target's verify forward and the
+drafter's per-level forwards; with no mask, causal rows: a short prefill chunk).
 
 Replaces GatedAttention's batched verify path where it is set (``GatedAttention.tree_attention``):
 gather every request's keys into a padded [B, Hkv, L, D] buffer, scatter the queries into padded rows,
 expand the mask, one SDPA call, gather the rows back: about a dozen launches around the attention
 kernel, which at the drafter's sizes (a few dozen nodes, a few hundred keys) cost more than the
-attention itself. Here a program reads its keys straight from the paged cache through ``kv_index``
-and its mask rows from ``mask``, and writes the flat output rows.
+attention itself, and, in a CUDA graph, keys gathered up to the KV bucket's length, not the row's.
+Here a program reads its keys straight from the paged cache through ``kv_index`` and its mask rows
+from ``mask``, and writes the flat output rows.
 
     pass 1  grid (B, Hkv, ceil(tq / BM) * S): program (b, h, m, s) owns BM tree rows t0..t0+BM of
             request b and the REP query heads of kv head h, as one [BM * REPP, D] tile (row r: tree row
@@ -39,7 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels._checks import attention_out, check_attention_inputs, check_index, check_keys, interpreting
-from kernels.paged_decode_attention import _num_sms, paged_decode_combine_kernel
+from kernels.paged_decode_attention import num_sms, paged_decode_combine_kernel
 
 _PRECISIONS = ("ieee", "tf32")
 
@@ -180,7 +181,7 @@ def tree_attention(q, k_cache, v_cache, kv_index, mask, cu_seqlens, num_cached, 
     bm = max(1, 32 // repp)               # 32 tile rows (at least 16 for tl.dot)
     bm = max(bm, triton.cdiv(16, repp))
     tiles = triton.cdiv(tq, bm)
-    S = num_splits or max(1, min(triton.cdiv(L, block_n), triton.cdiv(2 * _num_sms(dev), B * HKV * tiles), 32))
+    S = num_splits or max(1, min(triton.cdiv(L, block_n), triton.cdiv(2 * num_sms(dev), B * HKV * tiles), 32))
     dynamic = not interpreting()
     o_part = lse_part = out  # unused with S == 1
     if S > 1:

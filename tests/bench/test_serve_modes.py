@@ -50,7 +50,8 @@ def test_serve_modes_on_the_cpu(tmp_path):
     rec = doc["modes"]["ar"]
     assert "error" not in rec and rec["exit_code"] == 0, rec
     assert rec["engine_options"]["mode"] == "ar" and rec["engine_options"]["block_size"] == 4
-    assert rec["warmup"]["client"]["completed"] == 2
+    (warm,) = rec["warmup"]   # one warm-up phase per rate
+    assert warm["client"]["completed"] == 2 and warm["rate"] == 8
     (row,) = rec["rates"]
     c, s = row["client"], row["server"]
     assert (c["requests"], c["completed"], c["failed"]) == (4, 4, 0)
@@ -65,3 +66,6 @@ def test_serve_modes_on_the_cpu(tmp_path):
         assert summary[key] > 0, key
     assert summary["req_per_s"] > 0 and not doc["settings"]["prompt_slices_overlap"]
     assert (tmp_path / "logs" / "server_ar.log").exists()
+    # the distributions behind the summaries, and their CDF plot beside the JSON
+    assert len(c["samples_ms"]["ttft"]) == 4 and c["samples_ms"]["ttft"] == sorted(c["samples_ms"]["ttft"])
+    assert (tmp_path / "serve_modes.png").stat().st_size > 0
