@@ -158,7 +158,7 @@ def launch_paged_decode_attention(q, k_cache, v_cache, kv_index, kv_len, scale: 
 
 
 @functools.lru_cache(maxsize=None)
-def num_sms(device: torch.device) -> int:
+def _num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (4 off CUDA: the interpreter's grids stay small); the
     split counts of this kernel and kernels.tree_attention aim at about two waves of programs."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
@@ -166,7 +166,7 @@ def num_sms(device: torch.device) -> int:
 
 def _default_num_splits(B: int, HKV: int, L: int, block_n: int, device: torch.device) -> int:
     """About two waves of pass-1 programs, at least one key block per split, at most 32 splits."""
-    return max(1, min(triton.cdiv(L, block_n), triton.cdiv(2 * num_sms(device), B * HKV), 32))
+    return max(1, min(triton.cdiv(L, block_n), triton.cdiv(2 * _num_sms(device), B * HKV), 32))
 
 
 def paged_decode_attention(q, k_cache, v_cache, kv_index, kv_len, scale=None, out=None, *,
