@@ -75,11 +75,11 @@ SECTIONS = {"a": "gdn_share", "b": "state_bytes", "c": "throughput", "d": "decod
 SHARE_MODES = ("serial_tree", "bole")
 TREE_DEPTH = 8  # verified trees: random EAGLE-like, depth <= 8 with the root (as benchmarks/gdn_verify.py)
 
-# GDN-relevant shapes for section b (DESIGN.md §5; 9B / 27B also in bole.calibrate_sweep.SHAPES). Qwen3.5-4B's
-# GDN heads are taken as the 9B's (16 key / 32 value heads of 128): the per-request ratio depends only
-# on the head shapes, the totals on the layer count.
+# GDN-relevant shapes for section b (DESIGN.md §5; 4B / 9B / 27B also in bole.calibrate_sweep.SHAPES, which
+# says where the 4B's come from). The per-request ratio depends only on the head shapes, the totals on the
+# layer count.
 STATE_SHAPES = {
-    "qwen3.5-4b": dict(layers=32, hidden=2560, hk=16, hv=32, note="GDN heads assumed equal to the 9B's"),
+    "qwen3.5-4b": dict(layers=32, hidden=2560, hk=16, hv=32),
     "qwen3.5-9b": dict(layers=32, hidden=4096, hk=16, hv=32),
     "qwen3.5-27b": dict(layers=64, hidden=5120, hk=16, hv=48),
     "qwen3.5-122b-a10b": dict(layers=48, hidden=3072, hk=16, hv=64),
@@ -238,8 +238,6 @@ def section_state_bytes(rep: Report, smoke: bool) -> None:
                        ratio=_r(b["snapshots"] / b["factors"], 2),
                        ratio_with_conv_inputs=_r((b["snapshots"] + b["conv_inputs"])
                                                  / (b["factors"] + b["conv_inputs"]), 2))
-            if "note" in STATE_SHAPES[name]:
-                row["note"] = STATE_SHAPES[name]["note"]
             rep.add("state_bytes", row)
     print("state_bytes: " + ", ".join(f"{r['model']} T={r['tree_nodes']}: {r['ratio']}x"
                                       for r in rep.doc["state_bytes"]), flush=True)

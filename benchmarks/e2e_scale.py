@@ -2,8 +2,7 @@
 on widened checkpoints, one worker process per model, on one GPU.
 
 Models: models/bole-tiny-coder widened (``bole.models.widen``) to each shape of ``--models``
-(``bole.calibrate_sweep.SHAPES``: qwen3.5-9b, qwen3.5-27b; no 4B: the repository records only the 4B's
-layer count and hidden size, not its heads or FFN width). A widened model costs what its shape costs
+(``bole.calibrate_sweep.SHAPES``: qwen3.5-4b, qwen3.5-9b, qwen3.5-27b). A widened model costs what its shape costs
 (layers, GEMMs, GDN states, KV cache, the 248,320-row vocabulary: embedding and lm_head) and predicts what the
 embedded model predicts, so MAT is the trained drafter's: every row is labelled "<shape>-cost, embedded
 model's predictions". Checkpoints are written once under ``--widen-dir`` (bf16) and reused while their

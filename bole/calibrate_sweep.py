@@ -83,6 +83,12 @@ _QWEN35 = dict(model_type="qwen3_5_text", vocab_size=248320, rope_theta=10_000_0
                linear_value_head_dim=128, linear_conv_kernel_dim=4, gdn_layout="split", head_dim=256,
                num_mtp_layers=0, dtype="bfloat16")
 SHAPES = {
+    # Qwen3.5-4B: layers, hidden, attention heads, FFN width as public Megatron launch scripts and model
+    # cards give them (32 x 2560, 16 q / 4 kv heads of 256, FFN 9216); GDN heads as the 9B's (16 key /
+    # 32 value heads of 128: the "GVA" layout GGUF loaders name for the 4B and 9B alike).
+    "qwen3.5-4b": dict(hidden_size=2560, num_hidden_layers=32, linear_num_key_heads=16,
+                       linear_num_value_heads=32, num_attention_heads=16, num_key_value_heads=4,
+                       intermediate_size=9216),
     "qwen3.5-9b": dict(hidden_size=4096, num_hidden_layers=32, linear_num_key_heads=16,
                        linear_num_value_heads=32, num_attention_heads=16, num_key_value_heads=4,
                        intermediate_size=12288),

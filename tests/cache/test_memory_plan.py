@@ -34,7 +34,7 @@ def cuda_config(mode: str, **opts) -> EngineConfig:
     return EngineConfig.from_options(mode=mode, device="cuda", dtype="bfloat16", **opts)
 
 
-@pytest.mark.parametrize("name", ["qwen3.5-9b", "qwen3.5-27b"])
+@pytest.mark.parametrize("name", ["qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b"])
 @pytest.mark.parametrize("mode", ["ar", "bole"])
 def test_numbers_add_up_within_the_budget(name, mode):
     cfg, config = shapes(name), cuda_config(mode, max_num_seqs=8)
@@ -57,7 +57,7 @@ def test_numbers_add_up_within_the_budget(name, mode):
     assert plan.max_num_seqs_fit >= 8
 
 
-@pytest.mark.parametrize("name", ["qwen3.5-9b", "qwen3.5-27b"])
+@pytest.mark.parametrize("name", ["qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b"])
 def test_serial_tree_snapshots_cost_blocks_and_sequences(name):
     cfg, free = shapes(name), TOTAL - 60 * GiB
     bole = plan_memory(cfg, cuda_config("bole", max_num_seqs=4), free, TOTAL)

@@ -137,8 +137,10 @@ def test_ttft_counts_the_wait_behind_a_full_batch_and_aborts_are_counted(tiny_mo
         assert metric(text, "bole_time_to_first_token_seconds_sum", **labels) >= \
             metric(text, "bole_queue_wait_seconds_sum", **labels)
 
-        # aborted requests: a streaming client going away, a non-streaming one timing out
-        body = {"model": MODEL, "prompt": "x", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        # aborted requests: a streaming client going away, a non-streaming one timing out; 500 tokens
+        # each (what the 512-token KV cache admits: ~2 s alone, longer together) so that neither can
+        # finish before the server sees its client go (it polls every 0.25 s)
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 500, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data: "))
@@ -156,7 +158,9 @@ def test_ttft_counts_the_wait_behind_a_full_batch_and_aborts_are_counted(tiny_mo
         deadline = time.time() + 60
         while (text := aborted()) is None and time.time() < deadline:
             time.sleep(0.1)
-        assert text is not None and not client.num_pending
+        aborts = [line for line in httpx.get(srv.url + "/metrics").text.splitlines()
+                  if line.startswith("bole_aborted_requests_total")]
+        assert text is not None and not client.num_pending, (client.num_pending, aborts)
         assert metric(text, "bole_aborted_requests_total", reason="stream_closed") == 1
         assert metric(text, "bole_aborted_requests_total", reason="client_disconnected") == 1
         assert metric(text, "bole_aborted_requests_total", reason="deadline") == 0
