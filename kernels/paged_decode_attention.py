@@ -164,9 +164,10 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def _default_num_splits(B: int, HKV: int, L: int, block_n: int, device: torch.device) -> int:
-    """About two waves of pass-1 programs, at least one key block per split, at most 32 splits."""
-    return max(1, min(triton.cdiv(L, block_n), triton.cdiv(2 * _num_sms(device), B * HKV), 32))
+def _default_num_splits(programs: int, L: int, block_n: int, device: torch.device) -> int:
+    """Key splits for ``programs`` pass-1 programs per split (this kernel: B x HKV; kernels.tree_attention:
+    B x HKV x row tiles): about two waves, at least one key block per split, at most 32 splits."""
+    return max(1, min(triton.cdiv(L, block_n), triton.cdiv(2 * _num_sms(device), programs), 32))
 
 
 def paged_decode_attention(q, k_cache, v_cache, kv_index, kv_len, scale=None, out=None, *,
@@ -201,7 +202,7 @@ def paged_decode_attention(q, k_cache, v_cache, kv_index, kv_len, scale=None, ou
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     if num_splits is None:
-        num_splits = _default_num_splits(B, HKV, L, block_n, q.device)
+        num_splits = _default_num_splits(B * HKV, L, block_n, q.device)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
     out = attention_out(out, q, B, HQ, D)

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels._checks import attention_out, check_attention_inputs, check_index, check_keys, interpreting
-from kernels.paged_decode_attention import _num_sms, paged_decode_combine_kernel
+from kernels.paged_decode_attention import _default_num_splits, paged_decode_combine_kernel
 
 _PRECISIONS = ("ieee", "tf32")
 
@@ -181,7 +181,7 @@ def tree_attention(q, k_cache, v_cache, kv_index, mask, cu_seqlens, num_cached, 
     bm = max(1, 32 // repp)               # 32 tile rows (at least 16 for tl.dot)
     bm = max(bm, triton.cdiv(16, repp))
     tiles = triton.cdiv(tq, bm)
-    S = num_splits or max(1, min(triton.cdiv(L, block_n), triton.cdiv(2 * _num_sms(dev), B * HKV * tiles), 32))
+    S = num_splits or _default_num_splits(B * HKV * tiles, L, block_n, dev)
     dynamic = not interpreting()
     o_part = lse_part = out  # unused with S == 1
     if S > 1:
