@@ -45,6 +45,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -77,14 +78,36 @@ def label(shape: str) -> str:
     return f"{shape}-cost, embedded model's predictions"
 
 
+SPEC_RE = re.compile(r"-d(\d+)k(\d+)b(\d+)$")  # a cell's drafting suffix: -d<depth>k<topk>b<beam>
+
+
 def engine_mode(cell_mode: str) -> tuple[str, dict]:
-    """A cell's engine mode and extra options: ``bole_fr<N>`` is bole with ``draft_vocab=N``,
-    ``bole@<name>`` bole with the budget table calibration_tables/<name>.yaml."""
-    if cell_mode.startswith(FR_PREFIX):
-        return "bole", dict(draft_vocab=int(cell_mode[len(FR_PREFIX):]))
-    if cell_mode.startswith("bole" + TABLE_SEP):
-        return "bole", dict(calibration_table=f"calibration_tables/{cell_mode.split(TABLE_SEP, 1)[1]}.yaml")
-    return cell_mode, {}
+    """A cell's engine mode and extra options, from its name ``MODE[_fr<N>][@<table>][-d<D>k<K>b<B>]``:
+    ``bole_fr<N>`` is bole with ``draft_vocab=N``, ``@<name>`` the budget table
+    calibration_tables/<name>.yaml, ``-d<D>k<K>b<B>`` the drafting settings depth D, topk K, beam B
+    instead of the run's. ValueError naming the cell for any other name."""
+    extra, rest = {}, cell_mode
+    m = SPEC_RE.search(rest)
+    if m:
+        extra.update(depth=int(m[1]), topk=int(m[2]), beam=int(m[3]))
+        rest = rest[:m.start()]
+    if TABLE_SEP in rest:
+        rest, table = rest.split(TABLE_SEP, 1)
+        extra["calibration_table"] = f"calibration_tables/{table}.yaml"
+    if rest.startswith(FR_PREFIX) and rest[len(FR_PREFIX):].isdigit():
+        extra["draft_vocab"] = int(rest[len(FR_PREFIX):])
+        rest = "bole"
+    if rest not in MODES or (rest == "ar" and extra):
+        raise ValueError(f"cell {cell_mode!r}: not MODE[_fr<N>][@<table>][-d<D>k<K>b<B>] with MODE in {MODES} "
+                         "(ar takes no options)")
+    return rest, extra
+
+
+def base_mode(cell_mode: str) -> str:
+    """The mode a cell compares as: its drafting suffix dropped (``serial_tree-d8k2b2`` pairs with
+    ``bole-d8k2b2`` as serial_tree with bole)."""
+    m = SPEC_RE.search(cell_mode)
+    return cell_mode[:m.start()] if m else cell_mode
 
 
 def shape_config(name: str):
@@ -115,6 +138,8 @@ def parse_args(argv=None):
     ap.add_argument("--calibration-table", default="calibration_tables/default.yaml")
     ap.add_argument("--also-table", nargs="+", default=[], metavar="NAME",
                     help="a bole@<NAME> cell per NAME: bole with calibration_tables/<NAME>.yaml as its table")
+    ap.add_argument("--also-spec", nargs="+", default=[], metavar="D,K,B",
+                    help="every speculative cell again per D,K,B with depth D, topk K, beam B: <cell>-d<D>k<K>b<B>")
     ap.add_argument("--budget-s", type=float, default=None, help="whole run, widening included (480; smoke 150)")
     ap.add_argument("--cell-budget-s", type=float, default=None, help="per cell (60; smoke 40)")
     ap.add_argument("--grace-s", type=float, default=60.0, help="a late worker is killed this much after a budget")
@@ -135,6 +160,13 @@ def parse_args(argv=None):
         ap.error(f"--also-table: no calibration_tables/<name>.yaml for {missing}")
     a.modes = [m for m in MODES if m in a.modes] + [f"{FR_PREFIX}{n}" for n in a.draft_vocab] + \
         [f"bole{TABLE_SEP}{n}" for n in a.also_table]  # ar first
+    try:
+        specs = [tuple(int(x) for x in v.split(",")) for v in a.also_spec]
+    except ValueError:
+        specs = [()]
+    if any(len(t) != 3 or min(t) < 1 for t in specs):
+        ap.error(f"--also-spec: each value is D,K,B (three ints >= 1), got {a.also_spec}")
+    a.modes += [f"{m}-d{d}k{k}b{b}" for d, k, b in specs for m in a.modes if m != "ar"]
     a.batches = pick(a.batches, [1, 2, 4, 8, 16, 32], [1, 2])
     a.max_tokens = pick(a.max_tokens, 128, 4)
     a.depth, a.topk, a.beam = (pick(v, 4, 2) for v in (a.depth, a.topk, a.beam))
@@ -195,12 +227,13 @@ def run_cell(spec: dict, mode: str, batch: int, prompts: list[dict]) -> tuple[di
         torch.cuda.reset_peak_memory_stats()
     llm, toks = None, None
     try:
-        llm = LLM(spec["path"], mode=run_mode, **{"calibration_table": spec["calibration_table"], **extra},
-                  depth=spec["depth"], topk=spec["topk"], beam=spec["beam"],
+        opts = {**dict(calibration_table=spec["calibration_table"], depth=spec["depth"], topk=spec["topk"],
+                       beam=spec["beam"]), **extra}
+        llm = LLM(spec["path"], mode=run_mode, **opts,
                   device=spec["device"], dtype=row["dtype"], enable_cuda_graphs=cuda, max_num_seqs=batch,
                   enable_prefix_cache=False,
                   num_blocks=num_blocks([p["prompt_tokens"] for p in prompts[:batch]], spec["max_tokens"],
-                                        spec["depth"]))
+                                        opts["depth"]))
         if cuda:
             row["loaded_memory_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
         res, toks = time_llm(llm, batch, [p["prompt"] for p in prompts], spec["max_tokens"], spec["repeats"],
@@ -245,11 +278,13 @@ def first_divergence(toks: list[list[int]], ref: list[list[int]]) -> list[dict]:
 
 
 def ratios(rows: list[dict]) -> dict:
-    """Tokens/s ratios of one worker's cells per batch (``RATIOS``, and each bole_fr<N> cell's to ar), and
-    their geometric means over batches <= 16."""
+    """Tokens/s ratios of one worker's cells per batch, and their geometric means over batches <= 16:
+    ``RATIOS``, every other speculative cell's to ar, and per drafting suffix its bole cell's to its
+    serial_tree cell (``bole-d8k2b2/serial_tree-d8k2b2``)."""
     ok = {(r["mode"], r["batch"]): r for r in rows if r["status"] == "ok"}
-    pairs = RATIOS + tuple((m, "ar") for m in dict.fromkeys(r["mode"] for r in rows)
-                           if m.startswith((FR_PREFIX, "bole" + TABLE_SEP)))
+    cells = list(dict.fromkeys(r["mode"] for r in rows))
+    pairs = RATIOS + tuple((m, "ar") for m in cells if m not in MODES) + tuple(
+        (m, "serial_tree" + m[len("bole"):]) for m in cells if m != "bole" and base_mode(m) == "bole")
     per_batch = []
     for b in sorted({b for _, b in ok}):
         d = dict(batch=b)

@@ -17,6 +17,9 @@ Cases (``--cases``):
   {bole,serial_tree}_tiny_phases   a graphed step at batch 1 split into its graph replays (draft, verify
                      forward, tail): per graph the GPU kernels and the replay time, and the host time
                      beside them
+  {ar,bole,serial_tree}_phases     the same at ``--batch`` requests
+The engine cases run ``--model`` (default the embedded model; a widened checkpoint gives a 9B-cost
+step with real acceptance), ``--calibration-table``, ``--draft-vocab``, ``--depth/--topk/--beam``.
   {ar,serial_tree,bole}_tiny_generate   one timed ``generate`` as e2e.py runs it: per-step wall times,
                      then a cProfile of a second call
   {ar,serial_tree,bole}_tiny_prefill    one warm prefill step of the held-out prompt (a fresh one-token request)
@@ -120,10 +123,9 @@ def _engine(mode: str, args, device, graphs: bool, batch: int):
     from bole import LLM, SamplingParams
 
     dtype = "float32" if args.smoke else args.tiny_dtype
-    llm = LLM(str(REPO_ROOT / "models" / "bole-tiny-coder"), mode=mode, depth=args.depth, topk=args.topk,
-              beam=args.beam,
+    llm = LLM(args.model, mode=mode, depth=args.depth, topk=args.topk, beam=args.beam, draft_vocab=args.draft_vocab,
               device=str(device), dtype=dtype, num_blocks=1024, max_num_seqs=batch,
-              calibration_table="calibration_tables/default.yaml", enable_cuda_graphs=graphs)
+              calibration_table=args.calibration_table, enable_cuda_graphs=graphs)
     lines = open(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl").readlines()
     eng = llm.engine
     for i in range(batch):
@@ -148,7 +150,7 @@ def case_phases(name: str, args, device) -> dict:
     tail replays commit the same path again: the engine's state is spent afterwards (the case's last use)."""
     if device.type != "cuda":
         return dict(skipped="needs CUDA graphs")
-    eng = _engine(name.split("_tiny")[0], args, device, True, 1)
+    eng = _engine(name.split("_tiny")[0].split("_phases")[0], args, device, True, args.batch)
     seen: list = []
     replay = torch.cuda.CUDAGraph.replay
     torch.cuda.CUDAGraph.replay = lambda g: (seen.append(g), replay(g))[1]
@@ -285,6 +287,7 @@ CASES = {"decode9b": case_target, "verify9b": case_target,
          **{f"{m}_tiny_graphs_b16": (lambda n, a, d, m=m: case_engine(m, a, d, True, 16))
             for m in ("ar", "serial_tree", "bole")},
          "bole_tiny_phases": case_phases, "serial_tree_tiny_phases": case_phases,
+         "ar_phases": case_phases, "bole_phases": case_phases, "serial_tree_phases": case_phases,
          **{f"{m}_tiny_generate{e}": case_generate for m in ("ar", "serial_tree", "bole")
             for e in ("", "_eager_prefill", "_sampled", "_sampled_eager_accept")},
          **{f"{m}_tiny_prefill{e}": case_prefill for m in ("ar", "serial_tree", "bole")
@@ -298,6 +301,11 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--kv-len", type=int, default=1000, help="committed tokens of the 9B cases' request")
     ap.add_argument("--tiny-dtype", default="bfloat16", help="dtype of the embedded model's engine cases")
+    ap.add_argument("--model", default=str(REPO_ROOT / "models" / "bole-tiny-coder"),
+                    help="checkpoint of the engine cases (a widened one: scripts/widen_model.py)")
+    ap.add_argument("--batch", type=int, default=1, help="requests of the *_phases cases")
+    ap.add_argument("--calibration-table", default="calibration_tables/default.yaml")
+    ap.add_argument("--draft-vocab", type=int, default=None)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--beam", type=int, default=4)

@@ -122,16 +122,41 @@ def test_draft_vocab_cells(smoke, tmp_path):
     _, _, wd = smoke
     out = tmp_path / "fr.json"
     run_scale("--out", str(out), "--png", "none", "--widen-dir", str(wd), "--batches", "1", "--modes", "ar",
-              "--draft-vocab", "512")
+              "--draft-vocab", "512", "--also-spec", "3,2,1")
     doc = json.loads(out.read_text())
     assert doc["settings"]["draft_vocab"] == [512] and not doc["notes"]
-    ar, fr = doc["rows"]
+    ar, fr, deep = doc["rows"]
     assert (ar["mode"], fr["mode"], fr["status"], fr["draft_vocab"]) == ("ar", "bole_fr512", "ok", 512)
     assert fr["exact_vs_ar"] is True and fr["mat"] >= 1.0
+    # --also-spec: the speculative cell again with depth 3, topk 2, beam 1 (the run's is 2 / 2 / 2)
+    assert deep["mode"] == "bole_fr512-d3k2b1" and deep["status"] == "ok" and deep["exact_vs_ar"] is True
+    assert (deep["depth"], deep["topk"], deep["beam"], deep["draft_vocab"]) == (3, 2, 1, 512)
     (d,) = doc["ratios"]["smoke-cost, embedded model's predictions"]["per_batch"]
     assert d["bole_fr512/ar"] == round(fr["tokens_per_s"] / ar["tokens_per_s"], 3)
+    assert d["bole_fr512-d3k2b1/ar"] == round(deep["tokens_per_s"] / ar["tokens_per_s"], 3)
     assert e2e_scale.engine_mode("bole_fr512") == ("bole", {"draft_vocab": 512})
     assert e2e_scale.engine_mode("serial_tree") == ("serial_tree", {})
+
+
+def test_cell_names():
+    em = e2e_scale.engine_mode
+    assert em("bole_fr2048@default-d8k2b2") == ("bole", dict(
+        depth=8, topk=2, beam=2, calibration_table="calibration_tables/default.yaml", draft_vocab=2048))
+    assert em("serial_tree-d6k3b3") == ("serial_tree", dict(depth=6, topk=3, beam=3))
+    for bad in ("ar-d8k2b2", "bole_frx", "tree", "bole-d8k2"):
+        with pytest.raises(ValueError, match="not MODE"):
+            em(bad)
+    a = e2e_scale.parse_args(["--modes", "ar", "serial_tree", "bole", "--draft-vocab", "64", "--also-spec", "8,2,2"])
+    assert a.modes == ["ar", "serial_tree", "bole", "bole_fr64", "serial_tree-d8k2b2", "bole-d8k2b2",
+                       "bole_fr64-d8k2b2"]
+    with pytest.raises(SystemExit):
+        e2e_scale.parse_args(["--also-spec", "8,2"])
+    # each drafting suffix's bole cell is compared with its serial_tree cell, every other cell with ar
+    rows = [dict(mode=m, batch=1, status="ok", tokens_per_s=t, exact_vs_ar=None)
+            for m, t in (("ar", 100.0), ("serial_tree-d8k2b2", 150.0), ("bole-d8k2b2", 300.0))]
+    (d,) = e2e_scale.ratios(rows)["per_batch"]
+    assert d == {"batch": 1, "serial_tree-d8k2b2/ar": 1.5, "bole-d8k2b2/ar": 3.0,
+                 "bole-d8k2b2/serial_tree-d8k2b2": 2.0, "all_exact_vs_ar": True}
 
 
 def test_first_divergence_names_each_differing_request():
