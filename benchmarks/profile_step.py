@@ -5,8 +5,10 @@ kernel / memcpy time inside it), their difference (host overhead: time the GPU w
 CUDA driver), the number of kernel launches and of host syncs, and the top operators by self CPU time.
 
 Cases (``--cases``):
-  decode9b     eager decode forward, Qwen3.5-9B shapes (random bf16 weights), batch 1, kv 1000
-  verify9b     verify forward of a 64-node tree at the same shapes, batch 1
+  decode9b     eager decode forward, Qwen3.5-9B shapes (random bf16 weights), ``--batch`` requests (1),
+               ``--kv-len`` committed tokens each (1000)
+  verify9b     verify forward of ``--tree-nodes`` nodes (64; several values: one case each, name@T) at
+               the same shapes, split over the batch's requests
   ar_tiny      one engine step of ``ar`` on the embedded model, batch 1 (eager)
   bole_tiny    one engine step of ``bole`` on the embedded model, batch 1 (draft, budget, verify, commit)
   ar_tiny_graphs, bole_tiny_graphs   the same with CUDA graphs (decode / verify forwards replayed)
@@ -21,7 +23,8 @@ Cases (``--cases``):
 The engine cases run ``--model`` (default the embedded model; a widened checkpoint gives a 9B-cost
 step with real acceptance), ``--calibration-table``, ``--draft-vocab``, ``--depth/--topk/--beam``.
   {ar,serial_tree,bole}_tiny_generate   one timed ``generate`` as e2e.py runs it: per-step wall times,
-                     then a cProfile of a second call
+                     then a cProfile of a second call; ``{mode}_generate`` is its alias for ``--model`` /
+                     ``--batch`` / ``--max-tokens`` runs (e.g. a widened 9B at batch 16)
   {ar,serial_tree,bole}_tiny_prefill    one warm prefill step of the held-out prompt (a fresh one-token request)
 Each case also lists the top GPU kernels by device time.
 
@@ -93,10 +96,11 @@ def case_target(name: str, args, device) -> dict:
     from benchmarks.e2e import Target, parse_args
     from bole.calibrate_sweep import synthetic_batch
 
-    eargs = parse_args((["--smoke"] if args.smoke else []) + ["--share-batches", "1", "--decode-batches", "1",
-                                                              "--tree-sizes", "64", "--kv-len", str(args.kv_len)])
+    B, T = args.batch, getattr(args, "tree_nodes_one", args.tree_nodes[0])
+    eargs = parse_args((["--smoke"] if args.smoke else []) + ["--share-batches", str(B), "--decode-batches", str(B),
+                                                              "--tree-sizes", str(T), "--kv-len", str(args.kv_len)])
     tgt = Target(eargs, device, snapshots=False)
-    reqs = tgt.reqs[:1]
+    reqs = tgt.reqs[:B]
     runner = tgt.runner
     if name.endswith("_sdpa"):  # the verify forward's attention through the batched SDPA path (gathered keys)
         from bole.layers.attention import GatedAttention
@@ -108,13 +112,13 @@ def case_target(name: str, args, device) -> dict:
     if name == "decode9b":
         return profile(lambda: runner.decode_forward(reqs, use_graphs=False), device)
     if name == "decode9b_graph":  # kernels inside the replayed graph (CUPTI records them)
-        runner.enable_cuda_graphs([1], capture=device.type == "cuda")
+        runner.enable_cuda_graphs([B], capture=device.type == "cuda")
         runner.decode_forward(reqs)
         return profile(lambda: runner.decode_forward(reqs), device)
-    batch = synthetic_batch(63, 1, 8, tgt.cfg.vocab_size, tgt.gen, device,
+    batch = synthetic_batch(T - B, B, 8, tgt.cfg.vocab_size, tgt.gen, device,
                             [r.all_token_ids[r.num_computed] for r in reqs])
     if name == "verify9b_graph":
-        runner.enable_verify_graphs([1], [64], 9, capture=device.type == "cuda")
+        runner.enable_verify_graphs([B], [T], 9, capture=device.type == "cuda")
         runner.verify(reqs, batch)
     return profile(lambda: runner.verify(reqs, batch), device)
 
@@ -190,8 +194,8 @@ def case_phases(name: str, args, device) -> dict:
 
 
 def case_generate(name: str, args, device) -> dict:
-    """Where a whole ``generate`` call goes, as ``benchmarks/e2e.py`` times it (prompt 0 of the
-    held-out set, 256 tokens, greedy, graphs captured and the prefix cache warmed first): every engine
+    """Where a whole ``generate`` call goes, as ``benchmarks/e2e.py`` times it (the held-out
+    prompts[:--batch], --max-tokens each, greedy, graphs captured and the prefix cache warmed first): every engine
     step's wall time with what it did (prefill tokens, requests decoded, tokens emitted), and the top
     functions of a cProfile of the call. Name suffixes: ``_eager_prefill`` (no prefill graphs),
     ``_sampled`` (temperature 0.8, seed 0: sampled steps through the verify graphs' sampled tail) and
@@ -203,17 +207,19 @@ def case_generate(name: str, args, device) -> dict:
     from benchmarks.engine_modes import run_mode
     from bole import LLM, SamplingParams
 
-    mode = name.split("_tiny")[0]
+    mode = name.split("_tiny")[0].split("_generate")[0]
     prompts = [json.loads(line)["prompt"] for line in open(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl")]
     dtype = "float32" if args.smoke else args.tiny_dtype
+    B = args.batch
     opts = dict(device=str(device), dtype=dtype, num_blocks=2048, enable_cuda_graphs=device.type == "cuda",
-                max_num_seqs=1, cuda_graph_prefill=not name.endswith("_eager_prefill"))
+                max_num_seqs=B, cuda_graph_prefill=not name.endswith("_eager_prefill"),
+                calibration_table=args.calibration_table, draft_vocab=args.draft_vocab)
     made = []
     real_init = LLM.__init__
     LLM.__init__ = lambda self, *a, **k: (real_init(self, *a, **k), made.append(self))[0]
     try:
-        row, _ = run_mode(str(REPO_ROOT / "models" / "bole-tiny-coder"), mode, 1, prompts, 256, args.depth, args.topk,
-                          args.beam, repeats=1, **opts)
+        row, _ = run_mode(args.model, mode, B, prompts, args.max_tokens, args.depth, args.topk, args.beam, repeats=1,
+                          **opts)
     finally:
         LLM.__init__ = real_init
     llm = made[-1]
@@ -229,22 +235,22 @@ def case_generate(name: str, args, device) -> dict:
                           verify_ms=round(st.verify_time * 1e3, 3)))
         return out
     eng.step = timed
-    sp = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     if "_sampled" in name:
-        sp = SamplingParams(temperature=0.8, seed=0, max_tokens=256, ignore_eos=True)
+        sp = SamplingParams(temperature=0.8, seed=0, max_tokens=args.max_tokens, ignore_eos=True)
         if name.endswith("_eager_accept") and eng.runner.verify_graphs is not None:
             for g in eng.runner.verify_graphs.graphs.values():
                 g.sampled_tail = None
-        llm.generate(prompts[:1], sp)  # the sampled path once before timing
+        llm.generate(prompts[:B], sp)  # the sampled path once before timing
         steps.clear()
     # the per-step times from a plain call, then a second call under cProfile (which slows Python)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts[:1], sp)
+    outs = llm.generate(prompts[:B], sp)
     wall = time.perf_counter() - t0
     plain_steps, steps[:] = list(steps), []
     prof = cProfile.Profile()
     prof.enable()
-    llm.generate(prompts[:1], sp)
+    llm.generate(prompts[:B], sp)
     prof.disable()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(30)
@@ -290,6 +296,7 @@ CASES = {"decode9b": case_target, "verify9b": case_target,
          "ar_phases": case_phases, "bole_phases": case_phases, "serial_tree_phases": case_phases,
          **{f"{m}_tiny_generate{e}": case_generate for m in ("ar", "serial_tree", "bole")
             for e in ("", "_eager_prefill", "_sampled", "_sampled_eager_accept")},
+         **{f"{m}_generate": case_generate for m in ("ar", "serial_tree", "bole")},
          **{f"{m}_tiny_prefill{e}": case_prefill for m in ("ar", "serial_tree", "bole")
             for e in ("", "_eager_prefill")}}
 DEFAULT_CASES = ["decode9b", "verify9b", "ar_tiny", "bole_tiny", "ar_tiny_graphs", "bole_tiny_graphs"]
@@ -303,9 +310,12 @@ def main(argv=None):
     ap.add_argument("--tiny-dtype", default="bfloat16", help="dtype of the embedded model's engine cases")
     ap.add_argument("--model", default=str(REPO_ROOT / "models" / "bole-tiny-coder"),
                     help="checkpoint of the engine cases (a widened one: scripts/widen_model.py)")
-    ap.add_argument("--batch", type=int, default=1, help="requests of the *_phases cases")
+    ap.add_argument("--batch", type=int, default=1, help="requests of the *_phases and 9B cases")
+    ap.add_argument("--tree-nodes", type=int, nargs="+", default=[64],
+                    help="tree nodes (all requests together) of the verify9b cases, one case per value: name@T")
     ap.add_argument("--calibration-table", default="calibration_tables/default.yaml")
     ap.add_argument("--draft-vocab", type=int, default=None)
+    ap.add_argument("--max-tokens", type=int, default=256, help="tokens per request of the *_generate cases")
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--beam", type=int, default=4)
@@ -316,8 +326,12 @@ def main(argv=None):
         torch.set_num_threads(1)
     doc = dict(gpu=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
                date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), command=" ".join(sys.argv), cases={})
-    for name in args.cases:
+    runs = [(n, None) for n in args.cases if not n.startswith("verify9b")] + \
+        [(n, t) for n in args.cases if n.startswith("verify9b") for t in args.tree_nodes]
+    for name, nodes in runs:
+        args.tree_nodes_one = nodes or args.tree_nodes[0]
         r = CASES[name](name, args, device)
+        name = name if nodes is None or len(args.tree_nodes) == 1 else f"{name}@{nodes}"
         if "skipped" in r:
             print(f"== {name}: skipped ({r['skipped']})", flush=True)
             continue
