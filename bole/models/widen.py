@@ -346,11 +346,36 @@ def widen(src: str, dst: str, shape: ModelConfig, dtype="auto", shard_bytes: int
 
 
 def copy_tokenizer_files(src: str, dst: str) -> list[str]:
-    """Copy the tokenizer and generation files ``src`` has (``TOKENIZER_FILES``) to ``dst``; their names."""
+    """Copy the tokenizer and generation files ``src`` has (``TOKENIZER_FILES``) to ``dst``; their names.
+
+    The token frequency list (``bole.spec.draft_vocab``) is then extended to ``dst``'s vocabulary when
+    ``dst`` holds a wider config: the padded ids never occur in the source's training data, so they
+    follow its ranked ids with count 0 in id order, and a reduced draft vocabulary of any size up to the
+    widened vocabulary can be asked for (its cost is then the shape's; its MAT the source's, since the
+    padded rows never win)."""
     names = [n for n in TOKENIZER_FILES if os.path.exists(os.path.join(src, n))]
     for name in names:
         shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+    freq = os.path.join(dst, "token_frequencies.json")
+    if os.path.exists(freq) and os.path.exists(os.path.join(dst, "config.json")):
+        _extend_frequencies(freq, read_config(dst)[1].vocab_size)
     return names
+
+
+def _extend_frequencies(path: str, vocab_size: int) -> None:
+    with open(path) as fh:
+        doc = json.load(fh)
+    ids, counts = doc.get("token_ids"), doc.get("counts")
+    if not isinstance(ids, list) or len(ids) >= vocab_size:
+        return
+    seen = set(ids)
+    extra = [t for t in range(vocab_size) if t not in seen]
+    doc["token_ids"] = ids + extra
+    if isinstance(counts, list) and len(counts) == len(ids):
+        doc["counts"] = counts + [0] * len(extra)
+    doc["widened"] = dict(vocab_size=vocab_size, ranked_ids=len(ids), zero_count_ids=len(extra))
+    with open(path, "w") as fh:
+        json.dump(doc, fh)
 
 
 class _Shards:

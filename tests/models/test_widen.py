@@ -277,3 +277,11 @@ def test_cli_widens_the_embedded_model(tmp_path, monkeypatch):
     opts = dict(mode="ar", device="cpu", dtype="float32", num_blocks=64, block_size=16, max_num_seqs=2)
     texts = [LLM(p, **opts).generate("def add(a, b):", sp)[0].text for p in (src, dst)]
     assert texts[0] == texts[1] and texts[0]
+    # the frequency list covers the widened vocabulary: the source's ranking, then the padded ids (count 0),
+    # so a reduced draft vocabulary larger than the source's 8,192 ids serves, with ar's tokens
+    fa, fb = (json.load(open(os.path.join(p, "token_frequencies.json"))) for p in (src, dst))
+    assert fb["token_ids"][:8192] == fa["token_ids"] and sorted(fb["token_ids"]) == list(range(32768))
+    assert fb["counts"][8192:] == [0] * (32768 - 8192) and fb["widened"]["zero_count_ids"] == 32768 - 8192
+    bole = LLM(dst, **{**opts, "mode": "bole", "draft_vocab": 12000, "depth": 2, "topk": 2, "beam": 2})
+    assert bole.engine.model.mtp.vocab_ids.numel() == 12000
+    assert bole.generate("def add(a, b):", sp)[0].text == texts[0]
