@@ -79,18 +79,27 @@ def label(shape: str) -> str:
 
 
 SPEC_RE = re.compile(r"-d(\d+)k(\d+)b(\d+)$")  # a cell's drafting suffix: -d<depth>k<topk>b<beam>
+EPS_RE = re.compile(r"-e(\d+(?:\.\d+)?)$")     # a cell's budget suffix: -e<budget_epsilon>
+CELL_FORM = "MODE[_fr<N>][@<table>][-d<D>k<K>b<B>][-e<E>]"
+
+
+def _strip(name: str, pattern: re.Pattern) -> tuple[str, re.Match | None]:
+    m = pattern.search(name)
+    return (name[:m.start()], m) if m else (name, None)
 
 
 def engine_mode(cell_mode: str) -> tuple[str, dict]:
-    """A cell's engine mode and extra options, from its name ``MODE[_fr<N>][@<table>][-d<D>k<K>b<B>]``:
-    ``bole_fr<N>`` is bole with ``draft_vocab=N``, ``@<name>`` the budget table
-    calibration_tables/<name>.yaml, ``-d<D>k<K>b<B>`` the drafting settings depth D, topk K, beam B
-    instead of the run's. ValueError naming the cell for any other name."""
-    extra, rest = {}, cell_mode
-    m = SPEC_RE.search(rest)
+    """A cell's engine mode and extra options, from its name ``CELL_FORM``: ``bole_fr<N>`` is bole with
+    ``draft_vocab=N``, ``@<name>`` the budget table calibration_tables/<name>.yaml, ``-d<D>k<K>b<B>`` the
+    drafting settings depth D, topk K, beam B instead of the run's, ``-e<E>`` ``budget_epsilon=E`` (B_ver
+    re-derived from the table's timings at ε = E). ValueError naming the cell for any other name."""
+    extra = {}
+    rest, m = _strip(cell_mode, EPS_RE)
+    if m:
+        extra["budget_epsilon"] = float(m[1])
+    rest, m = _strip(rest, SPEC_RE)
     if m:
         extra.update(depth=int(m[1]), topk=int(m[2]), beam=int(m[3]))
-        rest = rest[:m.start()]
     if TABLE_SEP in rest:
         rest, table = rest.split(TABLE_SEP, 1)
         extra["calibration_table"] = f"calibration_tables/{table}.yaml"
@@ -98,16 +107,14 @@ def engine_mode(cell_mode: str) -> tuple[str, dict]:
         extra["draft_vocab"] = int(rest[len(FR_PREFIX):])
         rest = "bole"
     if rest not in MODES or (rest == "ar" and extra):
-        raise ValueError(f"cell {cell_mode!r}: not MODE[_fr<N>][@<table>][-d<D>k<K>b<B>] with MODE in {MODES} "
-                         "(ar takes no options)")
+        raise ValueError(f"cell {cell_mode!r}: not {CELL_FORM} with MODE in {MODES} (ar takes no options)")
     return rest, extra
 
 
 def base_mode(cell_mode: str) -> str:
-    """The mode a cell compares as: its drafting suffix dropped (``serial_tree-d8k2b2`` pairs with
-    ``bole-d8k2b2`` as serial_tree with bole)."""
-    m = SPEC_RE.search(cell_mode)
-    return cell_mode[:m.start()] if m else cell_mode
+    """The mode a cell compares as: its drafting and budget suffixes dropped (``serial_tree-d8k2b2``
+    pairs with ``bole-d8k2b2`` as serial_tree with bole)."""
+    return _strip(_strip(cell_mode, EPS_RE)[0], SPEC_RE)[0]
 
 
 def shape_config(name: str):
@@ -140,6 +147,9 @@ def parse_args(argv=None):
                     help="a bole@<NAME> cell per NAME: bole with calibration_tables/<NAME>.yaml as its table")
     ap.add_argument("--also-spec", nargs="+", default=[], metavar="D,K,B",
                     help="every speculative cell again per D,K,B with depth D, topk K, beam B: <cell>-d<D>k<K>b<B>")
+    ap.add_argument("--also-epsilon", type=float, nargs="+", default=[], metavar="E",
+                    help="every bole cell again per E with budget_epsilon=E (B_ver re-derived from the table's "
+                         "timings at that ε): <cell>-e<E>")
     ap.add_argument("--budget-s", type=float, default=None, help="whole run, widening included (480; smoke 150)")
     ap.add_argument("--cell-budget-s", type=float, default=None, help="per cell (60; smoke 40)")
     ap.add_argument("--grace-s", type=float, default=60.0, help="a late worker is killed this much after a budget")
@@ -167,6 +177,9 @@ def parse_args(argv=None):
     if any(len(t) != 3 or min(t) < 1 for t in specs):
         ap.error(f"--also-spec: each value is D,K,B (three ints >= 1), got {a.also_spec}")
     a.modes += [f"{m}-d{d}k{k}b{b}" for d, k, b in specs for m in a.modes if m != "ar"]
+    if any(not 0 <= e < math.inf for e in a.also_epsilon):
+        ap.error(f"--also-epsilon: each value is a finite number >= 0, got {a.also_epsilon}")
+    a.modes += [f"{m}-e{e:g}" for e in a.also_epsilon for m in a.modes if base_mode(m).startswith("bole")]
     a.batches = pick(a.batches, [1, 2, 4, 8, 16, 32], [1, 2])
     a.max_tokens = pick(a.max_tokens, 128, 4)
     a.depth, a.topk, a.beam = (pick(v, 4, 2) for v in (a.depth, a.topk, a.beam))

@@ -9,6 +9,7 @@ Everything the layers, caches and loader need is here; nothing reads the transfo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from bole.option_checks import check_types, int_tuple
@@ -240,6 +241,9 @@ class SpecConfig:
     ``bole.layers.draft_math``). Outputs stay exact either way: only the proposals can change.
     draft_vocab: the drafter scores only the N most frequent training tokens (FR-Spec; the model folder's
     ``token_frequencies.json``, ``bole.spec.draft_vocab``), N >= topk, capped at the vocabulary; None: all.
+    budget_epsilon: ε of eq. 12 (docs/DESIGN.md §5), the verify latency the budget may add over its
+    floor: each bucket's B_ver is re-derived from the calibration table's own timings at this ε
+    (``CalibrationTable.with_epsilon``); None: the table's B_ver as written (its calibration ε).
     """
 
     depth: int = 4
@@ -247,10 +251,14 @@ class SpecConfig:
     beam: int = 4
     draft_fast_math: bool = True
     draft_vocab: int | None = None
+    budget_epsilon: float | None = None
 
     def __post_init__(self):
         check_types(self, ints=("depth", "topk", "beam") + (("draft_vocab",) if self.draft_vocab is not None else ()),
                     bools=("draft_fast_math",))
+        eps = self.budget_epsilon
+        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf):
+            raise ValueError(f"SpecConfig.budget_epsilon must be a finite number >= 0 (or None), got {eps!r}")
         if self.draft_vocab is not None and self.draft_vocab < self.topk:
             raise ValueError(f"SpecConfig.draft_vocab must be an int >= topk={self.topk} (or None), "
                              f"got {self.draft_vocab!r}")

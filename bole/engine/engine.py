@@ -66,6 +66,19 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     """The continuous-batching engine over one model: requests in, ``step()`` -> their output deltas."""
 
+    @property
+    def calibration(self) -> CalibrationTable:
+        """The budget table the speculative step looks up (B_ver per bucket)."""
+        return self._calibration
+
+    @calibration.setter
+    def calibration(self, table: CalibrationTable) -> None:
+        """Install ``table`` (at start, by recalibration or a replica's reconfigure): with
+        ``SpecConfig.budget_epsilon`` set, a speculative engine re-derives its B_ver at that ε from the
+        table's timings (ValueError naming a table without them)."""
+        eps = self.config.spec.budget_epsilon
+        self._calibration = table if eps is None or self.mode == "ar" else table.with_epsilon(eps)
+
     def __init__(self, model, config: EngineConfig, tokenizer=None, calibration: CalibrationTable | None = None):
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.mode = config.mode
@@ -84,7 +97,7 @@ class LLMEngine:
             if self.mode != "ar" else 0
         self.lookahead = 1 + self.max_draft_nodes
         # "auto" picks a table for (hardware class, model shapes) with fallbacks (bole.hardware);
-        # bole.recalibration.recalibrate swaps this attribute between steps.
+        # bole.recalibration.recalibrate swaps this attribute between steps (the ``calibration`` setter).
         self.calibration = calibration or resolve_calibration(config.calibration_table, model.config,
                                                               config.device, config.dtype)
         graphs, spec_graphs = config.enable_cuda_graphs, config.enable_cuda_graphs and self.mode != "ar"

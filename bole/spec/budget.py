@@ -34,7 +34,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Mapping
 
@@ -165,6 +165,19 @@ class CalibrationTable:
             date=date, epsilon=float(eps), source=data["source"], capture_set=tuple(cap),
             buckets=buckets, notes=str(data.get("notes", "")), provenance=dict(data.get("provenance") or {}),
             model_error=data.get("model_error"))
+
+    def with_epsilon(self, epsilon: float) -> "CalibrationTable":
+        """This table with every bucket's B_ver re-derived by eq. 12 (``select_b_ver``) from its own timings
+        at ``epsilon`` (``SpecConfig.budget_epsilon``): the same measurements, another latency tolerance.
+        ValueError naming the table when a bucket has no timings (a default table's B_ver is written, not
+        derived) or when epsilon is not a finite number >= 0."""
+        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0 <= epsilon < math.inf:
+            raise ValueError(f"budget epsilon must be a finite number >= 0, got {epsilon!r}")
+        if any(b.t_dec_ms is None or not b.t_ver_ms for b in self.buckets):
+            raise ValueError(f"calibration table {self.table_id} ({self.source}) has buckets without timings: "
+                             f"its B_ver cannot be re-derived at budget epsilon {epsilon}")
+        buckets = tuple(replace(b, b_ver=select_b_ver(b.t_ver_ms, b.t_dec_ms, float(epsilon))) for b in self.buckets)
+        return replace(self, epsilon=float(epsilon), buckets=buckets)
 
     def to_dict(self) -> dict:
         out = {k: getattr(self, k) for k in ("hardware", "model", "dtype", "tp_size", "date",

@@ -143,7 +143,10 @@ def test_cell_names():
     assert em("bole_fr2048@default-d8k2b2") == ("bole", dict(
         depth=8, topk=2, beam=2, calibration_table="calibration_tables/default.yaml", draft_vocab=2048))
     assert em("serial_tree-d6k3b3") == ("serial_tree", dict(depth=6, topk=3, beam=3))
-    for bad in ("ar-d8k2b2", "bole_frx", "tree", "bole-d8k2"):
+    assert em("bole_fr64-d8k2b2-e0.5") == ("bole", dict(draft_vocab=64, depth=8, topk=2, beam=2, budget_epsilon=0.5))
+    assert em("bole-e2") == ("bole", dict(budget_epsilon=2.0))
+    assert e2e_scale.base_mode("bole_fr64-d8k2b2-e0.5") == "bole_fr64"
+    for bad in ("ar-d8k2b2", "bole_frx", "tree", "bole-d8k2", "ar-e0.5", "bole-e0.5-d8k2b2"):
         with pytest.raises(ValueError, match="not MODE"):
             em(bad)
     a = e2e_scale.parse_args(["--modes", "ar", "serial_tree", "bole", "--draft-vocab", "64", "--also-spec", "8,2,2"])
@@ -151,6 +154,10 @@ def test_cell_names():
                        "bole_fr64-d8k2b2"]
     with pytest.raises(SystemExit):
         e2e_scale.parse_args(["--also-spec", "8,2"])
+    a = e2e_scale.parse_args(["--modes", "ar", "serial_tree", "bole", "--draft-vocab", "64", "--also-epsilon", "0.5"])
+    assert a.modes == ["ar", "serial_tree", "bole", "bole_fr64", "bole-e0.5", "bole_fr64-e0.5"]
+    with pytest.raises(SystemExit):
+        e2e_scale.parse_args(["--also-epsilon", "-1"])
     # each drafting suffix's bole cell is compared with its serial_tree cell, every other cell with ar
     rows = [dict(mode=m, batch=1, status="ok", tokens_per_s=t, exact_vs_ar=None)
             for m, t in (("ar", 100.0), ("serial_tree-d8k2b2", 150.0), ("bole-d8k2b2", 300.0))]

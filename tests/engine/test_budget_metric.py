@@ -4,13 +4,15 @@ apart, as ``floor_excess_nodes``. Counted together they had read 1.26 on the ser
 
 from __future__ import annotations
 
+import pytest
 import yaml
 from checkpoints import make_checkpoint
-from engine_helpers import default_table
+from engine_helpers import default_table, run_arrivals
 
 from bole.config import EngineConfig
 from bole.engine.engine import LLMEngine
 from bole.engine.metrics import EngineMetrics, StepStats
+from bole.llm import resolve_repo_path
 from bole.models.loader import load_model
 from bole.sampling_params import SamplingParams
 from bole.spec.budget import CalibrationTable
@@ -47,3 +49,26 @@ def test_served_engine_budget_used_stays_within_one(tmp_path):
     # the old ratio (every verified draft over B_ver) is what exceeded 1
     m = eng.metrics
     assert (m.tree_nodes - m.request_steps) / m.b_ver_sum > 1.0
+
+
+def test_budget_epsilon_rederives_the_installed_table(tmp_path):
+    """``budget_epsilon``: the engine's table is the given one with B_ver re-derived at that ε from its
+    timings, at start and for any table installed later (recalibration, a replica's reconfigure); the
+    greedy tokens stay ar's. ar ignores the option; a table without timings refuses it by name."""
+    make_checkpoint(tmp_path, "dense", 32)
+    measured = CalibrationTable.load(resolve_repo_path("calibration_tables/cpu-bole-tiny-coder.yaml"))
+    model = load_model(str(tmp_path), dtype="float32")
+    opts = dict(num_blocks=96, block_size=4, depth=3, topk=2, beam=2, max_num_seqs=4,
+                calibration_table=default_table())
+    eng = LLMEngine(model, EngineConfig.from_options(mode="bole", budget_epsilon=50.0, **opts), calibration=measured)
+    assert eng.calibration == measured.with_epsilon(50.0) != measured
+    assert {b.b_ver for b in eng.calibration.buckets} == {max(measured.capture_set)}
+    eng.calibration = measured                      # installed later: re-derived the same way
+    assert eng.calibration.epsilon == 50.0 and eng.calibration == measured.with_epsilon(50.0)
+    ar = LLMEngine(model, EngineConfig.from_options(mode="ar", budget_epsilon=50.0, **opts))
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [3, 3, 3, 3, 3]]
+    assert run_arrivals(eng, prompts, [9, 7, 8, 6]) == run_arrivals(ar, prompts, [9, 7, 8, 6])
+    with pytest.raises(ValueError, match="without timings"):
+        LLMEngine(model, EngineConfig.from_options(mode="bole", budget_epsilon=0.5, **opts))
+    with pytest.raises(ValueError, match="budget_epsilon"):
+        EngineConfig.from_options(mode="bole", budget_epsilon=-1.0)

@@ -53,6 +53,26 @@ def measured_table() -> dict:
     }
 
 
+def test_with_epsilon_rederives_b_ver_from_the_timings(tmp_path):
+    """SpecConfig.budget_epsilon: the same timings at another ε (eq. 12 per bucket); the result is a valid
+    table (its b_ver agree with eq. 12 at the new ε when it is written and read back)."""
+    t = CalibrationTable.from_dict(measured_table())
+    assert t.with_epsilon(0.1) == t
+    wide = t.with_epsilon(0.2)  # bounds 1.2 x max(T_dec, T_ver(16)): 12.24, 14.52, 18.0, 19.8 ms
+    assert wide.epsilon == 0.2 and [b.b_ver for b in wide.buckets] == [64, 64, 32, 32]
+    assert [b.b_ver for b in t.with_epsilon(0.0).buckets] == [16, 16, 16, 16]
+    assert [b.t_ver_ms for b in wide.buckets] == [b.t_ver_ms for b in t.buckets]
+    wide.dump(tmp_path / "t.yaml")
+    assert CalibrationTable.load(tmp_path / "t.yaml") == wide
+    h200 = CalibrationTable.load(REPO / "calibration_tables" / "h200-qwen3.5-9b.yaml")
+    assert h200.with_epsilon(h200.epsilon) == h200  # the committed table is eq. 12 of its own timings
+    for bad in (-0.1, float("inf"), float("nan"), True, "0.2", None):
+        with pytest.raises(ValueError, match="budget epsilon"):
+            t.with_epsilon(bad)
+    with pytest.raises(ValueError, match="without timings"):  # a default table's b_ver is written, not derived
+        CalibrationTable.load(REPO / "calibration_tables" / "default.yaml").with_epsilon(0.2)
+
+
 def test_lookup_and_roundtrip(tmp_path):
     t = CalibrationTable.from_dict(measured_table())
     assert [b.b_ver for b in t.buckets] == [32, 64, 16, 32]
