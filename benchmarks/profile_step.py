@@ -20,13 +20,13 @@ Cases (``--cases``):
                      forward, tail): per graph the GPU kernels and the replay time, and the host time
                      beside them
   {ar,bole,serial_tree}_phases     the same at ``--batch`` requests
-The engine cases run ``--model`` (default the embedded model; a widened checkpoint gives a 9B-cost
-step with real acceptance), ``--calibration-table``, ``--draft-vocab``, ``--depth/--topk/--beam``.
   {ar,serial_tree,bole}_tiny_generate   one timed ``generate`` as e2e.py runs it: per-step wall times,
                      then a cProfile of a second call; ``{mode}_generate`` is its alias for ``--model`` /
                      ``--batch`` / ``--max-tokens`` runs (e.g. a widened 9B at batch 16)
   {ar,serial_tree,bole}_tiny_prefill    one warm prefill step of the held-out prompt (a fresh one-token request)
-Each case also lists the top GPU kernels by device time.
+Each case also lists the top GPU kernels by device time. The engine cases run ``--model`` (default the
+embedded model; a widened checkpoint gives a 9B-cost step with real acceptance), ``--calibration-table``,
+``--draft-vocab``, ``--depth/--topk/--beam``.
 
     python benchmarks/profile_step.py --out benchmarks/results/profile_h200.json
     python benchmarks/profile_step.py --smoke          # CPU, tiny shapes
@@ -96,7 +96,7 @@ def case_target(name: str, args, device) -> dict:
     from benchmarks.e2e import Target, parse_args
     from bole.calibrate_sweep import synthetic_batch
 
-    B, T = args.batch, getattr(args, "tree_nodes_one", args.tree_nodes[0])
+    B, T = args.batch, args.tree_nodes_one
     eargs = parse_args((["--smoke"] if args.smoke else []) + ["--share-batches", str(B), "--decode-batches", str(B),
                                                               "--tree-sizes", str(T), "--kv-len", str(args.kv_len)])
     tgt = Target(eargs, device, snapshots=False)

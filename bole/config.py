@@ -9,10 +9,9 @@ Everything the layers, caches and loader need is here; nothing reads the transfo
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from bole.option_checks import check_types, int_tuple
+from bole.option_checks import check_epsilon, check_types, int_tuple
 from bole.spec.tree import MAX_TREE_NODES
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
@@ -256,9 +255,8 @@ class SpecConfig:
     def __post_init__(self):
         check_types(self, ints=("depth", "topk", "beam") + (("draft_vocab",) if self.draft_vocab is not None else ()),
                     bools=("draft_fast_math",))
-        eps = self.budget_epsilon
-        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf):
-            raise ValueError(f"SpecConfig.budget_epsilon must be a finite number >= 0 (or None), got {eps!r}")
+        if self.budget_epsilon is not None:
+            check_epsilon("SpecConfig.budget_epsilon", self.budget_epsilon)
         if self.draft_vocab is not None and self.draft_vocab < self.topk:
             raise ValueError(f"SpecConfig.draft_vocab must be an int >= topk={self.topk} (or None), "
                              f"got {self.draft_vocab!r}")

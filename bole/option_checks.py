@@ -7,6 +7,7 @@ silently read as something else.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 
@@ -39,6 +40,14 @@ def int_tuple(name: str, value) -> tuple[int, ...]:
     if bad:
         raise ValueError(f"{name} must be a list of non-negative ints, got {list(out)!r} (bad: {bad[:5]!r})")
     return tuple(int(v) for v in out)
+
+
+def check_epsilon(name: str, value) -> float:
+    """eq. 12's ε (a calibration table's, or ``SpecConfig.budget_epsilon``) as a float; ValueError naming
+    ``name`` unless it is a finite real number >= 0 (a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
 
 
 def is_integral(v) -> bool:

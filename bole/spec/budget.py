@@ -41,6 +41,8 @@ from typing import Mapping
 import torch
 import yaml
 
+from bole.option_checks import check_epsilon
+
 SOURCES = ("measured", "modeled", "default")
 _TOP_KEYS = {"hardware", "model", "dtype", "tp_size", "versions", "date", "epsilon", "source",
              "capture_set", "buckets"}
@@ -142,9 +144,7 @@ class CalibrationTable:
             date = date.isoformat()
         if not isinstance(date, str):
             raise ValueError(f"date must be an ISO date string, got {date!r}")
-        eps = data["epsilon"]
-        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (0 <= eps < math.inf):
-            raise ValueError(f"epsilon must be a finite number >= 0, got {eps!r}")
+        eps = check_epsilon("epsilon", data["epsilon"])
         if data["source"] not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {data['source']!r}")
         cap = data["capture_set"]
@@ -171,13 +171,12 @@ class CalibrationTable:
         at ``epsilon`` (``SpecConfig.budget_epsilon``): the same measurements, another latency tolerance.
         ValueError naming the table when a bucket has no timings (a default table's B_ver is written, not
         derived) or when epsilon is not a finite number >= 0."""
-        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0 <= epsilon < math.inf:
-            raise ValueError(f"budget epsilon must be a finite number >= 0, got {epsilon!r}")
+        epsilon = check_epsilon("budget epsilon", epsilon)
         if any(b.t_dec_ms is None or not b.t_ver_ms for b in self.buckets):
             raise ValueError(f"calibration table {self.table_id} ({self.source}) has buckets without timings: "
                              f"its B_ver cannot be re-derived at budget epsilon {epsilon}")
-        buckets = tuple(replace(b, b_ver=select_b_ver(b.t_ver_ms, b.t_dec_ms, float(epsilon))) for b in self.buckets)
-        return replace(self, epsilon=float(epsilon), buckets=buckets)
+        buckets = tuple(replace(b, b_ver=select_b_ver(b.t_ver_ms, b.t_dec_ms, epsilon)) for b in self.buckets)
+        return replace(self, epsilon=epsilon, buckets=buckets)
 
     def to_dict(self) -> dict:
         out = {k: getattr(self, k) for k in ("hardware", "model", "dtype", "tp_size", "date",
