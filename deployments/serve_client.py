@@ -125,13 +125,17 @@ class ServeEngineClient:
         return bool(self.max_model_len)
 
     async def is_ready(self) -> bool:
+        """Some replica accepts requests: the one each group's router picks says so, or, when that pick is
+        a replica being drained (the least loaded, until its next stats report marks it), any replica whose
+        reported stats say it accepts (a surge replica beside it)."""
         if not self.max_model_len:
             return False
         try:
             oks = await asyncio.gather(*(h.is_ready.remote() for h in self.handles.values()))
         except Exception:
-            return False
-        return any(oks)
+            oks = []
+        return any(oks) or any(s is not None and s.accepting
+                               for reps in self.fleet.stats().values() for s in reps.values())
 
     async def fleet_stats(self) -> list[ReplicaStats]:
         """Every replica's stats as the routers last saw them, tagged with its deployment; before any

@@ -40,3 +40,25 @@ def test_a_replica_without_stats_yet_counts_as_accepting_and_idle():
     fleet.publish("gb10", {"r2": stats("r2", 0, "gb10", accepting=False)})
     client.in_flight["gb10"] = 1   # every replica draining: the group with less in flight from here
     assert client.pick_group(list(range(8))) == "a100"
+
+
+def test_ready_while_the_routers_pick_is_a_draining_replica():
+    """/ready during a one-replica class's surge: the router's pick can be the replica being drained (it
+    says not ready) before its stats say so; the surge replica's stats say it accepts, so the fleet is
+    ready. With no replica accepting, it is not."""
+    class Handle:
+        def __init__(self, ready):
+            self.is_ready = type("M", (), {"remote": staticmethod(lambda: _value(ready))})
+
+    async def _value(v):
+        return v
+
+    fleet = FleetView()
+    client = ServeEngineClient({"cpu": Handle(False)}, None, fleet, RouterPolicyConfig(block_size=4))
+    client.max_model_len = 64
+    fleet.publish("cpu", {"old": stats("old", 0, "cpu", accepting=False), "surge": stats("surge", 0, "cpu")})
+    assert asyncio.run(client.is_ready())
+    fleet.publish("cpu", {"old": stats("old", 0, "cpu", accepting=False), "surge": None})
+    assert not asyncio.run(client.is_ready())
+    client.handles = {"cpu": Handle(True)}
+    assert asyncio.run(client.is_ready())
