@@ -19,7 +19,8 @@ Cases (``--cases``):
   {bole,serial_tree}_tiny_phases   a graphed step at batch 1 split into its graph replays (draft, verify
                      forward, tail): per graph the GPU kernels and the replay time, and the host time
                      beside them
-  {ar,bole,serial_tree}_phases     the same at ``--batch`` requests
+  {ar,bole,serial_tree}_phases     the same at ``--batch`` requests; ``bole_phases_cublas``: with the drafter's
+                     lm_head through torch's GEMM instead of kernels.few_rows_linear (its baseline)
   {ar,serial_tree,bole}_tiny_generate   one timed ``generate`` as e2e.py runs it: per-step wall times,
                      then a cProfile of a second call; ``{mode}_generate`` is its alias for ``--model`` /
                      ``--batch`` / ``--max-tokens`` runs (e.g. a widened 9B at batch 16)
@@ -123,7 +124,8 @@ def case_target(name: str, args, device) -> dict:
     return profile(lambda: runner.verify(reqs, batch), device)
 
 
-def _engine(mode: str, args, device, graphs: bool, batch: int):
+def _engine(mode: str, args, device, graphs: bool, batch: int, capture_all: bool = True,
+            cublas_lm_head: bool = False):
     from bole import LLM, SamplingParams
 
     dtype = "float32" if args.smoke else args.tiny_dtype
@@ -132,14 +134,21 @@ def _engine(mode: str, args, device, graphs: bool, batch: int):
               calibration_table=args.calibration_table, enable_cuda_graphs=graphs)
     lines = open(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl").readlines()
     eng = llm.engine
+    if cublas_lm_head:  # the baseline of kernels.few_rows_linear: the drafter's lm_head by torch's GEMM
+        import dataclasses
+
+        from bole.ops.linear import few_rows_linear_ref
+        mtp = eng.runner.model.mtp
+        mtp.backend = dataclasses.replace(mtp.backend, few_rows_linear=few_rows_linear_ref)
     for i in range(batch):
         eng.add_request(llm.encode(json.loads(lines[i % len(lines)])["prompt"]),
                         SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True))
     started: set[str] = set()
     while len(started) < batch:   # a request's first output comes with the end of its prefill
         started.update(o.request_id for o in eng.step())
-    for g in eng.runner.all_graphs():
-        g.capture_all(batch, 1024)
+    if capture_all:  # else the steps capture the keys they need (lazily, as serving does)
+        for g in eng.runner.all_graphs():
+            g.capture_all(batch, 1024)
     return eng
 
 
@@ -154,7 +163,17 @@ def case_phases(name: str, args, device) -> dict:
     tail replays commit the same path again: the engine's state is spent afterwards (the case's last use)."""
     if device.type != "cuda":
         return dict(skipped="needs CUDA graphs")
-    eng = _engine(name.split("_tiny")[0].split("_phases")[0], args, device, True, args.batch)
+    import cProfile
+    import io
+    import pstats
+
+    # graphs captured by the warm-up steps below (this batch's keys only: capturing every key up to it
+    # takes minutes at 9B)
+    eng = _engine(name.split("_tiny")[0].split("_phases")[0], args, device, True, args.batch, capture_all=False,
+                  cublas_lm_head=name.endswith("_cublas"))
+    for _ in range(3):
+        eng.step()
+    captured = sum(len(g.graphs) for g in eng.runner.all_graphs())
     seen: list = []
     replay = torch.cuda.CUDAGraph.replay
     torch.cuda.CUDAGraph.replay = lambda g: (seen.append(g), replay(g))[1]
@@ -165,6 +184,14 @@ def case_phases(name: str, args, device) -> dict:
     finally:
         torch.cuda.CUDAGraph.replay = replay
     step = profile(eng.step, device, warmup=2, reps=9)
+    prof = cProfile.Profile()   # the host's share: Python functions over 5 steps
+    prof.enable()
+    for _ in range(5):
+        eng.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
     names = {1: ["step"], 3: ["draft", "verify", "tail"]}.get(len(seen), [f"graph{i}" for i in range(len(seen))])
     out = dict(step_wall_ms=step["wall_ms"], step_gpu_ms=step["gpu_busy_ms"],
                step_kernels=step["gpu_kernel_calls"], graphs={})
@@ -184,8 +211,15 @@ def case_phases(name: str, args, device) -> dict:
         out["graphs"][nm] = dict(replay_ms=round(ms, 3), gpu_ms=p["gpu_busy_ms"], kernels=p["gpu_kernel_calls"],
                                  top_gpu=p["top_gpu"])
     out["host_ms"] = round(step["wall_ms"] - total, 3)
-    out["config"] = dict(depth=args.depth, topk=args.topk, beam=args.beam, dtype=args.tiny_dtype)
-    print(json.dumps({k: v for k, v in out.items() if k != "graphs"}),
+    out["captured_during_timing"] = sum(len(g.graphs) for g in eng.runner.all_graphs()) - captured
+    out["config"] = dict(depth=args.depth, topk=args.topk, beam=args.beam, dtype=args.tiny_dtype,
+                         batch=args.batch, model=args.model, draft_vocab=args.draft_vocab,
+                         calibration_table=args.calibration_table)
+    last = eng.metrics.last_step
+    out["last_step"] = dict(requests=last.decode_requests, emitted=last.emitted_tokens, nodes=last.tree_nodes,
+                            b_ver=last.b_ver)
+    out["host_cprofile_5_steps"] = buf.getvalue()
+    print(json.dumps({k: v for k, v in out.items() if k not in ("graphs", "host_cprofile_5_steps")}),
           {k: (v["replay_ms"], v["kernels"]) for k, v in out["graphs"].items()}, flush=True)
     out["table"] = step["table"]
     for k in ("wall_ms", "gpu_busy_ms", "host_overhead_ms", "launches", "counts"):
@@ -294,6 +328,7 @@ CASES = {"decode9b": case_target, "verify9b": case_target,
             for m in ("ar", "serial_tree", "bole")},
          "bole_tiny_phases": case_phases, "serial_tree_tiny_phases": case_phases,
          "ar_phases": case_phases, "bole_phases": case_phases, "serial_tree_phases": case_phases,
+         "bole_phases_cublas": case_phases,
          **{f"{m}_tiny_generate{e}": case_generate for m in ("ar", "serial_tree", "bole")
             for e in ("", "_eager_prefill", "_sampled", "_sampled_eager_accept")},
          **{f"{m}_generate": case_generate for m in ("ar", "serial_tree", "bole")},

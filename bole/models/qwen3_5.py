@@ -38,7 +38,6 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from bole.backend import GDNBackend, resolve_backend
@@ -177,7 +176,8 @@ and lm_head are the target's (shared, not registered here).
         ``restrict_vocab`` ones)."""
         weight = self._shared[1].weight if self._vocab_weight is None else self._vocab_weight
         with self._math(hidden):
-            return F.linear(hidden, weight)
+            # a few rows against a wide weight: the backend's kernel reads it once (kernels.few_rows_linear)
+            return self.backend.few_rows_linear(hidden, weight)
 
     def log_softmax_topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs, token ids) [..., k] of ``compute_logits`` rows: the backend's fused log-softmax

@@ -1,0 +1,99 @@
+"""The drafter's lm_head at the widened shapes: kernels.few_rows_linear against torch's GEMM (cuBLAS).
+
+Per shape (rows M: batch x topk, weight [N, K]: the reduced draft vocabulary or the full one, K the
+hidden size of the 4B / 9B / 27B shapes) the median time of a launch (CUDA events over 50 back-to-back
+launches, 5 repeats), the weight bandwidth it reaches, and the kernel's largest error against the
+float64 product next to cuBLAS's. ``--sweep`` first times the kernel's launch configurations at
+K = 4096, N = 32768 (M 16 and 64).
+
+    python benchmarks/draft_logits.py --out benchmarks/results/draft_logits_h200.json [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.few_rows_linear import few_rows_linear  # noqa: E402
+
+CONFIGS = [dict(block_n=128, block_k=64, num_warps=4, num_stages=4),
+           dict(block_n=64, block_k=128, num_warps=4, num_stages=4),
+           dict(block_n=128, block_k=128, num_warps=8, num_stages=3),
+           dict(block_n=256, block_k=64, num_warps=8, num_stages=3),
+           dict(block_n=64, block_k=64, num_warps=4, num_stages=6)]
+
+
+def timed(fn, reps: int = 50, repeats: int = 5) -> float:
+    """Median milliseconds per call over ``repeats`` runs of ``reps`` back-to-back calls."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) / reps)
+    return sorted(out)[len(out) // 2]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 128])
+    ap.add_argument("--hidden", type=int, nargs="+", default=[2560, 4096, 5120])
+    ap.add_argument("--vocab", type=int, nargs="+", default=[32768, 248320])
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(0)
+    doc = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%dT%H:%M:%SZ"),
+               command=" ".join(sys.argv), sweep=[], rows=[])
+    if a.sweep:
+        w = torch.randn(32768, 4096, device=dev, dtype=dt, generator=gen)
+        for M in (16, 64):
+            x = torch.randn(M, 4096, device=dev, dtype=dt, generator=gen)
+            base = timed(lambda: F.linear(x, w))
+            for c in CONFIGS:
+                ms = timed(lambda: few_rows_linear(x, w, **c))
+                doc["sweep"].append(dict(M=M, N=32768, K=4096, **c, ms=round(ms, 4), cublas_ms=round(base, 4)))
+                print("sweep", doc["sweep"][-1], flush=True)
+        del w
+    for K in a.hidden:
+        for N in a.vocab:
+            w = (torch.randn(N, K, device=dev, dtype=dt, generator=gen) / K ** 0.5)
+            gb, wd = N * K * 2 / 1e9, w.double()
+            for M in a.rows:
+                x = torch.randn(M, K, device=dev, dtype=dt, generator=gen)
+                ref = x.double() @ wd.T
+                err = lambda y: float((y.double() - ref).abs().max())
+                t_cublas = timed(lambda: F.linear(x, w))
+                t_kernel = timed(lambda: few_rows_linear(x, w))
+                row = dict(M=M, N=N, K=K, cublas_ms=round(t_cublas, 4), kernel_ms=round(t_kernel, 4),
+                           speedup=round(t_cublas / t_kernel, 2), kernel_tb_s=round(gb / t_kernel, 2),
+                           cublas_tb_s=round(gb / t_cublas, 2), kernel_max_err=err(few_rows_linear(x, w)),
+                           cublas_max_err=err(F.linear(x, w)))
+                doc["rows"].append(row)
+                print(row, flush=True)
+                del ref
+            del w, wd
+            torch.cuda.empty_cache()
+            if a.out:
+                Path(a.out).write_text(json.dumps(doc, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
