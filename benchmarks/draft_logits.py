@@ -7,12 +7,14 @@ float64 product next to cuBLAS's. ``--sweep`` first times the kernel's launch co
 K = 4096, N = 32768 (M 16 and 64).
 
     python benchmarks/draft_logits.py --out benchmarks/results/draft_logits_h200.json [--sweep]
+    python benchmarks/draft_logits.py --smoke --sweep      # CPU, Triton interpreter: the harness only
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,6 +23,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--smoke" in sys.argv:  # before triton is imported: the interpreter on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kernels.few_rows_linear import few_rows_linear  # noqa: E402
 
@@ -31,20 +35,25 @@ CONFIGS = [dict(block_n=128, block_k=64, num_warps=4, num_stages=4),
            dict(block_n=64, block_k=64, num_warps=4, num_stages=6)]
 
 
-def timed(fn, reps: int = 50, repeats: int = 5) -> float:
-    """Median milliseconds per call over ``repeats`` runs of ``reps`` back-to-back calls."""
+def timed(fn, *args, reps: int = 50, repeats: int = 5, **kw) -> float:
+    """Median milliseconds per call of ``fn(*args, **kw)`` over ``repeats`` runs of ``reps`` back-to-back
+    calls (CUDA events; wall time on the CPU, where it means nothing)."""
+    cuda = torch.cuda.is_available()
     for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
+        fn(*args, **kw)
     out = []
     for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+        if cuda:
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        t0 = time.perf_counter()
         for _ in range(reps):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) / reps)
+            fn(*args, **kw)
+        if cuda:
+            b.record()
+            torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) / reps if cuda else (time.perf_counter() - t0) * 1e3 / reps)
     return sorted(out)[len(out) // 2]
 
 
@@ -54,20 +63,26 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, nargs="+", default=[2560, 4096, 5120])
     ap.add_argument("--vocab", type=int, nargs="+", default=[32768, 248320])
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="CPU (Triton interpreter), tiny shapes, fp16")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     dev, dt = torch.device("cuda"), torch.bfloat16
+    sweep_n, sweep_k = 32768, 4096
+    if a.smoke:
+        dev, dt, sweep_n, sweep_k = torch.device("cpu"), torch.float16, 256, 64
+        a.rows, a.hidden, a.vocab = [1, 16], [64], [256]
     gen = torch.Generator(device=dev).manual_seed(0)
-    doc = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%dT%H:%M:%SZ"),
+    doc = dict(gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", torch=torch.__version__,
+               date=time.strftime("%Y-%m-%dT%H:%M:%SZ"),
                command=" ".join(sys.argv), sweep=[], rows=[])
     if a.sweep:
-        w = torch.randn(32768, 4096, device=dev, dtype=dt, generator=gen)
+        w = torch.randn(sweep_n, sweep_k, device=dev, dtype=dt, generator=gen)
         for M in (16, 64):
-            x = torch.randn(M, 4096, device=dev, dtype=dt, generator=gen)
-            base = timed(lambda: F.linear(x, w))
+            x = torch.randn(M, sweep_k, device=dev, dtype=dt, generator=gen)
+            base = timed(F.linear, x, w, reps=3 if a.smoke else 50)
             for c in CONFIGS:
-                ms = timed(lambda: few_rows_linear(x, w, **c))
-                doc["sweep"].append(dict(M=M, N=32768, K=4096, **c, ms=round(ms, 4), cublas_ms=round(base, 4)))
+                ms = timed(few_rows_linear, x, w, reps=1 if a.smoke else 50, **c)
+                doc["sweep"].append(dict(M=M, N=sweep_n, K=sweep_k, **c, ms=round(ms, 4), cublas_ms=round(base, 4)))
                 print("sweep", doc["sweep"][-1], flush=True)
         del w
     for K in a.hidden:
@@ -77,13 +92,13 @@ def main(argv=None):
             for M in a.rows:
                 x = torch.randn(M, K, device=dev, dtype=dt, generator=gen)
                 ref = x.double() @ wd.T
-                err = lambda y: float((y.double() - ref).abs().max())
-                t_cublas = timed(lambda: F.linear(x, w))
-                t_kernel = timed(lambda: few_rows_linear(x, w))
+                t_cublas = timed(F.linear, x, w, reps=3 if a.smoke else 50)
+                t_kernel = timed(few_rows_linear, x, w, reps=1 if a.smoke else 50)
                 row = dict(M=M, N=N, K=K, cublas_ms=round(t_cublas, 4), kernel_ms=round(t_kernel, 4),
                            speedup=round(t_cublas / t_kernel, 2), kernel_tb_s=round(gb / t_kernel, 2),
-                           cublas_tb_s=round(gb / t_cublas, 2), kernel_max_err=err(few_rows_linear(x, w)),
-                           cublas_max_err=err(F.linear(x, w)))
+                           cublas_tb_s=round(gb / t_cublas, 2),
+                           kernel_max_err=float((few_rows_linear(x, w).double() - ref).abs().max()),
+                           cublas_max_err=float((F.linear(x, w).double() - ref).abs().max()))
                 doc["rows"].append(row)
                 print(row, flush=True)
                 del ref

@@ -39,7 +39,9 @@ Registered backends:
               forwards over the frontier forest; keys read in place, split over the prefix) with
               kernels.tree_attention; the graphed speculative step's forest layouts with kernels.tree_layout and its
               greedy acceptance with kernels.greedy_accept; the drafter's per-level top-k of log-softmax with
-              kernels.logits_topk and, in half precision, its lm_head rows with kernels.few_rows_linear.
+              kernels.logits_topk. The drafter's lm_head stays torch's GEMM: kernels.few_rows_linear
+              (``half_precision_only``) is not yet timed on a GPU (benchmarks/draft_logits.py,
+              profile_step.py's ``bole_phases_few_rows``), so it is not the default.
     "auto":   "triton" on CUDA when the kernels import, else "torch". Resolved once, logged.
 
 The "triton" backend's per-layer kernels whose arguments include what every layer of a forward shares
@@ -94,7 +96,7 @@ class GDNBackend:
     tree_layout: Callable = tree_layout_ref   # a graphed step's forest layout (kernels.tree_layout)
     greedy_accept: Callable = greedy_accept_ref  # the verify tail's greedy tree walk (kernels.greedy_accept)
     log_softmax_topk: Callable = log_softmax_topk_ref  # the drafter's children per level (kernels.logits_topk)
-    few_rows_linear: Callable = few_rows_linear_ref  # the drafter's lm_head rows (kernels.few_rows_linear)
+    few_rows_linear: Callable = few_rows_linear_ref  # the drafter's lm_head rows (F.linear in both backends)
 
 
 _REGISTRY: dict[str, Callable[[], GDNBackend]] = {}
@@ -171,7 +173,8 @@ def topk_within(kernel: Callable, max_v: int, max_k: int) -> Callable:
 
 def half_precision_only(kernel: Callable) -> Callable:
     """``kernel`` (kernels.few_rows_linear) for float16 / bfloat16 inputs of one dtype, the twin
-    (``F.linear``, whose fp32 precision follows torch's matmul setting) otherwise."""
+    (``F.linear``, whose fp32 precision follows torch's matmul setting) otherwise: the drafter's lm_head
+    entry once the kernel is measured faster (the module docstring); today profile_step installs it."""
     @functools.wraps(kernel)
     def linear(x, weight):
         if (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
@@ -209,7 +212,6 @@ def _triton_backend() -> GDNBackend:
     from kernels._checks import interpreting
     from kernels.act_mul import act_mul
     from kernels.causal_conv1d import causal_conv1d_varlen
-    from kernels.few_rows_linear import few_rows_linear
     from kernels.gdn_commit import gdn_commit as triton_commit
     from kernels.gdn_decode import causal_conv1d_update, gdn_decode_step
     from kernels.gdn_tree_conv import gdn_tree_conv
@@ -246,8 +248,7 @@ def _triton_backend() -> GDNBackend:
                       tree_attention=context_checked(tree_attention),
                       qk_norm_rope_store=context_checked(qk_norm_rope_store), act_mul=act_mul, tree_layout=tree_layout,
                       greedy_accept=tree_acceptance(greedy_accept),
-                      log_softmax_topk=topk_within(log_softmax_topk, MAX_V, MAX_K),
-                      few_rows_linear=half_precision_only(few_rows_linear))
+                      log_softmax_topk=topk_within(log_softmax_topk, MAX_V, MAX_K))
 
 
 def resolve_backend(name: str = "auto", device: torch.device | str | None = None) -> GDNBackend:

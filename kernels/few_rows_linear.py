@@ -1,14 +1,22 @@
 """x @ W^T for a few rows and a wide weight, reading the weight once, in Triton.
 
 Twin: `bole.ops.linear.few_rows_linear_ref` (``F.linear(x, weight)``). The drafter scores its frontier
-with the lm_head at every level: 4-64 rows (batch x topk) against a 32k-248k-row weight. For
-those shapes cuBLAS picks tiles only 8 rows wide on Hopper (nvjet ``512x8``), so the weight is read
-once per 8 rows: at 64 rows the [32768, 4096] bf16 weight read 8 times took 1.0 ms a level on the
-H100 against 0.1 ms for one read (profile_step.py --cases bole_phases at the 9B-cost model, batch 16,
-2026-12-05). Here one program owns a [BN] slice of the weight's rows and every row of x (up to 64 in
+with the lm_head at every level: 4-64 rows (batch x topk) against a 32k-248k-row weight. In the
+9B-cost draft graph at batch 16 (64 rows a level, draft_vocab 32768, H100, 2026-12-05,
+``profile_step.py --cases bole_phases``) cuBLAS ran 6 calls of a tile only 8 rows wide (nvjet
+``512x8``) for 6.2 of the graph's 9.9 ms, 3.0 ms at batch 8 (32 rows), against 0.77 ms for 8 calls at
+batch 1 (4 rows): time grows with the rows, as when every 8-row tile re-reads the weight, where
+one read of the 268 MB weight is ~0.08 ms at the H100's 3.35 TB/s (an estimate, not a measurement).
+Here one program owns a [BN] slice of the weight's rows and every row of x (up to 64 in
 one tile; more rows take more tiles along the grid's second axis, one weight read per 64 rows),
 so the weight streams through once at up to 64 rows. Half-precision inputs only: fp32 stays with
-torch's GEMM, whose precision setting decides TF32 (``bole.backend`` routes it there).
+torch's GEMM, whose precision setting decides TF32 (``bole.backend.half_precision_only`` routes it there).
+
+Status: correct against its twin and float64 (tests/kernels/test_few_rows_linear.py, the CPU
+interpreter in fp16), not yet timed on a GPU: no device was lent after it was written. The engine
+keeps torch's GEMM until benchmarks/draft_logits.py and profile_step.py's ``bole_phases_few_rows``
+show it faster; the launch defaults (block_n 128, block_k 64, 4 warps, 4 stages) are a first guess
+that the benchmark's ``--sweep`` checks.
 """
 
 from __future__ import annotations

@@ -176,7 +176,8 @@ and lm_head are the target's (shared, not registered here).
         ``restrict_vocab`` ones)."""
         weight = self._shared[1].weight if self._vocab_weight is None else self._vocab_weight
         with self._math(hidden):
-            # a few rows against a wide weight: the backend's kernel reads it once (kernels.few_rows_linear)
+            # a few rows against a wide weight: the backend's entry (F.linear; kernels.few_rows_linear is
+            # the candidate that reads the weight once, bole.backend)
             return self.backend.few_rows_linear(hidden, weight)
 
     def log_softmax_topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,6 +6,10 @@ on both sides of the 64-row tile, widths and K that are not multiples of the blo
 float64 product. fp16 on the CPU (the interpreter's bf16 dots are unreliable), bf16 on the GPU.
 """
 
+import dataclasses
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -82,6 +86,26 @@ def test_bad_arguments_raise():
         few_rows_linear(x, torch.zeros(8, 32, dtype=torch.float16), block_n=48)
     with pytest.raises(ValueError, match="x must be a tensor"):
         few_rows_linear([1.0], torch.zeros(8, 32, dtype=torch.float16))
+
+
+def test_drafter_lm_head_through_the_kernel_keeps_ar_tokens(device):
+    # the engine's drafter with the kernel as its lm_head entry (as profile_step's bole_phases_few_rows
+    # installs it), half precision, a reduced draft vocabulary: drafts only propose, so greedy output is ar's
+    from bole import LLM, SamplingParams
+
+    root = Path(__file__).resolve().parents[2]
+    prompts = [json.loads(line)["prompt"] for line in open(root / "benchmarks" / "data" / "heldout_prompts.jsonl")][:2]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    opts = dict(device=device, dtype="float16", num_blocks=256)
+    model = str(root / "models" / "bole-tiny-coder")
+    ar = LLM(model, mode="ar", **opts).generate(prompts, sp)
+    llm = LLM(model, mode="bole", depth=2, topk=2, beam=2, draft_vocab=1000, **opts)
+    mtp, rows = llm.engine.runner.model.mtp, []
+    entry = half_precision_only(few_rows_linear)
+    mtp.backend = dataclasses.replace(mtp.backend, few_rows_linear=lambda x, w: (rows.append(x.shape), entry(x, w))[1])
+    out = llm.generate(prompts, sp)
+    assert rows and all(r[-1] == mtp._vocab_weight.shape[1] for r in rows)  # the kernel drafted every level
+    assert [o.token_ids for o in out] == [o.token_ids for o in ar]
 
 
 @pytest.mark.gpu
