@@ -69,20 +69,27 @@ def main(argv=None):
     dev, dt = torch.device("cuda"), torch.bfloat16
     sweep_n, sweep_k = 32768, 4096
     if a.smoke:
+        if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("--smoke runs Triton's interpreter on CPU tensors: set TRITON_INTERPRET=1 before "
+                             "triton is imported (running the script with --smoke does)")
         dev, dt, sweep_n, sweep_k = torch.device("cpu"), torch.float16, 256, 64
         a.rows, a.hidden, a.vocab = [1, 16], [64], [256]
     gen = torch.Generator(device=dev).manual_seed(0)
     doc = dict(gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", torch=torch.__version__,
                date=time.strftime("%Y-%m-%dT%H:%M:%SZ"),
-               command=" ".join(sys.argv), sweep=[], rows=[])
+               command=" ".join(sys.argv if argv is None else ["draft_logits.py", *argv]), sweep=[], rows=[])
     if a.sweep:
         w = torch.randn(sweep_n, sweep_k, device=dev, dtype=dt, generator=gen)
         for M in (16, 64):
             x = torch.randn(M, sweep_k, device=dev, dtype=dt, generator=gen)
+            ref = x.double() @ w.double().T
             base = timed(F.linear, x, w, reps=3 if a.smoke else 50)
             for c in CONFIGS:
                 ms = timed(few_rows_linear, x, w, reps=1 if a.smoke else 50, **c)
-                doc["sweep"].append(dict(M=M, N=sweep_n, K=sweep_k, **c, ms=round(ms, 4), cublas_ms=round(base, 4)))
+                err = float((few_rows_linear(x, w, **c).double() - ref).abs().max())
+                base_err = float((F.linear(x, w).double() - ref).abs().max())
+                doc["sweep"].append(dict(M=M, N=sweep_n, K=sweep_k, **c, ms=round(ms, 4), cublas_ms=round(base, 4),
+                                         max_err=err, cublas_max_err=base_err))
                 print("sweep", doc["sweep"][-1], flush=True)
         del w
     for K in a.hidden:

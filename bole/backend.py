@@ -172,13 +172,14 @@ def topk_within(kernel: Callable, max_v: int, max_k: int) -> Callable:
 
 
 def half_precision_only(kernel: Callable) -> Callable:
-    """``kernel`` (kernels.few_rows_linear) for float16 / bfloat16 inputs of one dtype, the twin
-    (``F.linear``, whose fp32 precision follows torch's matmul setting) otherwise: the drafter's lm_head
-    entry once the kernel is measured faster (the module docstring); today profile_step installs it."""
+    """``kernel`` (kernels.few_rows_linear) for float16 / bfloat16 inputs of one dtype with a [N, K] weight of
+    unit last stride, the twin (``F.linear``, whose fp32 precision follows torch's matmul setting) otherwise:
+    the drafter's lm_head entry once the kernel is measured faster (the module docstring); today
+    profile_step installs it."""
     @functools.wraps(kernel)
     def linear(x, weight):
-        if (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
-                and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype):
+        if (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and weight.dim() == 2
+                and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype and weight.stride(-1) == 1):
             return kernel(x, weight)
         return few_rows_linear_ref(x, weight)
     return linear

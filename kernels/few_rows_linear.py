@@ -21,6 +21,8 @@ that the benchmark's ``--sweep`` checks.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -35,7 +37,7 @@ def few_rows_linear_kernel(x, w, out, M, N, stride_xm, stride_wn, stride_om, K: 
                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    o_m = pid_m * BM + tl.arange(0, BM)
+    o_m = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     o_n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     m_ok = o_m < M
     n_ok = o_n < N
@@ -70,10 +72,12 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int = 128, b
     for name, v in (("block_n", block_n), ("block_k", block_k)):
         if not isinstance(v, int) or v < 16 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {v!r}")
-    x2 = x.reshape(-1, K)
+    M, N = math.prod(x.shape[:-1]), weight.shape[0]
+    if K == 0:  # an empty sum, as F.linear
+        return torch.zeros(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    x2 = x.reshape(M, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    M, N = x2.shape[0], weight.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M and N:
         BM = min(MAX_BM, max(16, triton.next_power_of_2(M)))

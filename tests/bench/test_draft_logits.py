@@ -20,3 +20,6 @@ def test_smoke_writes_rows_and_sweep(tmp_path):
     for r in res["rows"]:
         assert r["kernel_ms"] > 0 and r["cublas_ms"] > 0
         assert r["kernel_max_err"] <= 2 * r["cublas_max_err"] + 1e-3
+    for r in res["sweep"]:  # every launch configuration, not only the default
+        assert r["max_err"] <= 2 * r["cublas_max_err"] + 1e-3
+    assert res["command"].startswith("draft_logits.py --smoke")

@@ -65,13 +65,22 @@ def test_adversarial_rows(device):
     assert torch.equal(out[:, 3], out[:, 5]) and (out[3] == 0).all()
 
 
-def test_backend_entry_routes_fp32_to_the_twin(device):
+def test_backend_entry_routes_fp32_and_strided_weights_to_the_twin(device):
     x = torch.randn(2, 32, generator=torch.Generator().manual_seed(1)).to(device)
     w = torch.randn(40, 32, generator=torch.Generator().manual_seed(2)).to(device)
     entry = half_precision_only(few_rows_linear)
     assert torch.equal(entry(x, w), few_rows_linear_ref(x, w))
     with pytest.raises(ValueError, match="weight must be one of"):
         few_rows_linear(x, w)
+    xh, wt = x.to(half(device)), w.to(half(device)).T.contiguous().T   # [40, 32] with strides (1, 40)
+    assert torch.equal(entry(xh, wt), few_rows_linear_ref(xh, wt))
+
+
+def test_empty_shapes_match_the_twin(device):
+    for M, N, K in [(0, 8, 16), (3, 0, 16), (3, 8, 0)]:
+        x, w = torch.ones(M, K, dtype=half(device), device=device), torch.ones(N, K, dtype=half(device), device=device)
+        out = few_rows_linear(x, w)
+        assert out.shape == (M, N) and torch.equal(out, few_rows_linear_ref(x, w))
 
 
 def test_bad_arguments_raise():
@@ -100,11 +109,16 @@ def test_drafter_lm_head_through_the_kernel_keeps_ar_tokens(device):
     model = str(root / "models" / "bole-tiny-coder")
     ar = LLM(model, mode="ar", **opts).generate(prompts, sp)
     llm = LLM(model, mode="bole", depth=2, topk=2, beam=2, draft_vocab=1000, **opts)
-    mtp, rows = llm.engine.runner.model.mtp, []
-    entry = half_precision_only(few_rows_linear)
-    mtp.backend = dataclasses.replace(mtp.backend, few_rows_linear=lambda x, w: (rows.append(x.shape), entry(x, w))[1])
+    mtp, calls = llm.engine.runner.model.mtp, []
+
+    def kernel(x, w):  # the kernel itself (half_precision_only's half branch), checked against the twin
+        y = few_rows_linear(x, w)
+        torch.testing.assert_close(y.float(), few_rows_linear_ref(x, w).float(), rtol=2e-3, atol=2e-3)
+        calls.append(tuple(x.shape))
+        return y
+    mtp.backend = dataclasses.replace(mtp.backend, few_rows_linear=half_precision_only(kernel))
     out = llm.generate(prompts, sp)
-    assert rows and all(r[-1] == mtp._vocab_weight.shape[1] for r in rows)  # the kernel drafted every level
+    assert len(calls) >= 2 and all(c[-1] == mtp._vocab_weight.shape[1] for c in calls)  # every level's drafts
     assert [o.token_ids for o in out] == [o.token_ids for o in ar]
 
 
