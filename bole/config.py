@@ -243,6 +243,10 @@ class SpecConfig:
     budget_epsilon: ε of eq. 12 (docs/DESIGN.md §5), the verify latency the budget may add over its
     floor: each bucket's B_ver is re-derived from the calibration table's own timings at this ε
     (``CalibrationTable.with_epsilon``); None: the table's B_ver as written (its calibration ε).
+    cap_tree_width: cap every request's tree at the width the calibration timed B_ver at (the smallest
+    captured tree width holding ceil(B_ver / batch) drafts and the root, ``bole.spec.budget.width_cap``),
+    so the verify forward, which pads every tree to the widest, runs the rows its budget was measured
+    for; off: a request may take up to the whole budget (docs/DESIGN.md §5).
     """
 
     depth: int = 4
@@ -251,10 +255,11 @@ class SpecConfig:
     draft_fast_math: bool = True
     draft_vocab: int | None = None
     budget_epsilon: float | None = None
+    cap_tree_width: bool = False
 
     def __post_init__(self):
         check_types(self, ints=("depth", "topk", "beam") + (("draft_vocab",) if self.draft_vocab is not None else ()),
-                    bools=("draft_fast_math",))
+                    bools=("draft_fast_math", "cap_tree_width"))
         if self.budget_epsilon is not None:
             check_epsilon("SpecConfig.budget_epsilon", self.budget_epsilon)
         if self.draft_vocab is not None and self.draft_vocab < self.topk:

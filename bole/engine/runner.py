@@ -120,8 +120,9 @@ class ModelRunner:
 
     def enable_draft_graphs(self, batch_sizes: Sequence[int], depth: int, topk: int, beam: int,
                             capture: bool = True, **kw) -> DraftGraphs:
-        """Route ``draft_batch`` through ``DraftGraphs`` for these drafting settings and per-request cap
-        (``max_per_request`` in kw; other settings, and catch-ups longer than depth + 1, run eagerly)."""
+        """Route ``draft_batch`` through ``DraftGraphs`` for these drafting settings (other settings, and
+        catch-ups longer than depth + 1, run eagerly); ``max_per_request`` in kw: the cap of a step that
+        passes none."""
         pool = next((g.pool for g in (self.graphs, self.verify_graphs) if g is not None), None)
         self.draft_graphs = DraftGraphs(self, batch_sizes, depth, topk, beam, self.padding()[0],
                                         capture=capture, pool=pool, **kw)
@@ -318,15 +319,15 @@ class ModelRunner:
     @torch.inference_mode()
     def draft_batch(self, reqs: list[Request], depth: int, topk: int, beam: int, b_ver: int,
                     max_per_request: int | None = None) -> DraftBatch:
-        """Draft (``draft``), keep ``b_ver`` nodes for the batch (``select_nodes``) and compact them below
-        the pending root tokens: the step's ``DraftBatch`` [B, 1 + T_max] (untrimmed). From the draft
-        graph when it applies."""
+        """Draft (``draft``), keep ``b_ver`` nodes for the batch (``select_nodes``, at most
+        ``max_per_request`` per request) and compact them below the pending root tokens: the step's
+        ``DraftBatch`` [B, 1 + T_max] (untrimmed). From the draft graph when it applies (its drafting settings;
+        the cap is a per-step input there)."""
         dg = self.draft_graphs
-        if dg is not None and (dg.depth, dg.topk, dg.beam, dg.max_per_request) == \
-                (depth, topk, beam, max_per_request):
+        if dg is not None and (dg.depth, dg.topk, dg.beam) == (depth, topk, beam):
             self._catch_up_head(reqs)
             if dg.supports(reqs):
-                return dg.run(reqs, b_ver)
+                return dg.run(reqs, b_ver, max_per_request)
         cand = self.draft(reqs, depth, topk, beam)
         keep = select_nodes(cand.rho, cand.parents, cand.valid, cand.depth, b_ver, max_per_request=max_per_request)
         roots = torch.tensor([r.all_token_ids[r.num_computed] for r in reqs], device=self.device)

@@ -16,10 +16,11 @@ from bole.cache.checkpoints import CheckpointPlanner, TailPlan, publish_committe
 from bole.cache.prefix_cache import PrefixCache
 from bole.config import SpecConfig
 from bole.engine import sampler
+from bole.engine.graphs.tree import tree_widths
 from bole.engine.metrics import StepStats
 from bole.engine.runner import ModelRunner
 from bole.engine.sequence import Request
-from bole.spec.budget import CalibrationTable
+from bole.spec.budget import CalibrationTable, width_cap
 from bole.spec.logprobs import TokenLogprob, path_rows
 from bole.spec.tree import MAX_TREE_NODES
 
@@ -33,6 +34,7 @@ class SpeculativeStep:
         self.runner, self.spec, self.vocab_size, self.max_draft_nodes = runner, spec, vocab_size, max_draft_nodes
         self.prefix_cache = prefix_cache
         self.checkpoints = CheckpointPlanner(prefix_cache) if prefix_cache is not None else None
+        self.widths = tree_widths(1 + max_draft_nodes)  # the verify graphs' tree widths (root included)
 
     def run(self, reqs: list[Request], stats: StepStats, calibration: CalibrationTable
             ) -> tuple[list[list[int]], list[list[TokenLogprob] | None] | None]:
@@ -43,10 +45,15 @@ class SpeculativeStep:
         B = len(reqs)
         _, b_ver = calibration.lookup(B, kv_len, spec.depth + 1)
         stats.b_ver = int(b_ver)
+        # drafts a request may keep: the verifier's limit, or (cap_tree_width) the width the calibration
+        # timed B_ver at, so padding every tree to the widest stays within the rows the budget assumed
+        cap = MAX_TREE_NODES - 1
+        if spec.cap_tree_width:
+            cap = width_cap(int(b_ver), B, self.widths, cap)
         # Trees are padded to one width for verification. A host bound on every tree's size (the
-        # budget, or the depth-1 floor if larger) avoids reading the widest tree from the device when
-        # padding to it costs little (at most twice the budget's nodes); else read it (one sync).
-        bound = min(self.max_draft_nodes, max(int(b_ver), min(spec.topk, self.vocab_size)),
+        # budget or the cap, or the depth-1 floor if larger) avoids reading the widest tree from the
+        # device when padding to it costs little (at most twice the budget's nodes); else read it (one sync).
+        bound = min(self.max_draft_nodes, max(min(int(b_ver), cap), min(spec.topk, self.vocab_size)),
                     MAX_TREE_NODES - 1)
         no_sync = B * (bound + 1) <= 2 * (int(b_ver) + B)
         greedy = all(r.params.temperature <= 0 for r in reqs)
@@ -55,8 +62,7 @@ class SpeculativeStep:
         pen = sampler.penalties(reqs, self.vocab_size, self.runner.device)
         plain = no_min and pen is None
         # the root (the pending token, node 0) is verified too: drafts <= MAX_TREE_NODES - 1 per request
-        batch = self.runner.draft_batch(reqs, spec.depth, spec.topk, spec.beam, b_ver,
-                                        max_per_request=MAX_TREE_NODES - 1)
+        batch = self.runner.draft_batch(reqs, spec.depth, spec.topk, spec.beam, b_ver, max_per_request=cap)
         batch = batch.trimmed(bound + 1 if no_sync else None)
         res = self.runner.verify(reqs, batch)
         if plain and self.runner.can_accept_in_graph(res, sampled=not greedy):

@@ -283,6 +283,17 @@ def _check_partition(buckets: tuple[Bucket, ...]) -> None:
             raise ValueError(f"overlapping buckets {inside[0]} and {inside[1]} both cover {where}")
 
 
+def width_cap(b_ver: int, batch: int, widths, max_drafts: int) -> int:
+    """Drafts per request (root excluded) that keep a step's padded verify rows at the calibration's:
+    the sweep times B_ver nodes split evenly over ``batch`` requests, so its trees fit the smallest width
+    in ``widths`` (captured tree widths, root included, ascending) holding ceil(b_ver / batch) + 1 nodes;
+    that width less the root, at most ``max_drafts``. Past the widest width: ``max_drafts``."""
+    if batch < 1 or b_ver < 0:
+        raise ValueError(f"width_cap needs batch >= 1 and b_ver >= 0, got batch={batch} b_ver={b_ver}")
+    need = -(-int(b_ver) // batch) + 1
+    return min(next((int(w) - 1 for w in sorted(widths) if w >= need), max_drafts), max_drafts)
+
+
 def select_nodes(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, depth: torch.Tensor,
                  b_ver, max_per_request: int | None = None) -> torch.Tensor:
     """Algorithm 3 online: which draft nodes of the batch to verify. Returns bool keep [B, T].

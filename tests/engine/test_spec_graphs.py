@@ -176,13 +176,14 @@ def test_static_verify_reads_nothing_on_the_host():
     assert hidden.shape == (4 * 8, 32) and ctx.forest.num_requests == 4
 
 
-def _compare_draft(path, device, capture, tol, tree_attention=None, draft_vocab=None):
+def _compare_draft(path, device, capture, tol, tree_attention=None, draft_vocab=None, cap=127):
     """Two draft + verify + commit steps of the same requests on an eager runner and a draft-graph
     runner: the selected, compacted drafts agree (tokens, parents, depths, sources and counts
     exactly; log-probabilities within tol), with a budget that keeps everything, then one that cuts.
     ``tree_attention``: the graph runner's drafter attends through it (its own model copy), the eager
     one through the batched SDPA path. ``draft_vocab``: both drafters score only these token ids, and
-    every draft is one of them."""
+    every draft is one of them. ``cap``: drafts kept per request at most (the graph's is a per-step input;
+    the depth-1 floor is kept past it)."""
     model = load_model(path, dtype="float32", device=device)
     model.mtp.restrict_vocab(draft_vocab)
     D, k, beam = 3, 3, 2
@@ -203,14 +204,16 @@ def _compare_draft(path, device, capture, tol, tree_attention=None, draft_vocab=
         for step, b_ver in enumerate((100, 2 * len(batch_prompts) + 3, k * len(batch_prompts) + 5)):
             # after the prefill the catch-up is the prompt (> depth + 1 for the longer ones: eager)
             assert dg.supports(rg) == (step > 0 or len(batch_prompts) == 1)
-            d1 = eager.draft_batch(re, D, k, beam, b_ver, max_per_request=127)
-            d2 = graph.draft_batch(rg, D, k, beam, b_ver, max_per_request=127)
+            d1 = eager.draft_batch(re, D, k, beam, b_ver, max_per_request=cap)
+            d2 = graph.draft_batch(rg, D, k, beam, b_ver, max_per_request=cap)
             for f in ("tokens", "parents", "depth", "source_index", "num_nodes"):
                 assert torch.equal(getattr(d1, f), getattr(d2, f)), (step, f)
             assert float((d1.rho - d2.rho).nan_to_num(0, 0, 0).abs().max()) <= tol
             assert [(r.mtp_computed, r.pending_hidden) for r in re] == [(r.num_computed, None) for r in rg]
             # T_max = 3 + 6 + 6 drafts, and each tree's root
-            assert int(d2.num_nodes.sum()) == min(b_ver, 15 * len(batch_prompts)) + len(batch_prompts)
+            per_request = min(15, max(cap, k))
+            assert int(d2.num_nodes.sum()) == min(b_ver, per_request * len(batch_prompts)) + len(batch_prompts)
+            assert int(d2.num_nodes.max()) <= per_request + 1
             assert d1.tokens[:, 0].tolist() == _roots(re) and (d1.parents[:, 0] == -1).all()
             if draft_vocab is not None:
                 drafts = d2.tokens[:, 1:][d2.tokens[:, 1:] >= 0]
@@ -235,6 +238,12 @@ def _compare_draft(path, device, capture, tol, tree_attention=None, draft_vocab=
 def test_static_draft_matches_eager_cpu(ckpt):
     dg = _compare_draft(ckpt, "cpu", capture=False, tol=1e-4)
     assert dg.num_captured == 0
+
+
+def test_static_draft_with_a_cap_matches_eager_cpu(ckpt):
+    # a per-request cap (cap_tree_width's) below the trees' size: the graph takes it per step, as eagerly
+    dg = _compare_draft(ckpt, "cpu", capture=False, tol=1e-4, cap=4)
+    assert dg.num_captured == 0 and dg.max_per_request == 127
 
 
 def test_static_draft_reduced_vocab_matches_eager_cpu(ckpt):
@@ -263,13 +272,14 @@ def _engine(path, device, mode, graphs: bool, **opts):
     return LLMEngine(load_model(path, dtype="float32", device=device), cfg)
 
 
-@pytest.mark.parametrize("mode,prefix_cache,layout_kernel,draft_vocab", [
-    ("bole", True, False, None), ("bole", False, False, None), ("serial_tree", True, False, None),
-    ("bole", True, True, None), ("bole", True, False, 16)])
-def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel, draft_vocab):
+@pytest.mark.parametrize("mode,prefix_cache,layout_kernel,draft_vocab,cap", [
+    ("bole", True, False, None, False), ("bole", False, False, None, False), ("serial_tree", True, False, None, False),
+    ("bole", True, True, None, False), ("bole", True, False, 16, False), ("bole", True, False, None, True)])
+def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel, draft_vocab, cap):
     max_tokens = [12, 5, 20, 9]
     ref = run_arrivals(_engine(ckpt, "cpu", "ar", False, enable_prefix_cache=False), PROMPTS, max_tokens)
-    eng = _engine(ckpt, "cpu", mode, False, enable_prefix_cache=prefix_cache, draft_vocab=draft_vocab)
+    eng = _engine(ckpt, "cpu", mode, False, enable_prefix_cache=prefix_cache, draft_vocab=draft_vocab,
+                  cap_tree_width=cap)
     if layout_kernel:  # forest layouts and the tail's acceptance by their kernels (interpreted), as on a GPU
         from kernels.greedy_accept import greedy_accept
         from kernels.tree_layout import tree_layout

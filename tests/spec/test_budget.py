@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bole.spec.budget import CalibrationTable, select_b_ver, select_nodes
+from bole.spec.budget import CalibrationTable, select_b_ver, select_nodes, width_cap
 from bole.spec.tree import random_tree
 
 REPO = Path(__file__).resolve().parents[2]
@@ -240,3 +240,44 @@ def test_feasible_capacities_keep_trees_within_the_kernel_tile():
     assert feasible_capacities([8, 64, 255, 256, 512], 1) == [8, 64, 255]
     assert feasible_capacities([8, 64, 255, 256, 510, 512], 2) == [8, 64, 255, 256, 510]
     assert all(1 + -(-n // 3) <= MAX_TREE_NODES for n in feasible_capacities(range(1, 1000), 3))
+
+
+def test_width_cap_is_the_calibrations_tree_width():
+    widths = [8, 16, 32, 64, 117]   # an engine's: the defaults below its lookahead, and the lookahead
+    # batch 16, B_ver 96: 6 drafts + the root a request when split evenly -> width 8 -> 7 drafts
+    assert width_cap(96, 16, widths, 127) == 7
+    assert width_cap(48, 8, widths, 127) == 7 and width_cap(48, 4, widths, 127) == 15   # 12 + 1 -> 16
+    assert width_cap(48, 1, widths, 127) == 63 and width_cap(64, 1, widths, 127) == 116  # 65 -> the lookahead
+    assert width_cap(500, 1, widths, 127) == 127 and width_cap(96, 16, widths, 5) == 5   # past the widest; capped
+    assert width_cap(0, 3, widths, 127) == 7
+    with pytest.raises(ValueError, match="batch >= 1"):
+        width_cap(8, 0, widths, 127)
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_spec_config_refuses_a_non_bool_cap(bad):
+    from bole.config import SpecConfig
+
+    with pytest.raises(ValueError, match="cap_tree_width"):
+        SpecConfig(cap_tree_width=bad)
+    assert SpecConfig(cap_tree_width=True).cap_tree_width is True
+
+
+def test_capped_selection_fits_the_calibrated_width():
+    # B_ver nodes over uneven trees: with the cap every tree fits the width the even split needs
+    B, T = 4, 40
+    gen = torch.Generator().manual_seed(0)
+    parents = torch.stack([torch.tensor(random_tree(T, 6, generator=gen).parents) for _ in range(B)])
+    depth = torch.zeros(B, T, dtype=torch.long)
+    for b in range(B):
+        for i in range(T):
+            depth[b, i] = 1 if parents[b, i] < 0 else depth[b, parents[b, i]] + 1
+    rho = -torch.rand(B, T, generator=gen).cumsum(1) * torch.tensor([0.1, 1.0, 1.0, 1.0])[:, None]  # request 0 wins
+    valid = torch.ones(B, T, dtype=torch.bool)
+    b_ver = 24
+    free = select_nodes(rho, parents, valid, depth, b_ver)
+    cap = width_cap(b_ver, B, [8, 16, 32], T)
+    capped = select_nodes(rho, parents, valid, depth, b_ver, max_per_request=cap)
+    floor = int((depth == 1).sum(1).max())
+    assert int(free.sum(1).max()) > cap  # uncapped, the likeliest request takes more than its width
+    assert int(capped.sum(1).max()) <= max(cap, floor) and cap == 7

@@ -25,8 +25,9 @@ from bole.engine.graphs.tree import StaticTree
 from bole.spec.budget import select_nodes
 from bole.spec.drafter import DraftBatch, compact, frontier_sizes, tree_size
 
-_MC, _NC, _NEW, _BVER, _DTABLE = 0, 1, 2, 3, 4  # columns of the draft graphs' host row: mtp_computed,
-# num_computed, catch-up length, the step's budget B_ver (row 0), then the catch-up ids (C) and the block table
+_MC, _NC, _NEW, _BVER, _CAP, _DTABLE = 0, 1, 2, 3, 4, 5  # columns of the draft graphs' host row: mtp_computed,
+# num_computed, catch-up length, the step's budget B_ver and drafts-per-request cap (row 0), then the catch-up
+# ids (C) and the block table
 
 
 class DraftGraphs(GraphFamily):
@@ -106,7 +107,7 @@ class DraftGraphs(GraphFamily):
             # padding rows (num_computed 0) draft too, but take none of the batch's budget
             valid = cand.valid & (nc > 0)[:, None]
             keep = select_nodes(cand.rho, cand.parents, valid, cand.depth, inp[0, _BVER],
-                                max_per_request=self.max_per_request)
+                                max_per_request=inp[0, _CAP])
             # the root is the last catch-up token (the pending one)
             batch = compact(cand, keep, inp[:, _DTABLE:_DTABLE + C].gather(1, (n - 1)[:, None])[:, 0])
             for k, v in out.items():
@@ -115,16 +116,19 @@ class DraftGraphs(GraphFamily):
         return Graph(key, run)
 
     def _load_padding(self, g: Graph) -> None:
-        self._load([], *g.key, 0)
+        self._load([], *g.key, 0, None)
 
-    def _load(self, reqs, Bc: int, Lc: int, b_ver: int) -> None:
+    def _load(self, reqs, Bc: int, Lc: int, b_ver: int, cap: int | None) -> None:
         """Per row: mtp_computed, num_computed, catch-up length and ids, block table (padding rows: one
-        catch-up position at 0 with the pad block); the step's budget in row 0."""
+        catch-up position at 0 with the pad block); the step's budget and cap (None: the graphs' own, else
+        none) in row 0."""
         h, nblk = self.rows.begin(), Lc // self.block_size
         h[:Bc, :self.table_col] = 0
         h[:Bc, _NEW] = 1
         h[:Bc, self.table_col:] = self.pad_block
         h[0, _BVER] = int(b_ver)
+        cap = self.max_per_request if cap is None else cap
+        h[0, _CAP] = self.t_max + 1 if cap is None else int(cap)   # t_max + 1: no request reaches it
         for b, r in enumerate(reqs):
             n = r.num_computed - r.mtp_computed
             h[b, _MC], h[b, _NC], h[b, _NEW] = r.mtp_computed, r.num_computed, n
@@ -138,20 +142,21 @@ class DraftGraphs(GraphFamily):
                 for Lc in sizes_upto(self.kv_lengths, None if max_len is None else max_len + self.span)]
 
     @torch.inference_mode()
-    def run(self, reqs, b_ver: int):
-        """The draft of ``reqs`` (``supports`` must hold) with ``b_ver`` nodes selected for the batch:
+    def run(self, reqs, b_ver: int, max_per_request: int | None = None):
+        """The draft of ``reqs`` (``supports`` must hold) with ``b_ver`` nodes selected for the batch, at
+        most ``max_per_request`` per request (None: the graphs' ``max_per_request``):
         the compacted ``DraftBatch`` [B, 1 + T_max] (roots at node 0), views of the static outputs (valid until the next
         replay); the requests' drafter bookkeeping advanced."""
         B = len(reqs)
         g = self.graph(self.key(B, max(r.num_computed for r in reqs) + self.span))
-        self.stage(reqs, *g.key, b_ver)
+        self.stage(reqs, *g.key, b_ver, max_per_request)
         self.replay(g)
         self.advance(reqs)
         return DraftBatch(**{k: v[:B] for k, v in self.out.items()})
 
-    def stage(self, reqs, Bc: int, Lc: int, b_ver: int) -> None:
+    def stage(self, reqs, Bc: int, Lc: int, b_ver: int, max_per_request: int | None = None) -> None:
         """A step's inputs into the static buffers: the host row (one copy) and the catch-up hiddens."""
-        self._load(reqs, Bc, Lc, b_ver)
+        self._load(reqs, Bc, Lc, b_ver, max_per_request)
         for b, r in enumerate(reqs):
             n = r.num_computed - r.mtp_computed
             self.hidden_in[b, :n] = r.pending_hidden[-n:]
