@@ -81,7 +81,8 @@ def label(shape: str) -> str:
 SPEC_RE = re.compile(r"-d(\d+)k(\d+)b(\d+)$")  # a cell's drafting suffix: -d<depth>k<topk>b<beam>
 EPS_RE = re.compile(r"-e(\d+(?:\.\d+)?)$")     # a cell's budget suffix: -e<budget_epsilon>
 CAP_RE = re.compile(r"-wcap$")                  # a cell's tree-width suffix: cap_tree_width=True
-CELL_FORM = "MODE[_fr<N>][@<table>][-d<D>k<K>b<B>][-e<E>][-wcap]"
+FLOOR_RE = re.compile(r"-best1$")               # a cell's floor suffix: budget_floor="best_child"
+CELL_FORM = "MODE[_fr<N>][@<table>][-d<D>k<K>b<B>][-e<E>][-wcap][-best1]"
 
 
 def _strip(name: str, pattern: re.Pattern) -> tuple[str, re.Match | None]:
@@ -93,10 +94,13 @@ def engine_mode(cell_mode: str) -> tuple[str, dict]:
     """A cell's engine mode and extra options, from its name ``CELL_FORM``: ``bole_fr<N>`` is bole with
     ``draft_vocab=N``, ``@<name>`` the budget table calibration_tables/<name>.yaml, ``-d<D>k<K>b<B>`` the
     drafting settings depth D, topk K, beam B instead of the run's, ``-e<E>`` ``budget_epsilon=E`` (B_ver
-    re-derived from the table's timings at ε = E), ``-wcap`` ``cap_tree_width=True``. ValueError naming the
-    cell for any other name."""
+    re-derived from the table's timings at ε = E), ``-wcap`` ``cap_tree_width=True``, ``-best1``
+    ``budget_floor="best_child"``. ValueError naming the cell for any other name."""
     extra = {}
-    rest, m = _strip(cell_mode, CAP_RE)
+    rest, m = _strip(cell_mode, FLOOR_RE)
+    if m:
+        extra["budget_floor"] = "best_child"
+    rest, m = _strip(rest, CAP_RE)
     if m:
         extra["cap_tree_width"] = True
     rest, m = _strip(rest, EPS_RE)
@@ -117,9 +121,11 @@ def engine_mode(cell_mode: str) -> tuple[str, dict]:
 
 
 def base_mode(cell_mode: str) -> str:
-    """The mode a cell compares as: its drafting, budget and width suffixes dropped (``serial_tree-d8k2b2``
-    pairs with ``bole-d8k2b2`` as serial_tree with bole)."""
-    return _strip(_strip(_strip(cell_mode, CAP_RE)[0], EPS_RE)[0], SPEC_RE)[0]
+    """The mode a cell compares as: its drafting, budget, width and floor suffixes dropped
+    (``serial_tree-d8k2b2`` pairs with ``bole-d8k2b2`` as serial_tree with bole)."""
+    for pattern in (FLOOR_RE, CAP_RE, EPS_RE, SPEC_RE):
+        cell_mode = _strip(cell_mode, pattern)[0]
+    return cell_mode
 
 
 def shape_config(name: str):
@@ -158,6 +164,8 @@ def parse_args(argv=None):
     ap.add_argument("--also-cap", action="store_true",
                     help="every speculative cell again with cap_tree_width=True (trees capped at the width the "
                          "calibration timed B_ver at): <cell>-wcap")
+    ap.add_argument("--also-floor", action="store_true",
+                    help="every speculative cell (and -wcap cell) again with budget_floor='best_child': <cell>-best1")
     ap.add_argument("--budget-s", type=float, default=None, help="whole run, widening included (480; smoke 150)")
     ap.add_argument("--cell-budget-s", type=float, default=None, help="per cell (60; smoke 40)")
     ap.add_argument("--grace-s", type=float, default=60.0, help="a late worker is killed this much after a budget")
@@ -190,6 +198,8 @@ def parse_args(argv=None):
     a.modes += [f"{m}-e{e:g}" for e in a.also_epsilon for m in a.modes if base_mode(m).startswith("bole")]
     if a.also_cap:
         a.modes += [f"{m}-wcap" for m in a.modes if m != "ar"]
+    if a.also_floor:
+        a.modes += [f"{m}-best1" for m in a.modes if m != "ar"]
     a.batches = pick(a.batches, [1, 2, 4, 8, 16, 32], [1, 2])
     a.max_tokens = pick(a.max_tokens, 128, 4)
     a.depth, a.topk, a.beam = (pick(v, 4, 2) for v in (a.depth, a.topk, a.beam))

@@ -8,6 +8,7 @@ import sys
 import time
 
 from bole.config import ENGINE_MODES, CacheConfig, EngineConfig, SpecConfig
+from bole.spec.budget import BUDGET_FLOORS
 
 
 def main(argv=None) -> int:
@@ -33,6 +34,8 @@ def main(argv=None) -> int:
                    help="eq. 12's ε: B_ver re-derived from the calibration table's timings (None: as written)")
     g.add_argument("--cap-tree-width", action="store_true",
                    help="cap every request's tree at the width the calibration timed B_ver at")
+    g.add_argument("--budget-floor", default=SpecConfig.budget_floor, choices=BUDGET_FLOORS,
+                   help="the budget's fairness floor: every first-level draft (the paper's) or the best one")
     g.add_argument("--num-blocks", type=int, default=CacheConfig.num_blocks)
     g.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt and the metrics")
@@ -42,6 +45,7 @@ def main(argv=None) -> int:
 
     llm = LLM(a.model, mode=a.mode, device=a.device, dtype=a.dtype, depth=a.depth, topk=a.topk, beam=a.beam,
               draft_vocab=a.draft_vocab, budget_epsilon=a.budget_epsilon, cap_tree_width=a.cap_tree_width,
+              budget_floor=a.budget_floor,
               num_blocks=a.num_blocks, gpu_memory_utilization=a.gpu_memory_utilization)
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
                             seed=a.seed)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bole.option_checks import check_epsilon, check_types, int_tuple
+from bole.spec.budget import BUDGET_FLOORS
 from bole.spec.tree import MAX_TREE_NODES
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
@@ -247,6 +248,9 @@ class SpecConfig:
     captured tree width holding ceil(B_ver / batch) drafts and the root, ``bole.spec.budget.width_cap``),
     so the verify forward, which pads every tree to the widest, runs the rows its budget was measured
     for; off: a request may take up to the whole budget (docs/DESIGN.md §5).
+    budget_floor: the budget's fairness floor (``bole.spec.budget.select_nodes``): "children", the
+    paper's (every request keeps all its first-level drafts), or "best_child" (each keeps its likeliest
+    one; its other first-level drafts compete for the budget like deeper ones).
     """
 
     depth: int = 4
@@ -256,12 +260,15 @@ class SpecConfig:
     draft_vocab: int | None = None
     budget_epsilon: float | None = None
     cap_tree_width: bool = False
+    budget_floor: str = "children"
 
     def __post_init__(self):
         check_types(self, ints=("depth", "topk", "beam") + (("draft_vocab",) if self.draft_vocab is not None else ()),
                     bools=("draft_fast_math", "cap_tree_width"))
         if self.budget_epsilon is not None:
             check_epsilon("SpecConfig.budget_epsilon", self.budget_epsilon)
+        if self.budget_floor not in BUDGET_FLOORS:
+            raise ValueError(f"SpecConfig.budget_floor must be one of {BUDGET_FLOORS}, got {self.budget_floor!r}")
         if self.draft_vocab is not None and self.draft_vocab < self.topk:
             raise ValueError(f"SpecConfig.draft_vocab must be an int >= topk={self.topk} (or None), "
                              f"got {self.draft_vocab!r}")

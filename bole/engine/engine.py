@@ -113,7 +113,8 @@ class LLMEngine:
                                                          max_depth=spec.depth + 1, sampled_tail=True)
                                   if spec_graphs else None,
                                   draft_graph_spec=dict(batch_sizes=spec_sizes, depth=spec.depth, topk=spec.topk,
-                                                        beam=spec.beam, max_per_request=MAX_TREE_NODES - 1)
+                                                        beam=spec.beam, max_per_request=MAX_TREE_NODES - 1,
+                                                        floor=spec.budget_floor)
                                   if spec_graphs else None,
                                   # the same buckets in every mode: a prefill runs at the same padded shapes
                                   prefill_graph_sizes=spec_sizes if graphs and config.cuda_graph_prefill else None)

@@ -318,18 +318,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def draft_batch(self, reqs: list[Request], depth: int, topk: int, beam: int, b_ver: int,
-                    max_per_request: int | None = None) -> DraftBatch:
+                    max_per_request: int | None = None, floor: str = "children") -> DraftBatch:
         """Draft (``draft``), keep ``b_ver`` nodes for the batch (``select_nodes``, at most
-        ``max_per_request`` per request) and compact them below the pending root tokens: the step's
-        ``DraftBatch`` [B, 1 + T_max] (untrimmed). From the draft graph when it applies (its drafting settings;
-        the cap is a per-step input there)."""
+        ``max_per_request`` per request, its fairness ``floor``) and compact them below the pending root
+        tokens: the step's ``DraftBatch`` [B, 1 + T_max] (untrimmed). From the draft graph when it applies
+        (its drafting settings and floor; the cap is a per-step input there)."""
         dg = self.draft_graphs
-        if dg is not None and (dg.depth, dg.topk, dg.beam) == (depth, topk, beam):
+        if dg is not None and (dg.depth, dg.topk, dg.beam, dg.floor) == (depth, topk, beam, floor):
             self._catch_up_head(reqs)
             if dg.supports(reqs):
                 return dg.run(reqs, b_ver, max_per_request)
         cand = self.draft(reqs, depth, topk, beam)
-        keep = select_nodes(cand.rho, cand.parents, cand.valid, cand.depth, b_ver, max_per_request=max_per_request)
+        keep = select_nodes(cand.rho, cand.parents, cand.valid, cand.depth, b_ver, max_per_request=max_per_request,
+                            floor=floor)
         roots = torch.tensor([r.all_token_ids[r.num_computed] for r in reqs], device=self.device)
         return compact(cand, keep, roots)
 

@@ -62,7 +62,8 @@ class SpeculativeStep:
         pen = sampler.penalties(reqs, self.vocab_size, self.runner.device)
         plain = no_min and pen is None
         # the root (the pending token, node 0) is verified too: drafts <= MAX_TREE_NODES - 1 per request
-        batch = self.runner.draft_batch(reqs, spec.depth, spec.topk, spec.beam, b_ver, max_per_request=cap)
+        batch = self.runner.draft_batch(reqs, spec.depth, spec.topk, spec.beam, b_ver, max_per_request=cap,
+                                        floor=spec.budget_floor)
         batch = batch.trimmed(bound + 1 if no_sync else None)
         res = self.runner.verify(reqs, batch)
         if plain and self.runner.can_accept_in_graph(res, sampled=not greedy):

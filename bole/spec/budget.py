@@ -294,8 +294,11 @@ def width_cap(b_ver: int, batch: int, widths, max_drafts: int) -> int:
     return min(next((int(w) - 1 for w in sorted(widths) if w >= need), max_drafts), max_drafts)
 
 
+BUDGET_FLOORS = ("children", "best_child")
+
+
 def select_nodes(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, depth: torch.Tensor,
-                 b_ver, max_per_request: int | None = None) -> torch.Tensor:
+                 b_ver, max_per_request: int | None = None, floor: str = "children") -> torch.Tensor:
     """Algorithm 3 online: which draft nodes of the batch to verify. Returns bool keep [B, T].
 
     Args:
@@ -308,9 +311,12 @@ def select_nodes(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, 
         max_per_request: at most this many kept nodes per request (the verifier's tree limit, see
                  ``bole.spec.tree.MAX_TREE_NODES``); a request's nodes past it in its own order are
                  not candidates, and the budget they would have taken goes to the other requests.
+        floor:   the fairness floor: "children" (the paper's Algorithm 3: every depth-1 node) or
+                 "best_child" (each request's highest-ρ depth-1 node; its other children compete
+                 for the budget like deeper nodes). Both give every running request a verified draft.
 
-    Every request keeps its valid depth-1 nodes (fairness floor). The remaining budget,
-    max(b_ver - #floor, 0), goes to the other nodes in the order (ρ desc, depth asc, flat index
+    Every request keeps its valid depth-1 nodes (fairness floor; "best_child": the best one). The
+    remaining budget, max(b_ver - #floor, 0), goes to the other nodes in the order (ρ desc, depth asc, flat index
     asc), so the kept count is exactly max(#floor, min(b_ver, #valid)). ρ is first clamped to the
     running minimum along each path (pointer jumping, ceil(log2 T) gathers): a no-op for real
     drafts, whose ρ never increases down a path, and a guarantee of prefix closure otherwise,
@@ -332,7 +338,12 @@ def select_nodes(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, 
         key = torch.minimum(key, key.gather(1, jump))
         jump = jump.gather(1, jump)
 
-    floor = valid & (depth == 1)
+    if floor not in BUDGET_FLOORS:
+        raise ValueError(f"floor must be one of {BUDGET_FLOORS}, got {floor!r}")
+    first = valid & (depth == 1)
+    if floor == "best_child":  # the highest ρ among a request's depth-1 nodes (ties: the lowest index)
+        first = first & (node == torch.where(first, key, torch.full_like(key, -math.inf)).argmax(1, keepdim=True))
+    floor = first  # the kept floor nodes [B, T]
     cand = (valid & ~floor).flatten()
     remaining = (b_ver - floor.sum()).clamp(min=0)
     # Lexicographic order (candidates first, ρ desc, depth asc, flat index asc): sort by a unique

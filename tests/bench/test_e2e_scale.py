@@ -147,8 +147,11 @@ def test_cell_names():
     assert em("bole-e2") == ("bole", dict(budget_epsilon=2.0))
     assert em("bole_fr64-e0.5-wcap") == ("bole", dict(draft_vocab=64, budget_epsilon=0.5, cap_tree_width=True))
     assert e2e_scale.base_mode("serial_tree-d8k2b2-wcap") == "serial_tree"
+    assert em("bole-wcap-best1") == ("bole", dict(cap_tree_width=True, budget_floor="best_child"))
+    assert e2e_scale.base_mode("bole_fr64-e0.5-wcap-best1") == "bole_fr64"
     assert e2e_scale.base_mode("bole_fr64-d8k2b2-e0.5") == "bole_fr64"
-    for bad in ("ar-d8k2b2", "bole_frx", "tree", "bole-d8k2", "ar-e0.5", "bole-e0.5-d8k2b2"):
+    for bad in ("ar-d8k2b2", "bole_frx", "tree", "bole-d8k2", "ar-e0.5", "bole-e0.5-d8k2b2", "ar-best1",
+                "bole-best1-wcap"):
         with pytest.raises(ValueError, match="not MODE"):
             em(bad)
     a = e2e_scale.parse_args(["--modes", "ar", "serial_tree", "bole", "--draft-vocab", "64", "--also-spec", "8,2,2"])
@@ -162,6 +165,8 @@ def test_cell_names():
         e2e_scale.parse_args(["--also-epsilon", "-1"])
     a = e2e_scale.parse_args(["--modes", "ar", "serial_tree", "bole", "--draft-vocab", "64", "--also-cap"])
     assert a.modes == ["ar", "serial_tree", "bole", "bole_fr64", "serial_tree-wcap", "bole-wcap", "bole_fr64-wcap"]
+    a = e2e_scale.parse_args(["--modes", "ar", "bole", "--also-cap", "--also-floor"])
+    assert a.modes == ["ar", "bole", "bole-wcap", "bole-best1", "bole-wcap-best1"]
     # each drafting suffix's bole cell is compared with its serial_tree cell, every other cell with ar
     rows = [dict(mode=m, batch=1, status="ok", tokens_per_s=t, exact_vs_ar=None)
             for m, t in (("ar", 100.0), ("serial_tree-d8k2b2", 150.0), ("bole-d8k2b2", 300.0))]

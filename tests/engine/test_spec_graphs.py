@@ -176,14 +176,14 @@ def test_static_verify_reads_nothing_on_the_host():
     assert hidden.shape == (4 * 8, 32) and ctx.forest.num_requests == 4
 
 
-def _compare_draft(path, device, capture, tol, tree_attention=None, draft_vocab=None, cap=127):
+def _compare_draft(path, device, capture, tol, tree_attention=None, draft_vocab=None, cap=127, floor="children"):
     """Two draft + verify + commit steps of the same requests on an eager runner and a draft-graph
     runner: the selected, compacted drafts agree (tokens, parents, depths, sources and counts
     exactly; log-probabilities within tol), with a budget that keeps everything, then one that cuts.
     ``tree_attention``: the graph runner's drafter attends through it (its own model copy), the eager
     one through the batched SDPA path. ``draft_vocab``: both drafters score only these token ids, and
     every draft is one of them. ``cap``: drafts kept per request at most (the graph's is a per-step input;
-    the depth-1 floor is kept past it)."""
+    the depth-1 floor is kept past it). ``floor``: the budget's fairness floor, a graph family's setting."""
     model = load_model(path, dtype="float32", device=device)
     model.mtp.restrict_vocab(draft_vocab)
     D, k, beam = 3, 3, 2
@@ -196,7 +196,8 @@ def _compare_draft(path, device, capture, tol, tree_attention=None, draft_vocab=
             if isinstance(m, GatedAttention):
                 m.tree_attention = tree_attention
     eager, graph = ModelRunner(model, **kw), ModelRunner(graph_model, **kw)
-    dg = graph.enable_draft_graphs((1, 2, 4), D, k, beam, capture=capture, min_kv=8, max_per_request=127)
+    dg = graph.enable_draft_graphs((1, 2, 4), D, k, beam, capture=capture, min_kv=8, max_per_request=127,
+                                   floor=floor)
     for batch_prompts in (PROMPTS[:1], PROMPTS[:3]):
         re, rg = _requests(eager, batch_prompts, True), _requests(graph, batch_prompts, True)
         # everything, a cut, and a cut 5 nodes past the depth-1 floor (k per request; a graph's padding
@@ -204,15 +205,17 @@ def _compare_draft(path, device, capture, tol, tree_attention=None, draft_vocab=
         for step, b_ver in enumerate((100, 2 * len(batch_prompts) + 3, k * len(batch_prompts) + 5)):
             # after the prefill the catch-up is the prompt (> depth + 1 for the longer ones: eager)
             assert dg.supports(rg) == (step > 0 or len(batch_prompts) == 1)
-            d1 = eager.draft_batch(re, D, k, beam, b_ver, max_per_request=cap)
-            d2 = graph.draft_batch(rg, D, k, beam, b_ver, max_per_request=cap)
+            d1 = eager.draft_batch(re, D, k, beam, b_ver, max_per_request=cap, floor=floor)
+            d2 = graph.draft_batch(rg, D, k, beam, b_ver, max_per_request=cap, floor=floor)
             for f in ("tokens", "parents", "depth", "source_index", "num_nodes"):
                 assert torch.equal(getattr(d1, f), getattr(d2, f)), (step, f)
             assert float((d1.rho - d2.rho).nan_to_num(0, 0, 0).abs().max()) <= tol
             assert [(r.mtp_computed, r.pending_hidden) for r in re] == [(r.num_computed, None) for r in rg]
             # T_max = 3 + 6 + 6 drafts, and each tree's root
-            per_request = min(15, max(cap, k))
-            assert int(d2.num_nodes.sum()) == min(b_ver, per_request * len(batch_prompts)) + len(batch_prompts)
+            floor_size = k if floor == "children" else 1
+            per_request = min(15, max(cap, floor_size))
+            kept = max(min(b_ver, per_request * len(batch_prompts)), floor_size * len(batch_prompts))
+            assert int(d2.num_nodes.sum()) == kept + len(batch_prompts)
             assert int(d2.num_nodes.max()) <= per_request + 1
             assert d1.tokens[:, 0].tolist() == _roots(re) and (d1.parents[:, 0] == -1).all()
             if draft_vocab is not None:
@@ -246,6 +249,13 @@ def test_static_draft_with_a_cap_matches_eager_cpu(ckpt):
     assert dg.num_captured == 0 and dg.max_per_request == 127
 
 
+def test_static_draft_best_child_floor_matches_eager_cpu(ckpt):
+    # the best-child floor, with and without a cap: graph and eager drafts agree
+    for cap in (127, 2):
+        dg = _compare_draft(ckpt, "cpu", capture=False, tol=1e-4, cap=cap, floor="best_child")
+        assert dg.floor == "best_child"
+
+
 def test_static_draft_reduced_vocab_matches_eager_cpu(ckpt):
     # the drafter scoring 16 of the 64 ids (a scattered subset): eager and static drafts agree, and
     # draft only those ids (the graph's reduced lm_head and id gather are device ops at fixed shapes)
@@ -272,14 +282,15 @@ def _engine(path, device, mode, graphs: bool, **opts):
     return LLMEngine(load_model(path, dtype="float32", device=device), cfg)
 
 
-@pytest.mark.parametrize("mode,prefix_cache,layout_kernel,draft_vocab,cap", [
-    ("bole", True, False, None, False), ("bole", False, False, None, False), ("serial_tree", True, False, None, False),
-    ("bole", True, True, None, False), ("bole", True, False, 16, False), ("bole", True, False, None, True)])
-def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel, draft_vocab, cap):
+@pytest.mark.parametrize("mode,prefix_cache,layout_kernel,draft_vocab,cap,floor", [
+    ("bole", True, False, None, False, "children"), ("bole", False, False, None, False, "children"),
+    ("serial_tree", True, False, None, False, "children"), ("bole", True, True, None, False, "children"),
+    ("bole", True, False, 16, False, "children"), ("bole", True, False, None, True, "best_child")])
+def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel, draft_vocab, cap, floor):
     max_tokens = [12, 5, 20, 9]
     ref = run_arrivals(_engine(ckpt, "cpu", "ar", False, enable_prefix_cache=False), PROMPTS, max_tokens)
     eng = _engine(ckpt, "cpu", mode, False, enable_prefix_cache=prefix_cache, draft_vocab=draft_vocab,
-                  cap_tree_width=cap)
+                  cap_tree_width=cap, budget_floor=floor)
     if layout_kernel:  # forest layouts and the tail's acceptance by their kernels (interpreted), as on a GPU
         from kernels.greedy_accept import greedy_accept
         from kernels.tree_layout import tree_layout
@@ -291,7 +302,7 @@ def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel
     vg = eng.runner.enable_verify_graphs((1, 2, 4), tree_widths(eng.lookahead), spec.depth + 1,
                                          capture=False, min_kv=8)
     dg = eng.runner.enable_draft_graphs((1, 2, 4), spec.depth, spec.topk, spec.beam, capture=False, min_kv=8,
-                                        max_per_request=MAX_TREE_NODES - 1)
+                                        max_per_request=MAX_TREE_NODES - 1, floor=spec.budget_floor)
     if prefix_cache:  # as the engine wires them when it builds the graphs itself
         vg.enable_checkpoints(eng.prefix_cache.checkpoints, eng.config.cache.checkpoint_interval,
                               eng.prefix_cache.scratch_slot)

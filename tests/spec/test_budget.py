@@ -255,12 +255,15 @@ def test_width_cap_is_the_calibrations_tree_width():
 
 
 @pytest.mark.parametrize("bad", [1, "yes", None])
-def test_spec_config_refuses_a_non_bool_cap(bad):
+def test_spec_config_refuses_a_bad_cap_or_floor(bad):
     from bole.config import SpecConfig
 
     with pytest.raises(ValueError, match="cap_tree_width"):
         SpecConfig(cap_tree_width=bad)
     assert SpecConfig(cap_tree_width=True).cap_tree_width is True
+    with pytest.raises(ValueError, match="budget_floor"):
+        SpecConfig(budget_floor=bad)
+    assert SpecConfig(budget_floor="best_child").budget_floor == "best_child"
 
 
 def test_capped_selection_fits_the_calibrated_width():
@@ -281,3 +284,37 @@ def test_capped_selection_fits_the_calibrated_width():
     floor = int((depth == 1).sum(1).max())
     assert int(free.sum(1).max()) > cap  # uncapped, the likeliest request takes more than its width
     assert int(capped.sum(1).max()) <= max(cap, floor) and cap == 7
+
+
+def _forest(B, T, seed):
+    gen = torch.Generator().manual_seed(seed)
+    parents = torch.stack([torch.tensor(random_tree(T, 6, generator=gen).parents) for _ in range(B)])
+    depth = torch.zeros(B, T, dtype=torch.long)
+    for b in range(B):
+        for i in range(T):
+            depth[b, i] = 1 if parents[b, i] < 0 else depth[b, parents[b, i]] + 1
+    rho = torch.zeros(B, T)
+    logp = -torch.rand(B, T, generator=gen) * 3
+    for b in range(B):
+        for i in range(T):  # cumulative log-probability down each path
+            rho[b, i] = logp[b, i] + (rho[b, parents[b, i]] if parents[b, i] >= 0 else 0.0)
+    return rho, parents, torch.ones(B, T, dtype=torch.bool), depth
+
+
+@pytest.mark.parametrize("b_ver", [0, 5, 12, 30, 1000])
+def test_best_child_floor_keeps_one_first_level_draft_each(b_ver):
+    B, T = 4, 24
+    rho, parents, valid, depth = _forest(B, T, 1)
+    keep = select_nodes(rho, parents, valid, depth, b_ver, floor="best_child")
+    children = select_nodes(rho, parents, valid, depth, b_ver)
+    first = depth == 1
+    best = torch.where(first, rho, torch.full_like(rho, -float("inf"))).argmax(1)
+    assert keep[torch.arange(B), best].all()                           # every request keeps its best child
+    assert int(keep.sum()) == max(B, min(b_ver, B * T))                # the floor is one node a request
+    assert int(children.sum()) == max(int(first.sum()), min(b_ver, B * T))
+    kept_parents = parents.clamp(min=0).gather(1, torch.arange(T).expand(B, T))
+    assert (~keep | (parents < 0) | keep.gather(1, kept_parents)).all()   # prefix-closed
+    if B < b_ver < int(first.sum()):   # the budget past one child each goes by ρ, not to every child
+        assert int((keep & first).sum()) < int(first.sum())
+    with pytest.raises(ValueError, match="floor must be one of"):
+        select_nodes(rho, parents, valid, depth, b_ver, floor="none")

@@ -37,7 +37,7 @@ class DraftGraphs(GraphFamily):
 
     def __init__(self, runner, batch_sizes: Sequence[int], depth: int, topk: int, beam: int,
                  pad_block: int, capture: bool = True, min_kv: int = 256, pool=None,
-                 max_per_request: int | None = None):
+                 max_per_request: int | None = None, floor: str = "children"):
         if runner.model.mtp is None:
             raise ValueError("draft graphs need a model with an MTP drafter")
         super().__init__(runner, batch_sizes, runner.mtp_cache, min_kv, capture, pool)
@@ -59,6 +59,7 @@ class DraftGraphs(GraphFamily):
         self.out = dict(tokens=z(torch.long), parents=z(torch.long), depth=z(torch.long), rho=z(torch.float32),
                         source_index=z(torch.long), num_nodes=torch.zeros(Bm, dtype=torch.long, device=dev))
         self.max_per_request = max_per_request
+        self.floor = floor   # the budget's fairness floor (select_nodes), fixed per graph family
 
     def supports(self, reqs) -> bool:
         """A graph exists for this draft: batch within the captured sizes, every request's catch-up
@@ -107,7 +108,7 @@ class DraftGraphs(GraphFamily):
             # padding rows (num_computed 0) draft too, but take none of the batch's budget
             valid = cand.valid & (nc > 0)[:, None]
             keep = select_nodes(cand.rho, cand.parents, valid, cand.depth, inp[0, _BVER],
-                                max_per_request=inp[0, _CAP])
+                                max_per_request=inp[0, _CAP], floor=self.floor)
             # the root is the last catch-up token (the pending one)
             batch = compact(cand, keep, inp[:, _DTABLE:_DTABLE + C].gather(1, (n - 1)[:, None])[:, 0])
             for k, v in out.items():

@@ -1,0 +1,102 @@
+"""The budget's options on the embedded model: MAT and verified rows of the fairness floor and width cap.
+
+Per batch, bole runs the held-out prompts[:B] (greedy, ``--max-tokens`` each, fp32, depth 8 / topk 4 /
+beam 4 unless set) with B_ver forced to ``--b-ver`` (default: the H200 9B table's at that batch, the
+budgets the 9B-cost runs verify), once per option set: the paper's (``budget_floor="children"``),
+``cap_tree_width``, ``budget_floor="best_child"`` and both. Columns: MAT, draft nodes and padded
+verify rows per step (batch x the smallest tree width >= the widest tree, as the verify graphs pad;
+``bole.engine.graphs.tree.tree_widths``), and whether the tokens equal ar's. MAT is the drafter's
+acceptance, the same on the 9B-cost widening up to its bf16 rounding; the times of this CPU run mean
+nothing, so none are reported.
+
+    python benchmarks/budget_options.py --out benchmarks/results/budget_options_cpu.json
+    python benchmarks/budget_options.py --smoke --out /tmp/b.json      # tests/bench/test_budget_options.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from bole import LLM, SamplingParams  # noqa: E402
+from bole.engine.graphs.tree import tree_widths  # noqa: E402
+from bole.spec.budget import CalibrationTable  # noqa: E402
+
+OPTIONS = {"paper": {}, "cap": dict(cap_tree_width=True), "best_child": dict(budget_floor="best_child"),
+           "best_child+cap": dict(budget_floor="best_child", cap_tree_width=True)}
+
+
+def run(model: str, batch: int, b_ver: int, prompts: list[str], max_tokens: int, depth: int, topk: int, beam: int,
+        **options) -> dict:
+    llm = LLM(model, mode="bole", depth=depth, topk=topk, beam=beam, device="cpu", dtype="float32",
+              num_blocks=4096, max_num_seqs=batch, calibration_table="calibration_tables/default.yaml", **options)
+    eng = llm.engine
+    # every step's budget is b_ver (the table object is frozen: its lookup is replaced on the instance)
+    object.__setattr__(eng.calibration, "lookup", lambda b, kv, d: (0, b_ver))
+    widths, runner, steps = tree_widths(eng.lookahead), eng.runner, []
+    draft_batch = runner.draft_batch
+
+    def counted(reqs, *a, **kw):
+        out = draft_batch(reqs, *a, **kw)
+        widest = int(out.num_nodes.max())
+        steps.append((int(out.num_nodes.sum()) - len(reqs), len(reqs) * next(w for w in widths if w >= widest)))
+        return out
+    runner.draft_batch = counted
+    outs = llm.generate(prompts[:batch], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    m = eng.metrics
+    return dict(mat=round(m.emitted_tokens / max(m.request_steps, 1), 3), steps=len(steps),
+                drafts_per_step=round(sum(d for d, _ in steps) / len(steps), 1),
+                rows_per_step=round(sum(r for _, r in steps) / len(steps), 1),
+                tokens=[list(o.token_ids) for o in outs])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=str(REPO_ROOT / "models" / "bole-tiny-coder"))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--b-ver", type=int, nargs="*", default=None, help="one per batch (default: the table's)")
+    ap.add_argument("--table", default=str(REPO_ROOT / "calibration_tables" / "h200-qwen3.5-9b.yaml"))
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--depth", type=int, default=8)
+    ap.add_argument("--topk", type=int, default=4)
+    ap.add_argument("--beam", type=int, default=4)
+    ap.add_argument("--smoke", action="store_true", help="batch 2, 8 tokens, depth 3")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.batches, a.max_tokens, a.depth = [2], 8, 3
+    torch.set_num_threads(1)
+    table = CalibrationTable.load(a.table)
+    b_vers = a.b_ver or [table.lookup(b, 256, a.depth + 1)[1] for b in a.batches]
+    if len(b_vers) != len(a.batches):
+        ap.error(f"--b-ver takes one value per batch ({len(a.batches)}), got {len(b_vers)}")
+    prompts = [json.loads(line)["prompt"] for line in open(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl")]
+    doc = dict(date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), torch=torch.__version__, device="cpu",
+               command=" ".join(sys.argv if argv is None else ["budget_options.py", *argv]), table=a.table,
+               settings=dict(depth=a.depth, topk=a.topk, beam=a.beam, max_tokens=a.max_tokens, dtype="float32"),
+               rows=[])
+    for batch, b_ver in zip(a.batches, b_vers):
+        ar = LLM(a.model, mode="ar", device="cpu", dtype="float32", num_blocks=4096, max_num_seqs=batch).generate(
+            prompts[:batch], SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True))
+        ar_tokens = [list(o.token_ids) for o in ar]
+        for name, options in OPTIONS.items():
+            r = run(a.model, batch, int(b_ver), prompts, a.max_tokens, a.depth, a.topk, a.beam, **options)
+            row = dict(batch=batch, b_ver=int(b_ver), option=name, **{k: v for k, v in r.items() if k != "tokens"},
+                       exact_vs_ar=r["tokens"] == ar_tokens)
+            doc["rows"].append(row)
+            print(row, flush=True)
+            if a.out:
+                Path(a.out).write_text(json.dumps(doc, indent=1))
+    return doc
+
+
+if __name__ == "__main__":
+    main()
