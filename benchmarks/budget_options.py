@@ -1,13 +1,14 @@
 """The budget's options on the embedded model: MAT and verified rows of the fairness floor and width cap.
 
 Per batch, bole runs the held-out prompts[:B] (greedy, ``--max-tokens`` each, fp32, depth 8 / topk 4 /
-beam 4 unless set) with B_ver forced to ``--b-ver`` (default: the H200 9B table's at that batch, the
-budgets the 9B-cost runs verify), once per option set: the paper's (``budget_floor="children"``),
-``cap_tree_width``, ``budget_floor="best_child"`` and both. Columns: MAT, draft nodes and padded
-verify rows per step (batch x the smallest tree width >= the widest tree, as the verify graphs pad;
-``bole.engine.graphs.tree.tree_widths``), and whether the tokens equal ar's. MAT is the drafter's
-acceptance, the same on the 9B-cost widening up to its bf16 rounding; the times of this CPU run mean
-nothing, so none are reported.
+beam 4 unless set) with the budgets of ``--table`` (the H200 9B table, the budgets the 9B-cost runs
+verify; each step looks its own batch up there, as the engine does), once per option set: the paper's
+(``budget_floor="children"``), ``cap_tree_width``, ``budget_floor="best_child"`` and both. Columns:
+MAT; draft nodes and padded verify rows per step, the rows being the batch x the smallest captured tree
+width (``bole.engine.graphs.tree.tree_widths``) holding the width the step verifies (what the verify
+graphs run; a step trims to its host bound without a sync when that costs little, so this can exceed
+the widest tree); and whether the tokens equal ar's. MAT is the drafter's acceptance, the same on the
+9B-cost widening up to its bf16 rounding; this CPU run's times mean nothing and are not reported.
 
     python benchmarks/budget_options.py --out benchmarks/results/budget_options_cpu.json
     python benchmarks/budget_options.py --smoke --out /tmp/b.json      # tests/bench/test_budget_options.py
@@ -34,22 +35,22 @@ OPTIONS = {"paper": {}, "cap": dict(cap_tree_width=True), "best_child": dict(bud
            "best_child+cap": dict(budget_floor="best_child", cap_tree_width=True)}
 
 
-def run(model: str, batch: int, b_ver: int, prompts: list[str], max_tokens: int, depth: int, topk: int, beam: int,
-        **options) -> dict:
+def run(model: str, batch: int, table: CalibrationTable, prompts: list[str], max_tokens: int, depth: int, topk: int,
+        beam: int, **options) -> dict:
     llm = LLM(model, mode="bole", depth=depth, topk=topk, beam=beam, device="cpu", dtype="float32",
               num_blocks=4096, max_num_seqs=batch, calibration_table="calibration_tables/default.yaml", **options)
     eng = llm.engine
-    # every step's budget is b_ver (the table object is frozen: its lookup is replaced on the instance)
-    object.__setattr__(eng.calibration, "lookup", lambda b, kv, d: (0, b_ver))
+    # every step's budget is ``table``'s for its batch (the engine's table object is frozen: its lookup is
+    # replaced on the instance; the embedded model's own table would pick other budgets)
+    object.__setattr__(eng.calibration, "lookup", table.lookup)
     widths, runner, steps = tree_widths(eng.lookahead), eng.runner, []
-    draft_batch = runner.draft_batch
+    verify = runner.verify
 
-    def counted(reqs, *a, **kw):
-        out = draft_batch(reqs, *a, **kw)
-        widest = int(out.num_nodes.max())
-        steps.append((int(out.num_nodes.sum()) - len(reqs), len(reqs) * next(w for w in widths if w >= widest)))
-        return out
-    runner.draft_batch = counted
+    def counted(reqs, batch, *a, **kw):   # the trimmed batch the step verifies: its width, its drafts
+        width = batch.tokens.shape[1]
+        steps.append((int(batch.num_nodes.sum()) - len(reqs), len(reqs) * next(w for w in widths if w >= width)))
+        return verify(reqs, batch, *a, **kw)
+    runner.verify = counted
     outs = llm.generate(prompts[:batch], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     m = eng.metrics
     return dict(mat=round(m.emitted_tokens / max(m.request_steps, 1), 3), steps=len(steps),
@@ -62,7 +63,6 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(REPO_ROOT / "models" / "bole-tiny-coder"))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    ap.add_argument("--b-ver", type=int, nargs="*", default=None, help="one per batch (default: the table's)")
     ap.add_argument("--table", default=str(REPO_ROOT / "calibration_tables" / "h200-qwen3.5-9b.yaml"))
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--depth", type=int, default=8)
@@ -75,21 +75,19 @@ def main(argv=None):
         a.batches, a.max_tokens, a.depth = [2], 8, 3
     torch.set_num_threads(1)
     table = CalibrationTable.load(a.table)
-    b_vers = a.b_ver or [table.lookup(b, 256, a.depth + 1)[1] for b in a.batches]
-    if len(b_vers) != len(a.batches):
-        ap.error(f"--b-ver takes one value per batch ({len(a.batches)}), got {len(b_vers)}")
     prompts = [json.loads(line)["prompt"] for line in open(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl")]
     doc = dict(date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), torch=torch.__version__, device="cpu",
                command=" ".join(sys.argv if argv is None else ["budget_options.py", *argv]), table=a.table,
                settings=dict(depth=a.depth, topk=a.topk, beam=a.beam, max_tokens=a.max_tokens, dtype="float32"),
                rows=[])
-    for batch, b_ver in zip(a.batches, b_vers):
+    for batch in a.batches:
         ar = LLM(a.model, mode="ar", device="cpu", dtype="float32", num_blocks=4096, max_num_seqs=batch).generate(
             prompts[:batch], SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True))
         ar_tokens = [list(o.token_ids) for o in ar]
         for name, options in OPTIONS.items():
-            r = run(a.model, batch, int(b_ver), prompts, a.max_tokens, a.depth, a.topk, a.beam, **options)
-            row = dict(batch=batch, b_ver=int(b_ver), option=name, **{k: v for k, v in r.items() if k != "tokens"},
+            r = run(a.model, batch, table, prompts, a.max_tokens, a.depth, a.topk, a.beam, **options)
+            b_ver = int(table.lookup(batch, 256, a.depth + 1)[1])   # the full batch's (fewer requests: theirs)
+            row = dict(batch=batch, b_ver=b_ver, option=name, **{k: v for k, v in r.items() if k != "tokens"},
                        exact_vs_ar=r["tokens"] == ar_tokens)
             doc["rows"].append(row)
             print(row, flush=True)

@@ -312,12 +312,15 @@ def first_divergence(toks: list[list[int]], ref: list[list[int]]) -> list[dict]:
 
 def ratios(rows: list[dict]) -> dict:
     """Tokens/s ratios of one worker's cells per batch, and their geometric means over batches <= 16:
-    ``RATIOS``, every other speculative cell's to ar, and per drafting suffix its bole cell's to its
-    serial_tree cell (``bole-d8k2b2/serial_tree-d8k2b2``)."""
+    ``RATIOS``, every other speculative cell's to ar, per drafting suffix its bole cell's to its
+    serial_tree cell (``bole-d8k2b2/serial_tree-d8k2b2``), and each ``-wcap`` / ``-best1`` cell's to the
+    same cell without them (``bole-wcap/bole``)."""
     ok = {(r["mode"], r["batch"]): r for r in rows if r["status"] == "ok"}
     cells = list(dict.fromkeys(r["mode"] for r in rows))
+    plain = lambda m: _strip(_strip(m, FLOOR_RE)[0], CAP_RE)[0]
     pairs = RATIOS + tuple((m, "ar") for m in cells if m not in MODES) + tuple(
-        (m, "serial_tree" + m[len("bole"):]) for m in cells if m != "bole" and base_mode(m) == "bole")
+        (m, "serial_tree" + m[len("bole"):]) for m in cells if m != "bole" and base_mode(m) == "bole") + tuple(
+        (m, plain(m)) for m in cells if plain(m) != m)
     per_batch = []
     for b in sorted({b for _, b in ok}):
         d = dict(batch=b)

@@ -322,7 +322,8 @@ class ModelRunner:
         """Draft (``draft``), keep ``b_ver`` nodes for the batch (``select_nodes``, at most
         ``max_per_request`` per request, its fairness ``floor``) and compact them below the pending root
         tokens: the step's ``DraftBatch`` [B, 1 + T_max] (untrimmed). From the draft graph when it applies
-        (its drafting settings and floor; the cap is a per-step input there)."""
+        (its drafting settings and floor; the cap is a per-step input there, and None means the graph
+        family's own ``max_per_request`` there but no cap eagerly: the engine always passes one)."""
         dg = self.draft_graphs
         if dg is not None and (dg.depth, dg.topk, dg.beam, dg.floor) == (depth, topk, beam, floor):
             self._catch_up_head(reqs)

@@ -17,5 +17,6 @@ def test_smoke_rows(tmp_path):
     assert [r["option"] for r in rows] == list(budget_options.OPTIONS)
     assert all(r["exact_vs_ar"] and r["mat"] >= 1.0 and r["steps"] > 0 for r in rows)
     by = {r["option"]: r for r in rows}
-    assert by["cap"]["rows_per_step"] <= by["paper"]["rows_per_step"]
-    assert by["best_child+cap"]["rows_per_step"] <= by["best_child"]["rows_per_step"]
+    # at this smoke's budget the cap binds: fewer padded rows than the uncapped selection
+    assert by["cap"]["rows_per_step"] < by["paper"]["rows_per_step"]
+    assert by["best_child+cap"]["rows_per_step"] < by["best_child"]["rows_per_step"]

@@ -85,6 +85,11 @@ def test_ratios_geomean_over_batches_up_to_16():
     assert g["bole/ar"] == dict(value=round(math.sqrt(2.0 * 4.0), 3), batches=[1, 16])  # batch 32 left out
     assert g["bole/serial_tree"] == dict(value=4.0, batches=[1])                       # oom cell left out
     assert [d.get("bole/ar") for d in got["per_batch"]] == [2.0, 4.0, 10.0]
+    # an option cell against the same cell without the option
+    rows += [dict(mode=m, batch=1, status="ok", tokens_per_s=t, exact_vs_ar=True)
+             for m, t in [("bole-wcap", 30.0), ("bole-wcap-best1", 36.0)]]
+    per = e2e_scale.ratios(rows)["per_batch"][0]
+    assert per["bole-wcap/bole"] == 1.5 and per["bole-wcap-best1/bole"] == 1.8 and per["bole-wcap/ar"] == 3.0
 
 
 def _spec(smoke, **kw):

@@ -11,6 +11,7 @@ prefix cache on and off. GPU (``gpu`` mark): the same with real capture and repl
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from bole.engine.sequence import Request
 from bole.layers.attention import GatedAttention
 from bole.models.loader import load_model
 from bole.sampling_params import SamplingParams
+from bole.spec.budget import width_cap
 from bole.spec.tree import MAX_TREE_NODES, PackedForest, random_tree
 
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15], [3] * 14, [5, 1, 6, 2, 8]]
@@ -244,9 +246,11 @@ def test_static_draft_matches_eager_cpu(ckpt):
 
 
 def test_static_draft_with_a_cap_matches_eager_cpu(ckpt):
-    # a per-request cap (cap_tree_width's) below the trees' size: the graph takes it per step, as eagerly
-    dg = _compare_draft(ckpt, "cpu", capture=False, tol=1e-4, cap=4)
-    assert dg.num_captured == 0 and dg.max_per_request == 127
+    # a per-request cap (cap_tree_width's) below the trees' size: the graph takes it per step, as eagerly;
+    # below topk (3) the depth-1 floor is kept past it
+    for cap in (4, 2):
+        dg = _compare_draft(ckpt, "cpu", capture=False, tol=1e-4, cap=cap)
+        assert dg.num_captured == 0 and dg.max_per_request == 127
 
 
 def test_static_draft_best_child_floor_matches_eager_cpu(ckpt):
@@ -276,7 +280,8 @@ def test_static_draft_tree_attention_kernel_cpu(ckpt):
 
 
 def _engine(path, device, mode, graphs: bool, **opts):
-    cfg = EngineConfig.from_options(mode=mode, calibration_table=default_table(), num_blocks=128, block_size=4,
+    opts.setdefault("calibration_table", default_table())
+    cfg = EngineConfig.from_options(mode=mode, num_blocks=128, block_size=4,
                                     max_num_seqs=4, device=device, enable_cuda_graphs=graphs,
                                     cuda_graph_batch_sizes=(1, 2, 4), depth=3, topk=3, beam=3, **opts)
     return LLMEngine(load_model(path, dtype="float32", device=device), cfg)
@@ -286,11 +291,16 @@ def _engine(path, device, mode, graphs: bool, **opts):
     ("bole", True, False, None, False, "children"), ("bole", False, False, None, False, "children"),
     ("serial_tree", True, False, None, False, "children"), ("bole", True, True, None, False, "children"),
     ("bole", True, False, 16, False, "children"), ("bole", True, False, None, True, "best_child")])
-def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel, draft_vocab, cap, floor):
+def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel, draft_vocab, cap, floor,
+                                        tmp_path):
     max_tokens = [12, 5, 20, 9]
     ref = run_arrivals(_engine(ckpt, "cpu", "ar", False, enable_prefix_cache=False), PROMPTS, max_tokens)
+    table = default_table()
+    if cap:  # budgets small enough for the cap to bind (the default table's 64-256 exceed these trees)
+        table = tmp_path / "small.yaml"
+        table.write_text(re.sub(r"b_ver: *\d+", "b_ver: 8", open(default_table()).read()))
     eng = _engine(ckpt, "cpu", mode, False, enable_prefix_cache=prefix_cache, draft_vocab=draft_vocab,
-                  cap_tree_width=cap, budget_floor=floor)
+                  cap_tree_width=cap, budget_floor=floor, calibration_table=str(table))
     if layout_kernel:  # forest layouts and the tail's acceptance by their kernels (interpreted), as on a GPU
         from kernels.greedy_accept import greedy_accept
         from kernels.tree_layout import tree_layout
@@ -306,8 +316,15 @@ def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel
     if prefix_cache:  # as the engine wires them when it builds the graphs itself
         vg.enable_checkpoints(eng.prefix_cache.checkpoints, eng.config.cache.checkpoint_interval,
                               eng.prefix_cache.scratch_slot)
+    seen, draft_batch = [], eng.runner.draft_batch   # the options reach the drafts (tokens cannot show it)
+    eng.runner.draft_batch = lambda reqs, *a, **kw: (seen.append((len(reqs), a[-1], kw)),
+                                                     draft_batch(reqs, *a, **kw))[1]
     assert run_arrivals(eng, PROMPTS, max_tokens) == ref
     assert vg.replays > 0 and dg.replays > 0
+    assert seen and all(kw["floor"] == floor for _, _, kw in seen)
+    caps = [width_cap(int(b_ver), B, tree_widths(eng.lookahead), MAX_TREE_NODES - 1) if cap else MAX_TREE_NODES - 1
+            for B, b_ver, _ in seen]
+    assert [kw["max_per_request"] for _, _, kw in seen] == caps and (not cap or min(caps) < MAX_TREE_NODES - 1)
     # every greedy step accepts, commits and checkpoints in the verify graph's tail
     assert vg.tail_replays == vg.replays
     if prefix_cache:  # paths jumped over checkpoint boundaries, and the tail took those checkpoints
