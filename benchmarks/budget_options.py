@@ -40,9 +40,7 @@ def run(model: str, batch: int, table: CalibrationTable, prompts: list[str], max
     llm = LLM(model, mode="bole", depth=depth, topk=topk, beam=beam, device="cpu", dtype="float32",
               num_blocks=4096, max_num_seqs=batch, calibration_table="calibration_tables/default.yaml", **options)
     eng = llm.engine
-    # every step's budget is ``table``'s for its batch (the engine's table object is frozen: its lookup is
-    # replaced on the instance; the embedded model's own table would pick other budgets)
-    object.__setattr__(eng.calibration, "lookup", table.lookup)
+    eng.calibration = table   # every step's budget is ``table``'s at its batch (the engine's own table setter)
     widths, runner, steps = tree_widths(eng.lookahead), eng.runner, []
     verify = runner.verify
 
