@@ -2,11 +2,13 @@
 on widened checkpoints, one worker process per model, on one GPU.
 
 Models: models/bole-tiny-coder widened (``bole.models.widen``) to each shape of ``--models``
-(``bole.calibrate_sweep.SHAPES``: qwen3.5-4b, qwen3.5-9b, qwen3.5-27b). A widened model costs what its shape costs
-(layers, GEMMs, GDN states, KV cache, the 248,320-row vocabulary: embedding and lm_head) and predicts what the
-embedded model predicts, so MAT is the trained drafter's: every row is labelled "<shape>-cost, embedded
-model's predictions". Checkpoints are written once under ``--widen-dir`` (bf16) and reused while their
-``widen.json`` (source files, shape, dtype) matches.
+(``bole.calibrate_sweep.SHAPES``: qwen3.5-4b, qwen3.5-9b, qwen3.5-27b by default; qwen3.5-35b-a3b, the MoE
+shape, when named: every dense layer of the source becomes a MoE block, ``bole.models.widen``; 71 GB in bf16,
+so its ``--widen-dir`` must have the room, e.g. /dev/shm, which is checked before widening). A widened model
+costs what its shape costs (layers, GEMMs, GDN states, KV cache, the 248,320-row vocabulary: embedding and
+lm_head) and predicts what the embedded model predicts, so MAT is the trained drafter's: every row is
+labelled "<shape>-cost, embedded model's predictions". Checkpoints are written once under ``--widen-dir``
+(bf16) and reused while their ``widen.json`` (source files, shape, dtype) matches.
 
 Per model a worker subprocess runs the cells batch x mode (ar first at each batch), each on a fresh
 ``bole.LLM`` (bf16 and CUDA graphs on CUDA; prefix cache off, so every run prefills its prompts):
@@ -60,7 +62,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from bole.calibrate_sweep import SHAPES, shapes_config  # noqa: E402
+from bole.calibrate_sweep import DENSE_SHAPES, SHAPES, shapes_config  # noqa: E402
 from bole.models.widen import TARGET_FIELDS, copy_tokenizer_files, widen  # noqa: E402
 
 MODES = ("ar", "serial_tree", "bole")
@@ -139,7 +141,8 @@ def shape_config(name: str):
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", nargs="*", default=None, help=f"shapes, of {sorted(SHAPES)} (default: all)")
+    ap.add_argument("--models", nargs="*", default=None,
+                    help=f"shapes, of {sorted(SHAPES)} (default: {sorted(DENSE_SHAPES)})")
     ap.add_argument("--source", default=str(REPO_ROOT / "models" / "bole-tiny-coder"), help="model to widen")
     ap.add_argument("--widen-dir", default=os.path.join(tempfile.gettempdir(), "bole-widened"),
                     help="widened checkpoints are written (once) and reused here")
@@ -177,7 +180,7 @@ def parse_args(argv=None):
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one model's cells (JSON), internal
     a = ap.parse_args(argv)
     pick = lambda v, full, small: v if v is not None else (small if a.smoke else full)
-    a.models = pick(a.models, sorted(SHAPES), ["smoke"])
+    a.models = pick(a.models, sorted(DENSE_SHAPES), ["smoke"])
     bad = sorted(set(a.models) - set(SHAPES) - ({"smoke"} if a.smoke else set()))
     if bad:
         ap.error(f"unknown models {bad}; choose from {sorted(SHAPES)}")
@@ -225,6 +228,10 @@ def widened(source: str, shape: str, widen_dir: str) -> tuple[str, dict]:
     t0 = time.time()
     tmp = dst.with_name(shape + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
+    need, free = widened_bytes(cfg), free_bytes(widen_dir) + folder_bytes(dst)
+    if need * 1.02 > free:
+        raise ValueError(f"widening {shape} writes {need / 2**30:.1f} GiB, {widen_dir} has {free / 2**30:.1f} GiB "
+                         "free: pass --widen-dir on a larger disk or a large enough /dev/shm")
     report = widen(source, str(tmp), cfg, dtype="bfloat16")
     copy_tokenizer_files(source, str(tmp))
     size = sum(f.stat().st_size for f in tmp.iterdir() if f.suffix == ".safetensors")
@@ -234,6 +241,29 @@ def widened(source: str, shape: str, widen_dir: str) -> tuple[str, dict]:
     shutil.rmtree(dst, ignore_errors=True)
     os.replace(tmp, dst)
     return str(dst), dict(done, reused=False)
+
+
+def widened_bytes(cfg) -> int:
+    """bf16 bytes of the widened checkpoint of ``cfg`` (its parameters, the MTP layer's included)."""
+    from bole.models.qwen3_5 import HybridForCausalLM
+
+    with torch.device("meta"):
+        model = HybridForCausalLM(cfg, backend="torch", num_mtp_layers=max(1, cfg.num_mtp_layers), device="meta")
+    return 2 * sum(p.numel() for p in model.parameters())
+
+
+def free_bytes(path: str) -> int:
+    """Free bytes where ``path`` is (or would be created)."""
+    p = Path(path).resolve()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def folder_bytes(path) -> int:
+    """Bytes of the files in ``path`` (a stale widening that is replaced), 0 if absent."""
+    p = Path(path)
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else 0
 
 
 # -------------------------------------------------------------------------------------------- worker
@@ -469,7 +499,7 @@ def main(argv=None) -> dict | None:
         t0 = time.time()
         try:
             path, record = widened(args.source, shape, args.widen_dir)
-        except OSError as e:  # a full disk: the next (smaller) model may still fit
+        except (OSError, ValueError) as e:  # no room on the disk: the next (smaller) model may still fit
             rep.note(f"{shape}: widening failed ({e}); model skipped")
             continue
         rep.add("models", dict(shape=shape, label=label(shape), path=path,

@@ -95,7 +95,15 @@ SHAPES = {
     "qwen3.5-27b": dict(hidden_size=5120, num_hidden_layers=64, linear_num_key_heads=16,
                         linear_num_value_heads=48, num_attention_heads=24, num_key_value_heads=4,
                         intermediate_size=17408),
+    # Qwen3.5-35B-A3B (the MoE shape that fits one H200: ~70 GB in bf16): 40 layers x 2048, 16 q / 2 kv
+    # attention heads of 256, GDN 16 key / 32 value heads of 128, every layer MoE (256 experts of 512, top 8,
+    # a gated shared expert of 512), as public Megatron launch scripts give it.
+    "qwen3.5-35b-a3b": dict(model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40,
+                            linear_num_key_heads=16, linear_num_value_heads=32, num_attention_heads=16,
+                            num_key_value_heads=2, intermediate_size=None, num_experts=256, num_experts_per_tok=8,
+                            moe_intermediate_size=512, shared_expert_intermediate_size=512),
 }
+DENSE_SHAPES = tuple(n for n, s in SHAPES.items() if not s.get("num_experts"))
 
 
 def shapes_config(name: str) -> ModelConfig:

@@ -32,7 +32,16 @@ Per tensor (original channels keep their index in each widened axis; anything no
   scale 1/sqrt(K') shrinks o by sqrt(K/K') and o only feeds the per-head gated norm, which removes a
   scale: its mean(o²) shrinks by r_gdn = (K/K')·(V/V') and its weight becomes w·sqrt(V/V'). conv1d: padded
   channels zero; extra heads: A_log 0, dt_bias 1 (their outputs are zero anyway).
-* MLP / MoE: FFN width zero padded (down_proj columns zero); experts and the router keep their count.
+* MLP / MoE: FFN width zero padded (down_proj columns zero); a MoE source's experts and router keep their
+  count. A dense layer widened into a MoE one (a dense source at a MoE shape, e.g. qwen3.5-35b-a3b) splits
+  its SwiGLU channels, which sum independently: the first S = min(I, I_shared') go to the shared expert,
+  whose gate weight is 0 (sigmoid gives exactly ½) and down_proj is doubled; the other I - S (<= I_moe')
+  go to every routed expert, all E identical. The router renormalises its top-k weights (Qwen3.5-MoE
+  always does), so Σ_k w_k·expert(x) = expert(x) for any routing, and the router is random (a seeded
+  N(0, 1/H) matrix read through the copies): tokens spread over the experts as a trained router's do,
+  which is what sets the cost of a batch or a tree (the distinct experts whose weights are read).
+  Pass-through layers of a MoE shape get such a router too (their experts are zero), not a zero one that
+  would send every token to the same k experts.
 * Layers: the source's layers keep their index (the target's layer-type pattern must start with the
   source's); extra layers are residual pass-throughs: all matrices zero (norms 1, dt_bias 1), so each
   adds exactly 0 to the residual stream.
@@ -71,7 +80,9 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
+import zlib
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -86,7 +97,11 @@ HIDDEN_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "mo
 TARGET_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "layer_types", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "partial_rotary_factor", "linear_num_key_heads",
                  "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "intermediate_size",
-                 "moe_intermediate_size", "shared_expert_intermediate_size")  # set by a target shape
+                 "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                 "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")  # set by a target shape
+MOE_TYPES = {"qwen3_5_text": "qwen3_5_moe_text", "qwen3_5": "qwen3_5_moe"}  # a dense source at a MoE shape
+_DENSE_MLP_RE = re.compile(r"^(.*\.mlp)\.(gate_proj|up_proj|down_proj)\.weight$")
+_LAYER_RE = re.compile(r"^(model|mtp)\.layers\.(\d+)\.")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "vocab.json", "merges.txt", "token_frequencies.json")
 
@@ -220,6 +235,61 @@ class _Widener:
                                     heads(self.q_pairs, self.attn_dims, D, D2, Hq, Hq2))
         self.kv_rows = heads(self.kv_pairs, self.attn_dims, D, D2, Hkv, Hkv2)
         self.head_dims = heads([(0, 0)], self.attn_dims, D, D2, 1, 1)
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        s, t = self.s, self.t
+        kinds = [(s.is_moe_layer(i), t.is_moe_layer(i)) for i in range(s.num_hidden_layers + 1)]  # + the MTP's
+        if (True, False) in kinds:
+            raise ValueError("a MoE layer cannot be widened into a dense one (the target shape's MLP kind)")
+        if s.num_experts and (s.num_experts, s.num_experts_per_tok) != (t.num_experts, t.num_experts_per_tok):
+            raise ValueError(f"a MoE source keeps its experts: {s.num_experts} experts, top-{s.num_experts_per_tok} "
+                             f"(the target asks {t.num_experts}, top-{t.num_experts_per_tok})")
+        if (False, True) in kinds:
+            if not t.norm_topk_prob:
+                raise ValueError("a dense layer widens into a MoE one only with norm_topk_prob (the routed "
+                                 "weights must sum to one)")
+            rest = (s.intermediate_size or 0) - min(s.intermediate_size or 0, t.shared_expert_intermediate_size)
+            if rest > t.moe_intermediate_size:
+                raise ValueError(f"intermediate_size {s.intermediate_size}: {rest} channels beyond the shared "
+                                 f"expert's {t.shared_expert_intermediate_size} do not fit moe_intermediate_size "
+                                 f"{t.moe_intermediate_size}")
+
+    def to_moe(self, name: str) -> bool:
+        """Whether ``name`` (a source tensor) sits in a dense layer that the target makes MoE."""
+        m = _LAYER_RE.match(name)
+        if m is None:
+            return False
+        i = int(m[2])
+        return (not self.s.is_moe_layer(i + (self.s.num_hidden_layers if m[1] == "mtp" else 0))
+                and self.t.is_moe_layer(i + (self.t.num_hidden_layers if m[1] == "mtp" else 0)))
+
+    def router(self, prefix: str) -> torch.Tensor:
+        """[E, H'] seeded N(0, 1/H) router of the MLP ``prefix``, read through the copies (module docstring)."""
+        gen = torch.Generator().manual_seed(zlib.crc32(prefix.encode()))
+        r = torch.randn(self.t.num_experts, self.s.hidden_size, generator=gen) / math.sqrt(self.s.hidden_size)
+        return apply(r, 1, self.h_in)
+
+    def dense_to_moe(self, prefix: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> dict:
+        """A dense SwiGLU MLP ``prefix`` ([I, H] gate / up, [H, I] down) as the target's MoE block: shared
+        expert on the first S channels (gate 0: sigmoid ½, down doubled), the rest in every routed expert
+        (expanded views: identical experts), a random router."""
+        t, m, hin, hout = self.t, self._mat, self.h_in, self.h_out
+        n, E = gate.shape[0], t.num_experts
+        S, S2, M2 = min(gate.shape[0], t.shared_expert_intermediate_size), t.shared_expert_intermediate_size, \
+            t.moe_intermediate_size
+        out = {f"{prefix}.gate.weight": self.router(prefix)}
+        if S2:
+            out.update({f"{prefix}.shared_expert.gate_proj.weight": m(gate[:S], pad(S, S2), hin),
+                        f"{prefix}.shared_expert.up_proj.weight": m(up[:S], pad(S, S2), hin),
+                        f"{prefix}.shared_expert.down_proj.weight": m(2 * down[:, :S], hout, pad(S, S2)),
+                        f"{prefix}.shared_expert_gate.weight": gate.new_zeros(1, t.hidden_size)})
+        routed = pad(n - S, M2)
+        gate_up = torch.cat([m(gate[S:], routed, hin), m(up[S:], routed, hin)])
+        out[f"{prefix}.experts.gate_up_proj"] = gate_up.expand(E, *gate_up.shape)
+        expert_down = m(down[:, S:], hout, routed)
+        out[f"{prefix}.experts.down_proj"] = expert_down.expand(E, *expert_down.shape)
+        return out
 
     def _mat(self, t, rows: Axis | None, cols: Axis | None, rdim=0):  # rows on dim rdim, columns last
         t = t if rows is None else apply(t, rdim, rows)
@@ -240,9 +310,9 @@ class _Widener:
             return out.masked_fill(~keep, 1.0 if name.endswith("dt_bias") else 0.0)
         qkv, V, V2 = self.gdn_k + self.gdn_k + self.gdn_v, s.linear_value_head_dim, tg.linear_value_head_dim
         shared = ".shared_expert." in name
-        ffn = pad(*((s.shared_expert_intermediate_size, tg.shared_expert_intermediate_size) if shared else
-                    (s.intermediate_size or 0, tg.intermediate_size or 0)))
-        moe = pad(s.moe_intermediate_size, tg.moe_intermediate_size)
+        ffn = lambda: pad(*((s.shared_expert_intermediate_size, tg.shared_expert_intermediate_size) if shared else
+                            (s.intermediate_size or 0, tg.intermediate_size or 0)))
+        moe = lambda: pad(s.moe_intermediate_size, tg.moe_intermediate_size)
         rules = {  # name suffix -> the widened tensor
             "embed_tokens.weight": lambda: self._embedding(t), "lm_head.weight": lambda: self._lm_head(t),
             "mtp.fc.weight": lambda: self._mtp_fc(t),
@@ -259,10 +329,10 @@ class _Widener:
             "linear_attn.in_proj_a.weight": lambda: m(t, self.gdn_vh, hin),
             "linear_attn.norm.weight": lambda: norm_weight(t, pad(V, V2), math.sqrt(V / V2), centred=False),
             "linear_attn.out_proj.weight": lambda: m(t, hout, self.gdn_v),
-            "experts.gate_up_proj": lambda: m(t, moe + moe, hin, rdim=1),
-            "experts.down_proj": lambda: m(t, hout, moe, rdim=1),
-            "gate_proj.weight": lambda: m(t, ffn, hin), "up_proj.weight": lambda: m(t, ffn, hin),
-            "down_proj.weight": lambda: m(t, hout, ffn),
+            "experts.gate_up_proj": lambda: m(t, moe() + moe(), hin, rdim=1),
+            "experts.down_proj": lambda: m(t, hout, moe(), rdim=1),
+            "gate_proj.weight": lambda: m(t, ffn(), hin), "up_proj.weight": lambda: m(t, ffn(), hin),
+            "down_proj.weight": lambda: m(t, hout, ffn()),
             "mlp.gate.weight": lambda: apply(t, 1, hin), "shared_expert_gate.weight": lambda: apply(t, 1, hin)}
         for suffix, rule in rules.items():
             if name.endswith(suffix):
@@ -301,6 +371,8 @@ def widen_config(src: ModelConfig, shape: ModelConfig, alpha: float = ALPHA) -> 
     """The widened model's config and norm ratios, without weights: the target shape's sizes and
     vocabulary, the source's rope_theta and MTP, eps' (module docstring), untied embeddings."""
     t = dataclasses.replace(src, **{f: getattr(shape, f) for f in TARGET_FIELDS}, tie_word_embeddings=False)
+    if t.num_experts and not src.num_experts:
+        t = dataclasses.replace(t, model_type=MOE_TYPES.get(src.model_type, src.model_type))
     if t.layer_types[:src.num_hidden_layers] != src.layer_types:
         raise ValueError("the target's layer types must start with the source's (same pattern)")
     w = _Widener(src, t, alpha)
@@ -328,18 +400,33 @@ def widen(src: str, dst: str, shape: ModelConfig, dtype="auto", shard_bytes: int
     with CheckpointReader(files) as reader, torch.no_grad():
         ms_max = row_ms(producers["model.embed_tokens.weight"](reader).float()).max().item()
         w = _Widener(s, t, alpha, ms_max)
-        widened = lambda name: w.tensor(name, producers[name](reader).float()).to(out_dtype)
-        for name in producers:
-            shards.add(name, widened(name))
+
+        def widened(names):  # (target name, tensor) of the source tensors ``names``
+            mlps = {}
+            for name in names:
+                if (m := _DENSE_MLP_RE.match(name)) and w.to_moe(name):
+                    mlps.setdefault(m[1], {})[m[2]] = producers[name](reader).float()
+                else:
+                    yield name, w.tensor(name, producers[name](reader).float()).to(out_dtype)
+            for prefix, mlp in mlps.items():
+                for name, x in w.dense_to_moe(prefix, mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"]).items():
+                    yield name, x.to(out_dtype)
+
+        for name, x in widened(list(producers)):
+            shards.add(name, x)
         for i in range(s.num_hidden_layers, t.num_hidden_layers):  # pass-through layers, a source layer's shapes
             j = next((j for j in range(s.num_hidden_layers) if s.layer_types[j] == t.layer_types[i]
-                      and s.is_moe_layer(j) == t.is_moe_layer(i)), None)
+                      and t.is_moe_layer(j) == t.is_moe_layer(i)), None)
             if j is None:
                 raise ValueError(f"extra layer {i}: no source layer has its type and MLP kind")
-            for name in [n for n in producers if n.startswith(f"model.layers.{j}.")]:
+            for name, x in widened([n for n in producers if n.startswith(f"model.layers.{j}.")]):
                 new = name.replace(f"layers.{j}.", f"layers.{i}.", 1)
-                ones = new.endswith(("dt_bias", "linear_attn.norm.weight"))  # zero matrices, unit norms
-                shards.add(new, (torch.ones_like if ones else torch.zeros_like)(widened(name)))
+                if new.endswith("mlp.gate.weight"):  # a router spreading tokens as in the source layers
+                    x = w.router(new.rsplit(".", 2)[0]).to(out_dtype)
+                else:  # zero matrices, unit norms
+                    ones = new.endswith(("dt_bias", "linear_attn.norm.weight"))
+                    x = (torch.ones_like if ones else torch.zeros_like)(x)
+                shards.add(new, x)
     shards.close()
     _write_config(src, dst, s, t)
     return report
@@ -409,10 +496,16 @@ def _write_config(src: str, dst: str, s: ModelConfig, t: ModelConfig) -> None:
     with open(os.path.join(src, "config.json")) as fh:
         raw = json.load(fh)
     text, factor = raw.get("text_config", raw), t.rotary_dim / t.head_dim
+    moe_only = () if t.num_experts else ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
     for f in TARGET_FIELDS:
-        if f != "partial_rotary_factor" and (f in text or getattr(t, f)):
+        if f not in ("partial_rotary_factor",) + moe_only and (f in text or getattr(t, f)):
             text[f] = list(getattr(t, f)) if f == "layer_types" else getattr(t, f)
     text.update(rms_norm_eps=t.rms_norm_eps, tie_word_embeddings=False, partial_rotary_factor=factor)
+    if t.model_type != s.model_type:  # a dense source at a MoE shape: the MoE model type and class
+        text["model_type"] = t.model_type
+        if raw is not text:
+            raw["model_type"] = MOE_TYPES.get(raw.get("model_type"), raw.get("model_type"))
+        raw["architectures"] = [a.replace("Qwen3_5", "Qwen3_5Moe") for a in raw.get("architectures", [])]
     raw["tie_word_embeddings"] = False
     rope = text.get("rope_parameters") or {}
     rope["partial_rotary_factor"] = factor

@@ -75,6 +75,19 @@ def test_widened_checkpoint_is_reused(smoke):
     assert record["reused"] and path == str(wd / "smoke") and os.path.exists(os.path.join(path, "tokenizer.json"))
 
 
+def test_a_widening_larger_than_the_disk_is_refused_before_writing(tmp_path, monkeypatch):
+    """The MoE shape (~71 GB in bf16) on a disk with less room: a ValueError naming the sizes and the way out,
+    nothing written; the default model list is the dense shapes (the MoE one runs when named)."""
+    cfg = e2e_scale.shape_config("qwen3.5-35b-a3b")
+    assert 70e9 < e2e_scale.widened_bytes(cfg) < 72e9
+    monkeypatch.setattr(e2e_scale, "free_bytes", lambda path: 10 << 30)
+    with pytest.raises(ValueError, match=r"qwen3.5-35b-a3b writes 66\.\d GiB, .* 10\.0 GiB free: pass --widen-dir"):
+        e2e_scale.widened(os.path.join(ROOT, "models", "bole-tiny-coder"), "qwen3.5-35b-a3b", str(tmp_path / "w"))
+    assert not (tmp_path / "w").exists() or not any((tmp_path / "w").iterdir())
+    assert e2e_scale.parse_args([]).models == ["qwen3.5-27b", "qwen3.5-4b", "qwen3.5-9b"]
+    assert e2e_scale.parse_args(["--models", "qwen3.5-35b-a3b"]).models == ["qwen3.5-35b-a3b"]
+
+
 def test_ratios_geomean_over_batches_up_to_16():
     rows = [dict(mode=m, batch=b, status="ok", tokens_per_s=t, exact_vs_ar=None if m == "ar" else True)
             for m, b, t in [("ar", 1, 10.0), ("bole", 1, 20.0), ("ar", 16, 40.0), ("bole", 16, 160.0),

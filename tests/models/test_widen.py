@@ -133,6 +133,57 @@ def test_widened_mtp_logits_equal(widened, kind):
     assert not const[:, 1].any()
 
 
+DENSE_TO_MOE = dict(intermediate_size=None, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                    shared_expert_intermediate_size=64)  # the dense 96 channels: 64 shared, 32 in every expert
+
+
+def routed_experts(model, prompt):
+    """{layer: distinct experts chosen} over a prefill of ``prompt`` (the routers' top-k)."""
+    seen, hooks = {}, []
+    for i, layer in enumerate(model.model.layers):
+        k = layer.mlp.top_k
+        hooks.append(layer.mlp.gate.register_forward_hook(
+            lambda mod, inp, out, i=i, k=k: seen.setdefault(i, set()).update(out.topk(k).indices.flatten().tolist())))
+    step_logits(model, prompt, steps=())
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+@torch.no_grad()
+def test_dense_widened_into_moe_computes_the_source(widened):
+    """A dense source at a MoE shape (8 experts, top 2, a shared expert): every layer, the 4 pass-throughs and
+    the MTP's included, is a MoE block; the target's and the drafter's logits are the source's; the random
+    routers spread a prompt's tokens over the experts in every layer, pass-throughs included."""
+    src, dst, report = widened("dense", 128, **DENSE_TO_MOE)
+    a, b = (load_model(p, dtype="float32", backend="torch") for p in (src, dst))
+    cfg = b.config
+    assert cfg.model_type == "qwen3_5_moe_text" and report.config.model_type == cfg.model_type
+    assert all(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers + 1)) and cfg.num_experts == 8
+    assert type(b.mtp.layers[0].mlp).__name__ == "SparseMoE"
+    for prompt in PROMPTS:
+        (la, _), (lb, _) = step_logits(a, prompt), step_logits(b, prompt)
+        assert rel_err(lb[:, :128], la) <= 1e-3  # hidden 128: one copy, the hidden norms see 17/16·eps
+        assert padded_margin(lb, 128) > 2 * (la.max() - la.min())
+    seen = routed_experts(b, PROMPTS[2])
+    assert len(seen) == 8 and all(len(e) >= 6 for e in seen.values()), seen  # 30 tokens x top 2 of 8
+    experts = b.model.layers[0].mlp.experts
+    assert torch.equal(experts.gate_up_proj[0], experts.gate_up_proj[7]) and experts.gate_up_proj.abs().sum() > 0
+    assert not b.model.layers[5].mlp.experts.down_proj.any()  # a pass-through: zero experts, a random router
+    assert b.model.layers[5].mlp.gate.weight.abs().sum() > 0
+
+
+@pytest.mark.parametrize("mode", ["ar", "bole"])
+def test_dense_widened_into_moe_generates_the_source_tokens(widened, mode):
+    src, dst, _ = widened("dense", 256, **DENSE_TO_MOE)
+    opts = dict(mode=mode, device="cpu", dtype="float32", depth=3, topk=2, beam=2, num_blocks=128, block_size=16,
+                max_num_seqs=4)
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [p[:12] for p in PROMPTS]
+    ref, out = ([o.token_ids for o in LLM(p, **opts).generate(prompts, sp)] for p in (src, dst))
+    assert out == ref and any(len(set(t)) > 1 for t in ref)
+
+
 @pytest.mark.parametrize("alpha", [ALPHA, 0.0])
 @pytest.mark.parametrize("scale", [1e-4, 1e-2, 1.0, 1e3])
 @torch.no_grad()
@@ -204,12 +255,21 @@ def test_unequal_norm_ratios_are_reported(widened):
     (dict(hidden_size=65), "two constant"),                                       # no room for the constant
     (dict(vocab_size=100), "vocab_size"),                                         # 128 -> 100 rows
     (dict(alpha=-1.0), "alpha"),                                                  # padded rows would win
+    (dict(DENSE_TO_MOE, moe_intermediate_size=16), "moe_intermediate_size"),     # 32 routed channels > 16
+    (dict(DENSE_TO_MOE, norm_topk_prob=False), "norm_topk_prob"),               # routed weights not summing to 1
 ])
 def test_impossible_widenings_refused(checkpoints, tmp_path, overrides, match):
     src = checkpoints("dense").path
     shape = target_shape(read_config(src)[1], **{k: v for k, v in overrides.items() if k != "alpha"})
     with pytest.raises(ValueError, match=match):
         widen(src, str(tmp_path), shape, alpha=overrides.get("alpha", ALPHA))
+
+
+def test_moe_source_keeps_its_experts(checkpoints, tmp_path):
+    src = checkpoints("moe").path
+    shape = target_shape(read_config(src)[1], num_experts=16)
+    with pytest.raises(ValueError, match="keeps its experts"):
+        widen(src, str(tmp_path), shape)
 
 
 def test_group_copies_keep_each_query_on_its_kv_head(widened):
@@ -226,12 +286,15 @@ def test_embedded_model_widens_exactly_to_the_project_shapes(shape):
     shape's vocabulary (248,320 rows: the tokenizer's 8,192 and padded ones)."""
     _, cfg = read_config(resolve_repo_path("models/bole-tiny-coder"))
     report = widen_config(cfg, shapes_config(shape))
-    assert set(report.eps_bounds.values()) == {0.0} and report.copies == {"qwen3.5-4b": 9, "qwen3.5-9b": 15,
-                                                                        "qwen3.5-27b": 19}[shape]
-    assert report.constant > 0.04 and report.eps == cfg.rms_norm_eps / 4
+    assert set(report.eps_bounds.values()) == {0.0} and report.copies == {
+        "qwen3.5-4b": 9, "qwen3.5-9b": 15, "qwen3.5-27b": 19, "qwen3.5-35b-a3b": 7}[shape]
+    assert report.constant > 0.03 and report.eps == cfg.rms_norm_eps / 4
     t = report.config
     assert (t.hidden_size, t.num_hidden_layers, t.rotary_dim, t.vocab_size, t.rope_theta) == (
         SHAPES[shape]["hidden_size"], SHAPES[shape]["num_hidden_layers"], 64, 248320, cfg.rope_theta)
+    moe = SHAPES[shape].get("num_experts", 0)  # the MoE shape: every layer and the MTP's, the MoE model type
+    assert t.num_experts == moe and all(t.is_moe_layer(i) == bool(moe) for i in range(t.num_hidden_layers + 1))
+    assert t.model_type == ("qwen3_5_moe_text" if moe else cfg.model_type)
 
 
 def test_cli_help():
