@@ -3,8 +3,10 @@
 Per shape (rows M: batch x topk, weight [N, K]: the reduced draft vocabulary or the full one, K the
 hidden size of the 4B / 9B / 27B shapes) the median time of a launch (CUDA events over 50 back-to-back
 launches, 5 repeats), the weight bandwidth it reaches, and the kernel's largest error against the
-float64 product next to cuBLAS's. ``--sweep`` first times the kernel's launch configurations at
-K = 4096, N = 32768 (M 16 and 64).
+float64 product next to cuBLAS's. Beside them cuBLAS on the transposed problem, ``torch.mm(W, x^T)``
+(logits [N, M], read as their transpose): the same product with the weight as the GEMM's M side, where
+cuBLAS may pick a tile that reads it once (``wxt_ms``), the kernel-free alternative. ``--sweep`` first
+times the kernel's launch configurations at K = 4096, N = 32768 (M 16 and 64).
 
     python benchmarks/draft_logits.py --out benchmarks/results/draft_logits_h200.json [--sweep]
     python benchmarks/draft_logits.py --smoke --sweep      # CPU, Triton interpreter: the harness only
@@ -101,9 +103,11 @@ def main(argv=None):
                 ref = x.double() @ wd.T
                 t_cublas = timed(F.linear, x, w, reps=3 if a.smoke else 50)
                 t_kernel = timed(few_rows_linear, x, w, reps=1 if a.smoke else 50)
+                t_wxt = timed(torch.mm, w, x.T, reps=3 if a.smoke else 50)
                 row = dict(M=M, N=N, K=K, cublas_ms=round(t_cublas, 4), kernel_ms=round(t_kernel, 4),
-                           speedup=round(t_cublas / t_kernel, 2), kernel_tb_s=round(gb / t_kernel, 2),
-                           cublas_tb_s=round(gb / t_cublas, 2),
+                           wxt_ms=round(t_wxt, 4), speedup=round(t_cublas / t_kernel, 2),
+                           kernel_tb_s=round(gb / t_kernel, 2), cublas_tb_s=round(gb / t_cublas, 2),
+                           wxt_max_err=float((torch.mm(w, x.T).T.double() - ref).abs().max()),
                            kernel_max_err=float((few_rows_linear(x, w).double() - ref).abs().max()),
                            cublas_max_err=float((F.linear(x, w).double() - ref).abs().max()))
                 doc["rows"].append(row)

@@ -228,19 +228,27 @@ def widened(source: str, shape: str, widen_dir: str) -> tuple[str, dict]:
     t0 = time.time()
     tmp = dst.with_name(shape + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    need, free = widened_bytes(cfg), free_bytes(widen_dir) + folder_bytes(dst)
+    shutil.rmtree(dst, ignore_errors=True)  # stale: replaced, and its room is needed while the new one is written
+    need, free = widened_bytes(cfg), free_bytes(widen_dir)
     if need * 1.02 > free:
-        raise ValueError(f"widening {shape} writes {need / 2**30:.1f} GiB, {widen_dir} has {free / 2**30:.1f} GiB "
-                         "free: pass --widen-dir on a larger disk or a large enough /dev/shm")
-    report = widen(source, str(tmp), cfg, dtype="bfloat16")
-    copy_tokenizer_files(source, str(tmp))
+        raise NoRoom(f"widening {shape} writes {need / 2**30:.1f} GiB, {widen_dir} has {free / 2**30:.1f} GiB "
+                     "free: pass --widen-dir on a larger disk or a large enough /dev/shm")
+    try:
+        report = widen(source, str(tmp), cfg, dtype="bfloat16")
+        copy_tokenizer_files(source, str(tmp))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial widening (a full disk, or tmpfs RAM) is not kept
+        raise
     size = sum(f.stat().st_size for f in tmp.iterdir() if f.suffix == ".safetensors")
     done = dict(input=want, copies=report.copies, eps=report.eps, exact_norms=not any(report.eps_bounds.values()),
                 weight_bytes=size, widen_s=round(time.time() - t0, 1))
     (tmp / "widen.json").write_text(json.dumps(done, indent=1))
-    shutil.rmtree(dst, ignore_errors=True)
     os.replace(tmp, dst)
     return str(dst), dict(done, reused=False)
+
+
+class NoRoom(OSError):
+    """The widening does not fit where it would be written (checked before writing)."""
 
 
 def widened_bytes(cfg) -> int:
@@ -258,12 +266,6 @@ def free_bytes(path: str) -> int:
     while not p.exists():
         p = p.parent
     return shutil.disk_usage(p).free
-
-
-def folder_bytes(path) -> int:
-    """Bytes of the files in ``path`` (a stale widening that is replaced), 0 if absent."""
-    p = Path(path)
-    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else 0
 
 
 # -------------------------------------------------------------------------------------------- worker
@@ -499,7 +501,7 @@ def main(argv=None) -> dict | None:
         t0 = time.time()
         try:
             path, record = widened(args.source, shape, args.widen_dir)
-        except (OSError, ValueError) as e:  # no room on the disk: the next (smaller) model may still fit
+        except OSError as e:  # no room (NoRoom, or a full disk): the next (smaller) model may still fit
             rep.note(f"{shape}: widening failed ({e}); model skipped")
             continue
         rep.add("models", dict(shape=shape, label=label(shape), path=path,

@@ -5,7 +5,8 @@ kernel / memcpy time inside it), their difference (host overhead: time the GPU w
 CUDA driver), the number of kernel launches and of host syncs, and the top operators by self CPU time.
 
 Cases (``--cases``):
-  decode9b     eager decode forward, Qwen3.5-9B shapes (random bf16 weights), ``--batch`` requests (1),
+  decode9b     eager decode forward, Qwen3.5-9B shapes (random bf16 weights; ``--shapes`` another of
+               bole.calibrate_sweep.SHAPES, e.g. the MoE qwen3.5-35b-a3b), ``--batch`` requests (1),
                ``--kv-len`` committed tokens each (1000)
   verify9b     verify forward of ``--tree-nodes`` nodes (64; several values: one case each, name@T) at
                the same shapes, split over the batch's requests
@@ -45,6 +46,8 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
+
+from bole.calibrate_sweep import SHAPES  # noqa: E402
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaEventSynchronize",
                "aten::item", "aten::_local_scalar_dense")
@@ -99,7 +102,8 @@ def case_target(name: str, args, device) -> dict:
 
     B, T = args.batch, args.tree_nodes_one
     eargs = parse_args((["--smoke"] if args.smoke else []) + ["--share-batches", str(B), "--decode-batches", str(B),
-                                                              "--tree-sizes", str(T), "--kv-len", str(args.kv_len)])
+                                                              "--tree-sizes", str(T), "--kv-len", str(args.kv_len),
+                                                              "--shapes", args.shapes])
     tgt = Target(eargs, device, snapshots=False)
     reqs = tgt.reqs[:B]
     runner = tgt.runner
@@ -345,6 +349,9 @@ def main(argv=None):
     ap.add_argument("--cases", nargs="*", default=DEFAULT_CASES, choices=list(CASES))
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--kv-len", type=int, default=1000, help="committed tokens of the 9B cases' request")
+    ap.add_argument("--shapes", default="qwen3.5-9b", choices=sorted(SHAPES),
+                    help="the random-weight model of the *9b* cases (qwen3.5-35b-a3b: the MoE shape, its routed "
+                         "experts through kernels.moe_experts on the GPU)")
     ap.add_argument("--tiny-dtype", default="bfloat16", help="dtype of the embedded model's engine cases")
     ap.add_argument("--model", default=str(REPO_ROOT / "models" / "bole-tiny-coder"),
                     help="checkpoint of the engine cases (a widened one: scripts/widen_model.py)")

@@ -25,7 +25,8 @@ transposed [.., V, K]):
 
 Registered backends:
     "torch":  bole.ops twins; chunked WY prefill (bole.ops.gdn_chunk), batched single-step decode
-              (bole.ops.gdn_decode), torch norms, attention prologue and gated activations.
+              (bole.ops.gdn_decode), torch norms, attention prologue and gated activations, a loop over the
+              routed experts of MoE blocks (bole.ops.moe: it reads the expert list on the host).
     "triton": kernels.gdn_tree_verify / kernels.gdn_commit (and kernels.gdn_tree_serial for the
               serial_tree baseline); verify's conv and gating with kernels.gdn_tree_conv; prefill with
               kernels.gdn_recurrent below 65 tokens (and in fp32 when fla is taken), else
@@ -39,7 +40,8 @@ Registered backends:
               forwards over the frontier forest; keys read in place, split over the prefix) with
               kernels.tree_attention; the graphed speculative step's forest layouts with kernels.tree_layout and its
               greedy acceptance with kernels.greedy_accept; the drafter's per-level top-k of log-softmax with
-              kernels.logits_topk. The drafter's lm_head stays torch's GEMM: kernels.few_rows_linear
+              kernels.logits_topk; a MoE block's routed experts with kernels.moe_experts (no host read: graphs
+              capture MoE models). The drafter's lm_head stays torch's GEMM: kernels.few_rows_linear
               (``half_precision_only``) is not yet timed on a GPU (benchmarks/draft_logits.py,
               profile_step.py's ``bole_phases_few_rows``), so it is not the default.
     "auto":   "triton" on CUDA when the kernels import, else "torch". Resolved once, logged.
@@ -68,6 +70,7 @@ from bole.ops.gdn import gdn_commit_ref, gdn_tree_serial_ref, gdn_tree_verify_re
 from bole.ops.gdn_chunk import gdn_chunk
 from bole.ops.gdn_decode import causal_conv1d_update_ref, gdn_decode_step_ref
 from bole.ops.linear import few_rows_linear_ref
+from bole.ops.moe import moe_experts_ref
 from bole.ops.rope import qk_norm_rope_store_ref
 from bole.ops.topk import log_softmax_topk_ref
 from bole.ops.tree_layout import tree_layout_ref
@@ -97,6 +100,7 @@ class GDNBackend:
     greedy_accept: Callable = greedy_accept_ref  # the verify tail's greedy tree walk (kernels.greedy_accept)
     log_softmax_topk: Callable = log_softmax_topk_ref  # the drafter's children per level (kernels.logits_topk)
     few_rows_linear: Callable = few_rows_linear_ref  # the drafter's lm_head rows (F.linear in both backends)
+    moe_experts: Callable = moe_experts_ref   # a MoE block's routed experts (kernels.moe_experts: no host read)
 
 
 _REGISTRY: dict[str, Callable[[], GDNBackend]] = {}
@@ -220,6 +224,7 @@ def _triton_backend() -> GDNBackend:
     from kernels.gdn_tree_verify import gdn_tree_verify as triton_verify
     from kernels.greedy_accept import greedy_accept
     from kernels.logits_topk import MAX_K, MAX_V, log_softmax_topk
+    from kernels.moe_experts import moe_experts
     from kernels.paged_decode_attention import paged_decode_attention
     from kernels.qk_norm_rope import qk_norm_rope_store
     from kernels.rmsnorm import gated_rms_norm, rms_norm
@@ -249,7 +254,7 @@ def _triton_backend() -> GDNBackend:
                       tree_attention=context_checked(tree_attention),
                       qk_norm_rope_store=context_checked(qk_norm_rope_store), act_mul=act_mul, tree_layout=tree_layout,
                       greedy_accept=tree_acceptance(greedy_accept),
-                      log_softmax_topk=topk_within(log_softmax_topk, MAX_V, MAX_K))
+                      log_softmax_topk=topk_within(log_softmax_topk, MAX_V, MAX_K), moe_experts=moe_experts)
 
 
 def resolve_backend(name: str = "auto", device: torch.device | str | None = None) -> GDNBackend:

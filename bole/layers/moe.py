@@ -5,9 +5,11 @@
 
 Experts are stored fused, as transformers holds them: ``experts.gate_up_proj`` [E, 2I, H] (gate rows
 then up rows) and ``experts.down_proj`` [E, H, I]; the loader stacks per-expert checkpoint tensors.
-silu(gate) · up of each expert and the shared expert's sigmoid gate go through ``act_mul`` (the
-backend's: bole.ops.activation or kernels.act_mul). Tensor parallel: each expert's intermediate dim
-is split (gate_up column, down row parallel), the router and the shared-expert gate are replicated.
+The routed experts run through the backend's ``moe_experts`` (bole.ops.moe's loop over the routed experts,
+or kernels.moe_experts, which reads nothing on the host, so graphs capture it); the shared expert's
+sigmoid gate goes through ``act_mul`` (bole.ops.activation or kernels.act_mul). Tensor parallel: each
+expert's intermediate dim is split (gate_up column, down row parallel), the router and the shared-expert
+gate are replicated.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from bole.layers.mlp import MLP
 from bole.ops.activation import act_mul_ref
+from bole.ops.moe import moe_experts_ref
 
 
 class Experts(nn.Module):
@@ -28,17 +30,11 @@ class Experts(nn.Module):
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.act_mul: Callable = act_mul_ref  # the backend's (set by the model)
+        self.dispatch: Callable = moe_experts_ref  # the backend's moe_experts (set by the model)
 
     def forward(self, x, top_idx, top_w):
         """x [N, H]; top_idx, top_w [N, k] -> [N, H]."""
-        out = torch.zeros_like(x)
-        for e in torch.unique(top_idx).tolist():
-            tok, slot = torch.where(top_idx == e)
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(self.act_mul(up, gate, "silu"), self.down_proj[e])
-            out.index_add_(0, tok, (y * top_w[tok, slot, None]).to(out.dtype))
-        return out
+        return self.dispatch(x, self.gate_up_proj, self.down_proj, top_idx, top_w)
 
 
 class SparseMoE(nn.Module):
@@ -58,7 +54,7 @@ class SparseMoE(nn.Module):
         top_w, top_idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-        out = self.experts(x, top_idx, top_w.to(x.dtype))
+        out = self.experts(x, top_idx, top_w)  # fp32 weights: k of them sum to one (a widened MoE's identity)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             out = out + self.act_mul(shared, self.shared_expert_gate(x).expand_as(shared), "sigmoid")

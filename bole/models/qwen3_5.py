@@ -215,8 +215,10 @@ class HybridForCausalLM(nn.Module):
                 m.qk_norm_rope_store = self.backend.qk_norm_rope_store
                 m.prefill_attention = self.backend.tree_attention   # short prefill chunks (causal rows)
                 m.tree_attention = self.backend.tree_attention      # verify forwards: the target's and the drafter's
-            if isinstance(m, (GatedAttention, MLP, SparseMoE, Experts)):
+            if isinstance(m, (GatedAttention, MLP, SparseMoE)):
                 m.act_mul = self.backend.act_mul
+            elif isinstance(m, Experts):
+                m.dispatch = self.backend.moe_experts
 
     def fuse_projections(self) -> "HybridForCausalLM":
         """Concatenate the projections that share an input into one GEMM each (``bole.layers.linear``);

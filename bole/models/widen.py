@@ -239,12 +239,15 @@ class _Widener:
 
     def _check_moe(self) -> None:
         s, t = self.s, self.t
-        kinds = [(s.is_moe_layer(i), t.is_moe_layer(i)) for i in range(s.num_hidden_layers + 1)]  # + the MTP's
+        kinds = [(s.is_moe_layer(i), t.is_moe_layer(i)) for i in range(s.num_hidden_layers)]
+        kinds.append((s.is_moe_layer(s.num_hidden_layers), t.is_moe_layer(t.num_hidden_layers)))  # the MTP's
         if (True, False) in kinds:
             raise ValueError("a MoE layer cannot be widened into a dense one (the target shape's MLP kind)")
-        if s.num_experts and (s.num_experts, s.num_experts_per_tok) != (t.num_experts, t.num_experts_per_tok):
-            raise ValueError(f"a MoE source keeps its experts: {s.num_experts} experts, top-{s.num_experts_per_tok} "
-                             f"(the target asks {t.num_experts}, top-{t.num_experts_per_tok})")
+        if s.num_experts and (s.num_experts, s.num_experts_per_tok, s.norm_topk_prob) != (
+                t.num_experts, t.num_experts_per_tok, t.norm_topk_prob):
+            raise ValueError(f"a MoE source keeps its experts: {s.num_experts} experts, top-{s.num_experts_per_tok}, "
+                             f"norm_topk_prob={s.norm_topk_prob} (the target asks {t.num_experts}, "
+                             f"top-{t.num_experts_per_tok}, norm_topk_prob={t.norm_topk_prob})")
         if (False, True) in kinds:
             if not t.norm_topk_prob:
                 raise ValueError("a dense layer widens into a MoE one only with norm_topk_prob (the routed "

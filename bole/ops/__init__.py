@@ -12,6 +12,7 @@
     kernels/gdn_tree_verify.py          gdn.py           gdn_tree_verify_ref
     kernels/greedy_accept.py            accept.py        greedy_accept_ref
     kernels/logits_topk.py              topk.py          log_softmax_topk_ref
+    kernels/moe_experts.py              moe.py           moe_experts_ref
     kernels/paged_decode_attention.py   attention.py     paged_decode_attention_ref
     kernels/qk_norm_rope.py             rope.py          qk_norm_rope_store_ref
     kernels/rmsnorm.py                  norm.py          rms_norm_ref, gated_rms_norm_ref

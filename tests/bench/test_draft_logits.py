@@ -18,8 +18,9 @@ def test_smoke_writes_rows_and_sweep(tmp_path):
     assert res["gpu"] == "cpu" and len(res["sweep"]) == 2 * len(draft_logits.CONFIGS)
     assert [(r["M"], r["N"], r["K"]) for r in res["rows"]] == [(1, 256, 64), (16, 256, 64)]
     for r in res["rows"]:
-        assert r["kernel_ms"] > 0 and r["cublas_ms"] > 0
+        assert r["kernel_ms"] > 0 and r["cublas_ms"] > 0 and r["wxt_ms"] > 0
         assert r["kernel_max_err"] <= 2 * r["cublas_max_err"] + 1e-3
+        assert r["wxt_max_err"] <= 2 * r["cublas_max_err"] + 1e-3
     for r in res["sweep"]:  # every launch configuration, not only the default
         assert r["max_err"] <= 2 * r["cublas_max_err"] + 1e-3
     assert res["command"].startswith("draft_logits.py --smoke")

@@ -81,9 +81,12 @@ def test_a_widening_larger_than_the_disk_is_refused_before_writing(tmp_path, mon
     cfg = e2e_scale.shape_config("qwen3.5-35b-a3b")
     assert 70e9 < e2e_scale.widened_bytes(cfg) < 72e9
     monkeypatch.setattr(e2e_scale, "free_bytes", lambda path: 10 << 30)
-    with pytest.raises(ValueError, match=r"qwen3.5-35b-a3b writes 66\.\d GiB, .* 10\.0 GiB free: pass --widen-dir"):
+    stale = tmp_path / "w" / "qwen3.5-35b-a3b"  # an older widening: replaced, its room counted once deleted
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"0" * 1024)
+    with pytest.raises(e2e_scale.NoRoom, match=r"35b-a3b writes 66\.\d GiB, .* 10\.0 GiB free: pass --widen-dir"):
         e2e_scale.widened(os.path.join(ROOT, "models", "bole-tiny-coder"), "qwen3.5-35b-a3b", str(tmp_path / "w"))
-    assert not (tmp_path / "w").exists() or not any((tmp_path / "w").iterdir())
+    assert not any((tmp_path / "w").iterdir())  # nothing written, the stale folder gone
     assert e2e_scale.parse_args([]).models == ["qwen3.5-27b", "qwen3.5-4b", "qwen3.5-9b"]
     assert e2e_scale.parse_args(["--models", "qwen3.5-35b-a3b"]).models == ["qwen3.5-35b-a3b"]
 

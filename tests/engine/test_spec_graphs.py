@@ -18,16 +18,18 @@ import torch
 from checkpoints import make_checkpoint, write_token_frequencies
 from engine_helpers import default_table, meta_model, run_arrivals
 
-from bole.backend import tree_acceptance
+from bole.backend import resolve_backend, tree_acceptance
 from bole.cache.kv_cache import blocks_needed
 from bole.calibrate_sweep import synthetic_batch
 from bole.config import EngineConfig
 from bole.engine.engine import LLMEngine
+from bole.engine.graphs.base import graphs_unsupported
 from bole.engine.graphs.tree import tree_widths
 from bole.engine.runner import ModelRunner
 from bole.engine.sequence import Request
 from bole.layers.attention import GatedAttention
 from bole.models.loader import load_model
+from bole.ops.moe import moe_experts_ref
 from bole.sampling_params import SamplingParams
 from bole.spec.budget import width_cap
 from bole.spec.tree import MAX_TREE_NODES, PackedForest, random_tree
@@ -329,6 +331,65 @@ def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel
     assert vg.tail_replays == vg.replays
     if prefix_cache:  # paths jumped over checkpoint boundaries, and the tail took those checkpoints
         assert eng.prefix_cache.num_checkpoints > 0
+
+
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vgraphs_moe")
+    make_checkpoint(path, "moe", 64)
+    return str(path)
+
+
+def _moe_engine(path, device, mode, graphs: bool, kernel: bool):
+    """An engine on the MoE checkpoint whose routed experts run through kernels.moe_experts (``kernel``) or
+    the torch loop (bole.ops.moe, the torch backend's)."""
+    from kernels.moe_experts import moe_experts  # interpreted on the CPU (the torch backend's other ops)
+
+    backend = dataclasses.replace(resolve_backend("auto", device), moe_experts=moe_experts if kernel else
+                                  moe_experts_ref)
+    cfg = EngineConfig.from_options(mode=mode, num_blocks=128, block_size=4, max_num_seqs=4, device=device,
+                                    enable_cuda_graphs=graphs, cuda_graph_batch_sizes=(1, 2, 4), depth=3, topk=3,
+                                    beam=3, calibration_table=default_table(), enable_prefix_cache=False)
+    return LLMEngine(load_model(path, dtype="float32", device=device, backend=backend), cfg)
+
+
+@pytest.mark.parametrize("mode", ["ar", "bole"])
+def test_moe_static_forwards_tokens_cpu(moe_ckpt, mode):
+    """A MoE model's decode, verify and draft forwards as the graphs run them (uncaptured): graphs refuse the
+    torch loop over the routed experts (a host read); with kernels.moe_experts the static forwards emit the
+    eager torch-loop engine's greedy tokens."""
+    max_tokens = [12, 5, 20, 9]
+    ref = run_arrivals(_moe_engine(moe_ckpt, "cpu", "ar", False, kernel=False), PROMPTS, max_tokens)
+    loop = _moe_engine(moe_ckpt, "cpu", mode, False, kernel=False)
+    assert "host" in graphs_unsupported(loop.model)
+    eng = _moe_engine(moe_ckpt, "cpu", mode, False, kernel=True)
+    assert graphs_unsupported(eng.model) is None
+    if mode == "ar":
+        graphs = eng.runner.enable_cuda_graphs((1, 2, 4), capture=False, min_kv=8)
+    else:
+        spec = eng.config.spec
+        graphs = eng.runner.enable_verify_graphs((1, 2, 4), tree_widths(eng.lookahead), spec.depth + 1,
+                                                 capture=False, min_kv=8)
+        dg = eng.runner.enable_draft_graphs((1, 2, 4), spec.depth, spec.topk, spec.beam, capture=False, min_kv=8,
+                                            max_per_request=MAX_TREE_NODES - 1)
+    assert run_arrivals(eng, PROMPTS, max_tokens) == ref
+    assert graphs.replays > 0 and (mode == "ar" or dg.replays > 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["ar", "bole"])
+def test_moe_engine_captures_graphs_cuda(moe_ckpt, mode):
+    """On the GPU the triton backend's MoE dispatch is captured: the graphed engine emits the eager loop's
+    tokens (fp32: IEEE products in the kernel), with graphs captured and replayed."""
+    max_tokens = [12, 5, 20, 9]
+    eager = _moe_engine(moe_ckpt, "cuda", "ar", True, kernel=False)
+    assert eager.runner.graphs is None  # the loop's host read: graphs refused, the engine runs eagerly
+    ref = run_arrivals(eager, PROMPTS, max_tokens)
+    eng = _moe_engine(moe_ckpt, "cuda", mode, True, kernel=True)
+    graphs = eng.runner.graphs if mode == "ar" else eng.runner.verify_graphs
+    assert graphs is not None and eng.model.backend.name == "triton"
+    assert run_arrivals(eng, PROMPTS, max_tokens) == ref
+    assert graphs.replays > 0 and graphs.num_captured > 0
 
 
 @pytest.mark.parametrize("mode", ["bole", "serial_tree"])

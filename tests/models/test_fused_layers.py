@@ -1,10 +1,11 @@
-"""The layers on the attention prologue, gated activation and prefill conv kernels
-(kernels/qk_norm_rope.py, kernels/act_mul.py, kernels/causal_conv1d.py, and kernels/tree_attention.py
-for short prefills' attention, interpreted on CPU) against the same layers on their torch twins, in fp32.
+"""The layers on the attention prologue, gated activation, prefill conv and routed-expert kernels
+(kernels/qk_norm_rope.py, kernels/act_mul.py, kernels/causal_conv1d.py, kernels/moe_experts.py, and
+kernels/tree_attention.py for short prefills' attention, interpreted on CPU) against the same layers on
+their torch twins, in fp32.
 
 The kernels are swapped in alone (the torch backend with only ``qk_norm_rope_store``, ``act_mul``,
-``prefill_conv`` and ``tree_attention`` replaced), so every difference is theirs: each GatedAttention,
-MLP and SparseMoE output is compared module by module through prefill, decode, tree verification and
+``prefill_conv``, ``tree_attention`` and ``moe_experts`` replaced), so every difference is theirs: each
+GatedAttention, MLP and SparseMoE output is compared module by module through prefill, decode, tree verification and
 the commit, and the KV caches slot by slot. The backend wiring itself (model -> layers) is checked for
 the "triton" and "torch" backends.
 """
@@ -22,6 +23,7 @@ from bole.layers.mlp import MLP
 from bole.layers.moe import Experts, SparseMoE
 from bole.models.loader import load_model
 from bole.ops.activation import act_mul_ref
+from bole.ops.moe import moe_experts_ref
 from bole.ops.rope import qk_norm_rope_store_ref
 from bole.spec.tree import random_tree
 
@@ -32,11 +34,13 @@ FUSED = (GatedAttention, MLP, SparseMoE)
 def kernels_backend():
     from kernels.act_mul import act_mul
     from kernels.causal_conv1d import causal_conv1d_varlen
+    from kernels.moe_experts import moe_experts
     from kernels.qk_norm_rope import qk_norm_rope_store
     from kernels.tree_attention import tree_attention
 
     return dataclasses.replace(resolve_backend("torch"), name="torch+fused", qk_norm_rope_store=qk_norm_rope_store,
-                               act_mul=act_mul, prefill_conv=causal_conv1d_varlen, tree_attention=tree_attention)
+                               act_mul=act_mul, prefill_conv=causal_conv1d_varlen, tree_attention=tree_attention,
+                               moe_experts=moe_experts)
 
 
 def record(model):
@@ -103,13 +107,17 @@ def test_backend_kernels_reach_the_layers(checkpoints):
     torch_model = load_model(ck.path, dtype="float32", backend="torch")
     triton_model = load_model(ck.path, dtype="float32", backend="triton")
     from kernels.act_mul import act_mul
+    from kernels.moe_experts import moe_experts
     from kernels.qk_norm_rope import qk_norm_rope_store
 
-    for model, (prologue, act) in ((torch_model, ((qk_norm_rope_store_ref, {}), act_mul_ref)),
-                                   (triton_model, ((qk_norm_rope_store, {"checked": True}), act_mul))):
-        mods = [m for m in model.modules() if isinstance(m, (GatedAttention, MLP, SparseMoE, Experts))]
-        assert {type(m) for m in mods} == {GatedAttention, MLP, SparseMoE, Experts}
+    for model, (prologue, act, experts) in (
+            (torch_model, ((qk_norm_rope_store_ref, {}), act_mul_ref, moe_experts_ref)),
+            (triton_model, ((qk_norm_rope_store, {"checked": True}), act_mul, moe_experts))):
+        mods = [m for m in model.modules() if isinstance(m, (GatedAttention, MLP, SparseMoE))]
+        assert {type(m) for m in mods} == {GatedAttention, MLP, SparseMoE}
         assert all(m.act_mul is act for m in mods)
+        routed = [m for m in model.modules() if isinstance(m, Experts)]
+        assert routed and all(m.dispatch is experts for m in routed)  # the MTP layer's too
         attn = [m for m in mods if isinstance(m, GatedAttention)]
         assert len(attn) == 2 and all(kernel_of(m.qk_norm_rope_store) == prologue for m in attn)  # the MTP layer's too
     # verify-mode attention (the target's and the drafter's): kernels.tree_attention on "triton", SDPA on "torch"

@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import torch
 
 from bole.models.context import ForwardContext
+from bole.ops.moe import moe_experts_ref
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +31,9 @@ _TOK, _POS, _SLOT, _TABLE = 0, 1, 2, 3  # columns of the decode / verify static 
 def graphs_unsupported(model) -> str | None:
     """Why the model's forwards cannot be captured (None: they can)."""
     cfg = model.config
-    if any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
-        return "MoE expert dispatch reads routed experts on the host"
+    if (any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+            and model.backend.moe_experts is moe_experts_ref):
+        return "MoE expert dispatch reads routed experts on the host (bole.ops.moe; kernels.moe_experts does not)"
     if getattr(model, "tp_size", 1) != 1:
         return "tensor parallelism is not captured"
     return None

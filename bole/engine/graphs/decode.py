@@ -28,7 +28,8 @@ keys, the GDN layers use the batched one-token conv (``bole.ops.conv.causal_conv
 backend's ``decode`` (``bole.ops.gdn_chunk.gdn_decode``), the same ops the eager decode runs.
 
 Not captured (eager fallback, decided per step by ``supports``): batches above the largest captured
-size, MoE models (the expert dispatch reads the routed experts on the host), tensor parallelism.
+size, MoE models on the torch backend (its expert loop reads the routed experts on the host;
+kernels.moe_experts, the triton backend's, does not), tensor parallelism.
 
 With ``capture=False`` the same static forward runs without a graph (any device): it tests the
 padding and bucketing logic on CPU and gives the benchmark an "uncaptured static" reference.
