@@ -237,6 +237,30 @@ class ForwardContext:
         mask[:, :, 0] |= ~valid_row[:, :, 0]
         return PaddedAttention(kv_index=kv_index, mask=mask[:, None], rows=rows, tq=tq)
 
+    def suffix(self, start: int) -> "ForwardContext":
+        """Rows ``start``.. of every request of a verify context whose requests hold T nodes each: their
+        queries, K/V writes and positions, over the same keys and mask rows (the earlier nodes are keys
+        only; their K/V must be in the cache already). The MTP drafter's levels run only their new
+        frontier this way (``bole.engine.drafting``). Device ops only: a captured draft takes it too."""
+        B = self.num_requests
+        T = self.num_tokens // B if B else 0
+        if self.mode != "verify" or self.cu_host != list(range(0, B * T + 1, T or 1)) or not 0 <= start < T:
+            raise ValueError(f"suffix({start}) needs a verify context of equal trees longer than {start}, got "
+                             f"{self.mode} with token offsets {self.cu_host[:4]}...")
+        M, dev = T - start, self.positions.device
+        rows = lambda t: t.view(B, T)[:, start:].reshape(-1)
+        pa = self.padded_attention()
+        ctx = ForwardContext(
+            mode="verify", cu_seqlens=torch.arange(0, B * M + 1, M, dtype=torch.int32, device=dev),
+            num_cached=self.num_cached + start, positions=rows(self.positions),
+            kv_positions=rows(self.kv_positions), slot_mapping=rows(self.slot_mapping), kv_slots=self.kv_slots,
+            state_slots=self.state_slots, block_tables=self.block_tables, cu_host=list(range(0, B * M + 1, M)),
+            num_cached_host=[n + start for n in self.num_cached_host], kv_cache=self.kv_cache,
+            state_pool=self.state_pool, state_slots_host=self.state_slots_host)
+        ctx._memo["padded"] = PaddedAttention(kv_index=pa.kv_index, mask=pa.mask[:, :, start:],
+                                              rows=torch.arange(B * M, device=dev), tq=M)
+        return ctx
+
     def tree_mask(self, b: int) -> torch.Tensor:
         """Request b's ancestor-or-self mask [T_b, T_b] (verify), built once per forward and shared by
         every attention layer (building it reads the forest on the host)."""

@@ -11,6 +11,7 @@ prefix cache on and off. GPU (``gpu`` mark): the same with real capture and repl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import pytest
@@ -19,15 +20,17 @@ from checkpoints import make_checkpoint, write_token_frequencies
 from engine_helpers import default_table, meta_model, run_arrivals
 
 from bole.backend import resolve_backend, tree_acceptance
-from bole.cache.kv_cache import blocks_needed
+from bole.cache.kv_cache import PagedKVCache, blocks_needed
 from bole.calibrate_sweep import synthetic_batch
 from bole.config import EngineConfig
+from bole.engine.drafting import empty_factors
 from bole.engine.engine import LLMEngine
 from bole.engine.graphs.base import graphs_unsupported
 from bole.engine.graphs.tree import tree_widths
 from bole.engine.runner import ModelRunner
 from bole.engine.sequence import Request
 from bole.layers.attention import GatedAttention
+from bole.models.context import ForwardContext
 from bole.models.loader import load_model
 from bole.ops.moe import moe_experts_ref
 from bole.sampling_params import SamplingParams
@@ -331,6 +334,43 @@ def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel
     assert vg.tail_replays == vg.replays
     if prefix_cache:  # paths jumped over checkpoint boundaries, and the tail took those checkpoints
         assert eng.prefix_cache.num_checkpoints > 0
+
+
+def test_incremental_draft_levels_equal_whole_forest_cpu(ckpt, monkeypatch):
+    """Each draft level runs only its new frontier (``ForwardContext.suffix``; the earlier nodes' K/V are
+    in the drafter's cache from their own level): the drafts of the graph family's static forward equal an
+    eager draft that re-runs the whole forest every level, tokens and trees exactly, log-probs within
+    rounding, over steps that keep everything or cut."""
+    import bole.engine.runner as runner_module
+    from bole.engine.drafting import grow_draft_tree
+
+    monkeypatch.setattr(runner_module, "grow_draft_tree", functools.partial(grow_draft_tree, incremental=False))
+    _compare_draft(ckpt, "cpu", capture=False, tol=1e-5)
+
+
+def test_forest_suffix_context():
+    """``suffix`` keeps the keys and the mask columns, takes the rows (positions, KV slots, mask rows) of
+    each request's last nodes, and moves num_cached past the earlier ones; it refuses unequal trees."""
+    kv = PagedKVCache(1, 16, 4, 1, 8, dtype=torch.float32)
+    tables = [kv.allocator.allocate(4), kv.allocator.allocate(4)]
+    parents = torch.tensor([[-1, 0, 0, 1, 2], [-1, -1, 1, 1, 0]])
+    forest = PackedForest.from_padded(parents, torch.tensor([5, 5]), 4)
+    ctx = ForwardContext.build("verify", None, [3, 6], [0, 1], tables, kv, None, forest=forest,
+                               factors=empty_factors(10, "cpu"))
+    sub = ctx.suffix(2)
+    pa, spa = ctx.padded_attention(), sub.padded_attention()
+    assert sub.cu_host == [0, 3, 6] and sub.num_cached_host == [5, 8] and sub.num_cached.tolist() == [5, 8]
+    assert sub.positions.tolist() == ctx.positions.view(2, 5)[:, 2:].reshape(-1).tolist()
+    assert sub.slot_mapping.tolist() == ctx.slot_mapping.view(2, 5)[:, 2:].reshape(-1).tolist()
+    assert torch.equal(spa.kv_index, pa.kv_index) and torch.equal(spa.mask, pa.mask[:, :, 2:]) and spa.tq == 3
+    for bad in (5, -1):
+        with pytest.raises(ValueError, match="suffix"):
+            ctx.suffix(bad)
+    uneven = PackedForest.from_padded(parents, torch.tensor([5, 3]), 4)
+    ctx = ForwardContext.build("verify", None, [3, 6], [0, 1], tables, kv, None, forest=uneven,
+                               factors=empty_factors(8, "cpu"))
+    with pytest.raises(ValueError, match="equal trees"):
+        ctx.suffix(1)
 
 
 @pytest.fixture(scope="module")
