@@ -18,9 +18,9 @@ Three kinds of forward per step (DESIGN.md §2), all batched over requests:
   materialise the accepted path, both through ``bole.engine.acceptance.accept_and_commit``
   (factorized GDN commit for all layers in one launch, conv windows, K/V moved into place).
 
-The drafter's forward over a partial tree recomputes the shallower draft nodes at each depth (the
-MTP is a single decoder layer, so this costs little and keeps its KV handling the same as the
-target's verify mode: every node attends to the committed prefix, its ancestors and itself).
+The drafter's forward at each depth runs its new frontier only, in the target's verify mode over the
+forest so far (``ForwardContext.suffix``): every node attends to the committed prefix, its ancestors
+(whose K/V their own level wrote) and itself.
 """
 
 from __future__ import annotations

@@ -241,7 +241,9 @@ class ForwardContext:
         """Rows ``start``.. of every request of a verify context whose requests hold T nodes each: their
         queries, K/V writes and positions, over the same keys and mask rows (the earlier nodes are keys
         only; their K/V must be in the cache already). The MTP drafter's levels run only their new
-        frontier this way (``bole.engine.drafting``). Device ops only: a captured draft takes it too."""
+        frontier this way (``bole.engine.drafting``). Device ops only: a captured draft takes it too.
+        The view has no forest: attention layers take its batched layout (``padded_attention``), not
+        the per-request reference path, and it has no GDN factors (the drafter has no GDN layer)."""
         B = self.num_requests
         T = self.num_tokens // B if B else 0
         if self.mode != "verify" or self.cu_host != list(range(0, B * T + 1, T or 1)) or not 0 <= start < T:
@@ -265,6 +267,9 @@ class ForwardContext:
         """Request b's ancestor-or-self mask [T_b, T_b] (verify), built once per forward and shared by
         every attention layer (building it reads the forest on the host)."""
         if ("tree", b) not in self._memo:
+            if self.forest is None:
+                raise ValueError("this verify context has no forest (a ``suffix`` view): its attention takes the "
+                                 "batched layout, padded_attention()")
             self._memo["tree", b] = self.forest.ancestor_mask(b)
         return self._memo["tree", b]
 

@@ -183,7 +183,8 @@ def test_static_verify_reads_nothing_on_the_host():
     assert hidden.shape == (4 * 8, 32) and ctx.forest.num_requests == 4
 
 
-def _compare_draft(path, device, capture, tol, tree_attention=None, draft_vocab=None, cap=127, floor="children"):
+def _compare_draft(path, device, capture, tol, tree_attention=None, draft_vocab=None, cap=127, floor="children",
+                   depth=3):
     """Two draft + verify + commit steps of the same requests on an eager runner and a draft-graph
     runner: the selected, compacted drafts agree (tokens, parents, depths, sources and counts
     exactly; log-probabilities within tol), with a budget that keeps everything, then one that cuts.
@@ -193,7 +194,7 @@ def _compare_draft(path, device, capture, tol, tree_attention=None, draft_vocab=
     the depth-1 floor is kept past it). ``floor``: the budget's fairness floor, a graph family's setting."""
     model = load_model(path, dtype="float32", device=device)
     model.mtp.restrict_vocab(draft_vocab)
-    D, k, beam = 3, 3, 2
+    D, k, beam = depth, 3, 2
     kw = dict(num_blocks=128, block_size=4, num_state_slots=6, max_batch_nodes=4 * 32,
               kv_dtype=torch.float32, device=device)
     graph_model = model
@@ -218,9 +219,9 @@ def _compare_draft(path, device, capture, tol, tree_attention=None, draft_vocab=
                 assert torch.equal(getattr(d1, f), getattr(d2, f)), (step, f)
             assert float((d1.rho - d2.rho).nan_to_num(0, 0, 0).abs().max()) <= tol
             assert [(r.mtp_computed, r.pending_hidden) for r in re] == [(r.num_computed, None) for r in rg]
-            # T_max = 3 + 6 + 6 drafts, and each tree's root
+            # T_max = 3 + 6 (D - 1) drafts (15 at D = 3), and each tree's root
             floor_size = k if floor == "children" else 1
-            per_request = min(15, max(cap, floor_size))
+            per_request = min(3 + 6 * (D - 1), max(cap, floor_size))
             kept = max(min(b_ver, per_request * len(batch_prompts)), floor_size * len(batch_prompts))
             assert int(d2.num_nodes.sum()) == kept + len(batch_prompts)
             assert int(d2.num_nodes.max()) <= per_request + 1
@@ -345,7 +346,7 @@ def test_incremental_draft_levels_equal_whole_forest_cpu(ckpt, monkeypatch):
     from bole.engine.drafting import grow_draft_tree
 
     monkeypatch.setattr(runner_module, "grow_draft_tree", functools.partial(grow_draft_tree, incremental=False))
-    _compare_draft(ckpt, "cpu", capture=False, tol=1e-5)
+    _compare_draft(ckpt, "cpu", capture=False, tol=1e-5, depth=5)  # levels reading keys of two levels before
 
 
 def test_forest_suffix_context():
@@ -362,6 +363,10 @@ def test_forest_suffix_context():
     assert sub.cu_host == [0, 3, 6] and sub.num_cached_host == [5, 8] and sub.num_cached.tolist() == [5, 8]
     assert sub.positions.tolist() == ctx.positions.view(2, 5)[:, 2:].reshape(-1).tolist()
     assert sub.slot_mapping.tolist() == ctx.slot_mapping.view(2, 5)[:, 2:].reshape(-1).tolist()
+    assert sub.kv_positions.tolist() == [5, 6, 7, 8, 9, 10] and sub.cu_seqlens.tolist() == [0, 3, 6]
+    assert spa.rows.tolist() == list(range(6)) and sub.forest is None
+    with pytest.raises(ValueError, match="no forest"):
+        sub.tree_mask(0)
     assert torch.equal(spa.kv_index, pa.kv_index) and torch.equal(spa.mask, pa.mask[:, :, 2:]) and spa.tq == 3
     for bad in (5, -1):
         with pytest.raises(ValueError, match="suffix"):
