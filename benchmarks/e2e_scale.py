@@ -11,7 +11,8 @@ labelled "<shape>-cost, embedded model's predictions". Checkpoints are written o
 (bf16) and reused while their ``widen.json`` (source files, shape, dtype) matches.
 
 Per model a worker subprocess runs the cells batch x mode (ar first at each batch), each on a fresh
-``bole.LLM`` (bf16 and CUDA graphs on CUDA; prefix cache off, so every run prefills its prompts):
+``bole.LLM`` over the worker's one loaded model (``build_engine(model=...)``: the weights load once per
+model; bf16 and CUDA graphs on CUDA; prefix cache off, so every run prefills its prompts):
 held-out prompts[:batch], greedy, ``--max-tokens`` each (ignore_eos), timed by
 ``benchmarks.engine_modes.time_llm`` (warm-up, then the median of ``--repeats`` runs). Columns:
 tokens/s, MAT, the step's phases the engine exposes (``LLMEngine.stats().verify_time_share``: the share
@@ -275,8 +276,23 @@ def num_blocks(prompt_tokens: list[int], max_tokens: int, depth: int, block: int
     return int(need * 1.25) + 16
 
 
+_LOADED: dict = {}  # the worker's model, loaded by its first cell and shared by every cell's engine
+
+
+def shared_model(spec: dict, dtype: str):
+    """The worker's one model (a 71 GB MoE widening loads once, not once per cell)."""
+    from bole.models.loader import load_model
+
+    key = (spec["path"], dtype, spec["device"])
+    if key not in _LOADED:
+        _LOADED.clear()
+        _LOADED[key] = load_model(spec["path"], dtype=dtype, device=spec["device"])
+    return _LOADED[key]
+
+
 def run_cell(spec: dict, mode: str, batch: int, prompts: list[dict]) -> tuple[dict, list | None]:
-    """One (mode, batch) cell on a fresh engine: its row and output tokens (None unless it ran)."""
+    """One (mode, batch) cell on a fresh engine over the worker's loaded model (``shared_model``): its row
+    and output tokens (None unless it ran)."""
     from benchmarks.engine_modes import time_llm
     from bole import LLM
 
@@ -291,10 +307,13 @@ def run_cell(spec: dict, mode: str, batch: int, prompts: list[dict]) -> tuple[di
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     llm, toks = None, None
+    model = shared_model(spec, row["dtype"])  # a load that fails is the run's error, not the cell's
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()  # the cell's peak (the resident weights included)
     try:
         opts = {**dict(calibration_table=spec["calibration_table"], depth=spec["depth"], topk=spec["topk"],
                        beam=spec["beam"]), **extra}
-        llm = LLM(spec["path"], mode=run_mode, **opts,
+        llm = LLM(spec["path"], model=model, mode=run_mode, **opts,
                   device=spec["device"], dtype=row["dtype"], enable_cuda_graphs=cuda, max_num_seqs=batch,
                   enable_prefix_cache=False,
                   num_blocks=num_blocks([p["prompt_tokens"] for p in prompts[:batch]], spec["max_tokens"],

@@ -34,16 +34,20 @@ def resolve_repo_path(path: str) -> str:
     return os.path.join(REPO_ROOT, path)
 
 
-def build_engine(model_path: str, tokenizer: bool = True, tp_rank: int = 0, tp_group=None,
+def build_engine(model_path: str, tokenizer: bool = True, tp_rank: int = 0, tp_group=None, model=None,
                  **options) -> LLMEngine:
     """Load a checkpoint folder and build an engine from flat options (see ``EngineConfig``).
+
+    ``model``: that folder's model already loaded (``load_model``, the options' dtype and device, no tensor
+    parallelism), which engines built one after another may share (a benchmark's cells: one load);
+    each engine sets the drafter's options on it anew.
 
     Tensor parallel (``tp_size`` > 1 in the options): this process is rank ``tp_rank`` and loads its
     weight slice; ``tp_group`` is its torch.distributed group (None: the default group, which must
     be initialised, e.g. by ``bole.parallel.init_tp_group``). Every rank must then be driven with the
     same requests and steps (SPMD engines, ``bole.parallel``).
     """
-    from bole.models.loader import load_model
+    from bole.models.loader import load_model, resolve_dtype
     from bole.parallel import make_tp_reduce
 
     cfg = EngineConfig.from_options(**options)
@@ -56,8 +60,17 @@ def build_engine(model_path: str, tokenizer: bool = True, tp_rank: int = 0, tp_g
             raise ValueError(f"tp_size={cfg.tp_size} needs an initialised process group "
                              "(bole.parallel.init_tp_group) in every rank's process")
         tp_reduce = make_tp_reduce(tp_group)
-    model = load_model(resolve_repo_path(model_path), dtype=cfg.dtype, device=cfg.device, tp_rank=tp_rank,
-                       tp_size=cfg.tp_size, tp_reduce=tp_reduce)
+    if model is None:
+        model = load_model(resolve_repo_path(model_path), dtype=cfg.dtype, device=cfg.device, tp_rank=tp_rank,
+                           tp_size=cfg.tp_size, tp_reduce=tp_reduce)
+    else:
+        import torch
+
+        weight = next(model.parameters())
+        if cfg.tp_size != 1 or weight.dtype != resolve_dtype(cfg.dtype, model.config) or \
+                weight.device.type != torch.device(cfg.device).type:
+            raise ValueError(f"model: a loaded model is shared only at the options' dtype {cfg.dtype} and device "
+                             f"{cfg.device} without tensor parallelism, got {weight.dtype} on {weight.device}")
     tok = None
     if tokenizer and os.path.exists(os.path.join(resolve_repo_path(model_path), "tokenizer.json")):
         from transformers import AutoTokenizer

@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from checkpoints import make_checkpoint
+from checkpoints import make_checkpoint, write_token_frequencies
 from engine_helpers import default_table
 from safetensors.torch import load_file, save_file
 
@@ -190,3 +190,26 @@ def test_wide_tree_refusal_names_the_lookahead(ckpt):
     with pytest.raises(ValueError, match=r"does not fit the KV cache \(64 tokens = num_blocks 16 x block_size 4\)"):
         wide.generate([[1, 2]], SamplingParams(max_tokens=100))
     assert wide.engine.stats().held == 0
+
+
+def test_engines_share_one_loaded_model(ckpt, tmp_path):
+    """``LLM(path, model=...)``: engines built one after another on one loaded model (a benchmark's cells)
+    emit what engines loading their own copy emit, each setting the drafter's options anew (a reduced draft
+    vocabulary does not leak into the next engine); a model of another dtype is refused by name."""
+    from bole.models.loader import load_model
+
+    ckpt = copy_ckpt(ckpt, tmp_path / "shared")
+    write_token_frequencies(ckpt, 16)
+    model = load_model(ckpt, dtype="float32", device="cpu")
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    spec = dict(OPTS, mode="bole", depth=3, topk=2, beam=2)
+    own = [o.token_ids for o in LLM(ckpt, **spec).generate(prompts, GREEDY)]
+    first = LLM(ckpt, model=model, **spec, draft_vocab=8)
+    assert first.engine.model is model and model.mtp.vocab_ids.numel() == 8
+    assert [o.token_ids for o in first.generate(prompts, GREEDY)] == own
+    del first
+    second = LLM(ckpt, model=model, **spec)
+    assert model.mtp.vocab_ids is None
+    assert [o.token_ids for o in second.generate(prompts, GREEDY)] == own
+    with pytest.raises(ValueError, match="model: a loaded model is shared only at the options' dtype bfloat16"):
+        LLM(ckpt, model=model, **dict(spec, dtype="bfloat16"))
