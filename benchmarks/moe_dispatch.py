@@ -8,8 +8,8 @@ graph (how the engine runs it); the distinct experts the routing reads and their
 (those bytes at this GPU's measured device-to-device copy bandwidth, timed in the same run) and each path
 against it; the kernel's largest error against the float64 twin, beside the loop's.
 
-    python benchmarks/moe_dispatch.py --out benchmarks/results/moe_dispatch_h200.json
-    python benchmarks/moe_dispatch.py --smoke      # CPU, Triton interpreter, tiny shapes: the harness only
+    python benchmarks/moe_dispatch.py --sweep --out benchmarks/results/moe_dispatch_h200.json
+    python benchmarks/moe_dispatch.py --smoke --sweep   # CPU, Triton interpreter, tiny shapes: the harness only
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ from bole.ops.moe import moe_experts_ref  # noqa: E402
 from kernels.moe_experts import moe_experts  # noqa: E402
 
 SHAPE = "qwen3.5-35b-a3b"
+CONFIGS = [dict(block_n=64, block_k=64, num_warps=4), dict(block_n=32, block_k=128, num_warps=4),
+           dict(block_n=128, block_k=64, num_warps=4), dict(block_n=64, block_k=128, num_warps=8),
+           dict(block_n=128, block_k=128, num_warps=8)]  # the first is the kernel's default
 
 
 def copy_bandwidth(dev) -> float:
@@ -58,6 +61,9 @@ def graphed(fn):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 256, 512])
+    ap.add_argument("--sweep", action="store_true",
+                    help="first the kernel's launch configurations (block_n, block_k, num_warps), graphed, at 16 and "
+                         "256 tokens")
     ap.add_argument("--smoke", action="store_true", help="CPU (Triton interpreter), tiny shapes, fp16")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -79,8 +85,15 @@ def main(argv=None):
                command=" ".join(sys.argv if argv is None else ["moe_dispatch.py", *argv]),
                shape=dict(name=SHAPE if not a.smoke else "smoke", experts=E, hidden=H, moe_intermediate=I, top_k=k,
                           dtype=str(dt).replace("torch.", "")),
-               copy_gb_s=round(bw / 1e6, 1), rows=[])
+               copy_gb_s=round(bw / 1e6, 1), sweep=[], rows=[])
     reps = 1 if a.smoke else 20
+    for N in (((4, 16) if a.smoke else (16, 256)) if a.sweep else ()):
+        x = torch.randn(N, H, device=dev, dtype=dt, generator=gen)
+        top_w, top_idx = torch.softmax(torch.randn(N, E, device=dev, generator=gen), -1).topk(k, dim=-1)
+        for c in CONFIGS:
+            kernel = functools.partial(moe_experts, x, gate_up, down, top_idx, top_w, **c)
+            doc["sweep"].append(dict(tokens=N, **c, kernel_graph_ms=round(timed(graphed(kernel), reps=reps), 4)))
+            print("sweep", doc["sweep"][-1], flush=True)
     for N in a.tokens:
         x = torch.randn(N, H, device=dev, dtype=dt, generator=gen)
         logits = torch.randn(N, E, device=dev, generator=gen)
@@ -88,7 +101,7 @@ def main(argv=None):
         top_w = top_w / top_w.sum(-1, keepdim=True)
         distinct = int(torch.unique(top_idx).numel())
         floor = distinct * expert_bytes / bw
-        loop = functools.partial(moe_experts_ref, x, gate_up, down, top_idx, top_w.to(dt))
+        loop = functools.partial(moe_experts_ref, x, gate_up, down, top_idx, top_w)  # fp32 weights, as the layer
         kernel = functools.partial(moe_experts, x, gate_up, down, top_idx, top_w)
         loop_ms, kernel_ms = timed(loop, reps=reps), timed(kernel, reps=reps)
         graph_ms = timed(graphed(kernel), reps=reps)
