@@ -349,6 +349,10 @@ class EngineConfig:
     # with enable_cuda_graphs, short prefill steps (<= 64 tokens with padding) replay captured graphs in
     # every mode (bole.engine.graphs.prefill; the "triton" backend only); off: prefills run eagerly
     cuda_graph_prefill: bool = True
+    # with enable_cuda_graphs, capture at start every graph a step of <= max_num_seqs requests of <= this
+    # many tokens each can need (vLLM's max_seq_len_to_capture), so no step waits on a capture; longer
+    # requests' keys are still captured when first needed. None: every graph is captured lazily
+    cuda_graph_capture_len: int | None = None
     spec: SpecConfig = SpecConfig()
     cache: CacheConfig = CacheConfig()
 
@@ -371,6 +375,9 @@ class EngineConfig:
         for name in ("enable_cuda_graphs", "cuda_graph_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        n = self.cuda_graph_capture_len
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"cuda_graph_capture_len must be None or an int >= 1, got {n!r}")
         sizes = self.cuda_graph_batch_sizes
         if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
             raise ValueError(f"cuda_graph_batch_sizes must be ints >= 1, got {sizes!r}")

@@ -125,6 +125,8 @@ class LLMEngine:
         if self.prefix_cache is not None and self.runner.verify_graphs is not None:
             self.runner.verify_graphs.enable_checkpoints(self.prefix_cache.checkpoints, cc.checkpoint_interval,
                                                          self.prefix_cache.scratch_slot)
+        if config.cuda_graph_capture_len is not None:  # after enable_checkpoints: it must precede any graph
+            self.capture_graphs(config.cuda_graph_capture_len)
         self.spec_step = SpeculativeStep(self.runner, spec, V, self.max_draft_nodes, self.prefix_cache) \
             if self.mode != "ar" else None
         self.scheduler = Scheduler(self.runner.allocator, self.runner.state_pool, config.cache.block_size,
@@ -197,6 +199,18 @@ class LLMEngine:
         """Chain hashes (``deployments.routing_policy.prefix_block_hashes``) of the prefix blocks this
         engine has cached, least recently used first; [] without a prefix cache. For routing stats."""
         return self.prefix_cache.summary(limit) if self.prefix_cache is not None else []
+
+    def capture_graphs(self, max_len: int) -> int:
+        """Capture now every graph a step of <= max_num_seqs requests with <= ``max_len`` tokens each can
+        need (every family the runner enabled: decode, draft, verify with each tree width, short prefill),
+        so no step waits on a capture; returns how many were new (0 without graphs, e.g. on the CPU)."""
+        t0, n = time.perf_counter(), 0
+        for family in self.runner.all_graphs():
+            n += family.capture_all(self.config.max_num_seqs, max_len)
+        if n:
+            logger.info("captured %d CUDA graphs at start (<= %d requests of <= %d tokens) in %.1f s", n,
+                        self.config.max_num_seqs, max_len, time.perf_counter() - t0)
+        return n
 
     # -- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -337,6 +337,33 @@ def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel
         assert eng.prefix_cache.num_checkpoints > 0
 
 
+@pytest.mark.parametrize("mode", ["ar", "bole"])
+def test_graphs_captured_at_start_cover_the_run_cpu(ckpt, mode):
+    """``capture_graphs(max_len)`` (the engine option ``cuda_graph_capture_len``) builds every key a step of
+    <= max_num_seqs requests of <= max_len tokens needs: a run within that adds none, with ar's tokens. On
+    the CPU the families run uncaptured; the option itself is then a no-op (no families)."""
+    max_tokens = [12, 5, 20, 9]  # prompts of <= 14 tokens: <= 34 tokens a request
+    ref = run_arrivals(_engine(ckpt, "cpu", "ar", False, enable_prefix_cache=False), PROMPTS, max_tokens)
+    eng = _engine(ckpt, "cpu", mode, False, enable_prefix_cache=False)
+    if mode == "ar":
+        families = [eng.runner.enable_cuda_graphs((1, 2, 4), capture=False, min_kv=8)]
+    else:
+        spec = eng.config.spec
+        families = [eng.runner.enable_verify_graphs((1, 2, 4), tree_widths(eng.lookahead), spec.depth + 1,
+                                                    capture=False, min_kv=8),
+                    eng.runner.enable_draft_graphs((1, 2, 4), spec.depth, spec.topk, spec.beam, capture=False,
+                                                   min_kv=8, max_per_request=MAX_TREE_NODES - 1)]
+    n = eng.capture_graphs(34)
+    keys = [set(f.graphs) for f in families]
+    assert n == sum(len(k) for k in keys) > 0 and eng.capture_graphs(34) == 0
+    assert run_arrivals(eng, PROMPTS, max_tokens) == ref
+    assert [set(f.graphs) for f in families] == keys and all(f.replays > 0 for f in families)
+    assert _engine(ckpt, "cpu", mode, True, cuda_graph_capture_len=64).runner.all_graphs() == []
+    for bad in (0, -3, 2.5, True, "64"):
+        with pytest.raises(ValueError, match="cuda_graph_capture_len"):
+            _engine(ckpt, "cpu", mode, True, cuda_graph_capture_len=bad)
+
+
 def test_incremental_draft_levels_equal_whole_forest_cpu(ckpt, monkeypatch):
     """Each draft level runs only its new frontier (``ForwardContext.suffix``; the earlier nodes' K/V are
     in the drafter's cache from their own level): the drafts of the graph family's static forward equal an
@@ -419,6 +446,21 @@ def test_moe_static_forwards_tokens_cpu(moe_ckpt, mode):
                                             max_per_request=MAX_TREE_NODES - 1)
     assert run_arrivals(eng, PROMPTS, max_tokens) == ref
     assert graphs.replays > 0 and (mode == "ar" or dg.replays > 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["ar", "bole"])
+def test_graphs_captured_at_start_cuda(ckpt, mode):
+    """``cuda_graph_capture_len``: the graphs are captured at construction, and a run within the length
+    captures none, with the eager engine's tokens."""
+    max_tokens = [12, 5, 20, 9]
+    ref = run_arrivals(_engine(ckpt, "cuda", "ar", False), PROMPTS, max_tokens)
+    eng = _engine(ckpt, "cuda", mode, True, cuda_graph_capture_len=34)
+    families = eng.runner.all_graphs()
+    captured = [f.num_captured for f in families]
+    assert families and all(c > 0 for c in captured)
+    assert run_arrivals(eng, PROMPTS, max_tokens) == ref
+    assert [f.num_captured for f in families] == captured and all(f.replays > 0 for f in families)
 
 
 @pytest.mark.gpu
