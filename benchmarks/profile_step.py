@@ -20,8 +20,7 @@ Cases (``--cases``):
   {bole,serial_tree}_tiny_phases   a graphed step at batch 1 split into its graph replays (draft, verify
                      forward, tail): per graph the GPU kernels and the replay time, and the host time
                      beside them
-  {ar,bole,serial_tree}_phases     the same at ``--batch`` requests; ``bole_phases_few_rows``: with the
-                     drafter's lm_head through kernels.few_rows_linear instead of torch's GEMM (cuBLAS)
+  {ar,bole,serial_tree}_phases     the same at ``--batch`` requests
   {ar,serial_tree,bole}_tiny_generate   one timed ``generate`` as e2e.py runs it: per-step wall times,
                      then a cProfile of a second call; ``{mode}_generate`` is its alias for ``--model`` /
                      ``--batch`` / ``--max-tokens`` runs (e.g. a widened 9B at batch 16)
@@ -128,8 +127,7 @@ def case_target(name: str, args, device) -> dict:
     return profile(lambda: runner.verify(reqs, batch), device)
 
 
-def _engine(mode: str, args, device, graphs: bool, batch: int, capture_all: bool = True,
-            few_rows_lm_head: bool = False):
+def _engine(mode: str, args, device, graphs: bool, batch: int, capture_all: bool = True):
     from bole import LLM, SamplingParams
 
     dtype = "float32" if args.smoke else args.tiny_dtype
@@ -138,13 +136,6 @@ def _engine(mode: str, args, device, graphs: bool, batch: int, capture_all: bool
               calibration_table=args.calibration_table, enable_cuda_graphs=graphs)
     lines = open(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl").readlines()
     eng = llm.engine
-    if few_rows_lm_head:  # the drafter's lm_head through kernels.few_rows_linear instead of torch's GEMM
-        import dataclasses
-
-        from bole.backend import half_precision_only
-        from kernels.few_rows_linear import few_rows_linear
-        mtp = eng.runner.model.mtp
-        mtp.backend = dataclasses.replace(mtp.backend, few_rows_linear=half_precision_only(few_rows_linear))
     for i in range(batch):
         eng.add_request(llm.encode(json.loads(lines[i % len(lines)])["prompt"]),
                         SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True))
@@ -174,8 +165,7 @@ def case_phases(name: str, args, device) -> dict:
 
     # graphs captured by the warm-up steps below (this batch's keys only: capturing every key up to it
     # takes minutes at 9B)
-    eng = _engine(name.split("_tiny")[0].split("_phases")[0], args, device, True, args.batch, capture_all=False,
-                  few_rows_lm_head=name.endswith("_few_rows"))
+    eng = _engine(name.split("_tiny")[0].split("_phases")[0], args, device, True, args.batch, capture_all=False)
     for _ in range(3):
         eng.step()
     n_graphs = lambda: sum(len(g.graphs) for g in eng.runner.all_graphs())
@@ -335,7 +325,6 @@ CASES = {"decode9b": case_target, "verify9b": case_target,
             for m in ("ar", "serial_tree", "bole")},
          "bole_tiny_phases": case_phases, "serial_tree_tiny_phases": case_phases,
          "ar_phases": case_phases, "bole_phases": case_phases, "serial_tree_phases": case_phases,
-         "bole_phases_few_rows": case_phases,
          **{f"{m}_tiny_generate{e}": case_generate for m in ("ar", "serial_tree", "bole")
             for e in ("", "_eager_prefill", "_sampled", "_sampled_eager_accept")},
          **{f"{m}_generate": case_generate for m in ("ar", "serial_tree", "bole")},

@@ -41,9 +41,8 @@ Registered backends:
               kernels.tree_attention; the graphed speculative step's forest layouts with kernels.tree_layout and its
               greedy acceptance with kernels.greedy_accept; the drafter's per-level top-k of log-softmax with
               kernels.logits_topk; a MoE block's routed experts with kernels.moe_experts (no host read: graphs
-              capture MoE models). The drafter's lm_head stays torch's GEMM: kernels.few_rows_linear
-              (``half_precision_only``) is not yet timed on a GPU (benchmarks/draft_logits.py,
-              profile_step.py's ``bole_phases_few_rows``), so it is not the default.
+              capture MoE models). The lm_heads stay torch's GEMM: on a contiguous 2D input cuBLAS reads the
+              weight once (benchmarks/draft_logits.py).
     "auto":   "triton" on CUDA when the kernels import, else "torch". Resolved once, logged.
 
 The "triton" backend's per-layer kernels whose arguments include what every layer of a forward shares
@@ -69,7 +68,6 @@ from bole.ops.conv import causal_conv1d_varlen_ref, gdn_tree_conv_ref
 from bole.ops.gdn import gdn_commit_ref, gdn_tree_serial_ref, gdn_tree_verify_ref
 from bole.ops.gdn_chunk import gdn_chunk
 from bole.ops.gdn_decode import causal_conv1d_update_ref, gdn_decode_step_ref
-from bole.ops.linear import few_rows_linear_ref
 from bole.ops.moe import moe_experts_ref
 from bole.ops.rope import qk_norm_rope_store_ref
 from bole.ops.topk import log_softmax_topk_ref
@@ -99,7 +97,6 @@ class GDNBackend:
     tree_layout: Callable = tree_layout_ref   # a graphed step's forest layout (kernels.tree_layout)
     greedy_accept: Callable = greedy_accept_ref  # the verify tail's greedy tree walk (kernels.greedy_accept)
     log_softmax_topk: Callable = log_softmax_topk_ref  # the drafter's children per level (kernels.logits_topk)
-    few_rows_linear: Callable = few_rows_linear_ref  # the drafter's lm_head rows (F.linear in both backends)
     moe_experts: Callable = moe_experts_ref   # a MoE block's routed experts (kernels.moe_experts: no host read)
 
 
@@ -173,20 +170,6 @@ def topk_within(kernel: Callable, max_v: int, max_k: int) -> Callable:
             return log_softmax_topk_ref(logits, k)
         return kernel(logits, k)
     return topk
-
-
-def half_precision_only(kernel: Callable) -> Callable:
-    """``kernel`` (kernels.few_rows_linear) for float16 / bfloat16 inputs of one dtype with a [N, K] weight of
-    unit last stride, the twin (``F.linear``, whose fp32 precision follows torch's matmul setting) otherwise:
-    the drafter's lm_head entry once the kernel is measured faster (the module docstring); today
-    profile_step installs it."""
-    @functools.wraps(kernel)
-    def linear(x, weight):
-        if (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and weight.dim() == 2
-                and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype and weight.stride(-1) == 1):
-            return kernel(x, weight)
-        return few_rows_linear_ref(x, weight)
-    return linear
 
 
 FLA_MIN_TOKENS = 65

@@ -38,6 +38,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from bole.backend import GDNBackend, resolve_backend
@@ -176,9 +177,12 @@ and lm_head are the target's (shared, not registered here).
         ``restrict_vocab`` ones)."""
         weight = self._shared[1].weight if self._vocab_weight is None else self._vocab_weight
         with self._math(hidden):
-            # a few rows against a wide weight: the backend's entry (F.linear; kernels.few_rows_linear is
-            # the candidate that reads the weight once, bole.backend)
-            return self.backend.few_rows_linear(hidden, weight)
+            # One GEMM over contiguous rows. F.linear on a strided [B, M, H] input (the drafter's frontier
+            # sliced out of its forest) runs as a bmm with the weight expanded per request, re-reading the
+            # whole weight B times: 6.2 of a 23.6 ms batch-16 step at 9B cost (benchmarks/README.md). On a
+            # contiguous 2D input cuBLAS reads it once (benchmarks/draft_logits.py), and the copy is small.
+            rows = hidden.reshape(-1, hidden.shape[-1])
+            return F.linear(rows, weight).view(*hidden.shape[:-1], weight.shape[0])
 
     def log_softmax_topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs, token ids) [..., k] of ``compute_logits`` rows: the backend's fused log-softmax

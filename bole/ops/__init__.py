@@ -3,7 +3,6 @@
 
     kernels/act_mul.py                  activation.py    act_mul_ref
     kernels/causal_conv1d.py            conv.py          causal_conv1d_varlen_ref
-    kernels/few_rows_linear.py          linear.py        few_rows_linear_ref
     kernels/gdn_commit.py               gdn.py           gdn_commit_ref
     kernels/gdn_decode.py               gdn_decode.py    causal_conv1d_update_ref, gdn_decode_step_ref
     kernels/gdn_recurrent.py            gdn.py           gdn_recurrent_ref

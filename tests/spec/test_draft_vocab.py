@@ -9,6 +9,7 @@ import pytest
 import torch
 from checkpoints import make_checkpoint
 from engine_helpers import default_table, meta_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bole.config import EngineConfig, SpecConfig
 from bole.engine.engine import LLMEngine
@@ -84,6 +85,47 @@ def test_restrict_vocab_scores_the_gathered_rows():
     assert tok.tolist() == torch.tensor(ids)[ref.indices].tolist()
     mtp.restrict_vocab(None)
     assert mtp.vocab_width == model.config.vocab_size
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("ids", [None, [9, 2, 40, 17]])
+def test_draft_logits_of_a_strided_frontier_are_one_gemm(ids):
+    # The frontier [B, M, H] sliced out of the drafter's forest buffer is strided. F.linear on it against a
+    # weight that needs no grad (the reduced vocabulary's gathered rows) runs a bmm with the weight expanded
+    # per request, reading it B times (the 8-row-tile GEMMs of the 9B-cost batch-16 profile);
+    # compute_logits runs one mm whatever the input's strides.
+    torch.manual_seed(0)
+    model = HybridForCausalLM(meta_model().config, backend="torch", num_mtp_layers=1)
+    mtp = model.mtp
+    mtp.restrict_vocab(ids)
+    weight = mtp._shared[1].weight if ids is None else mtp._vocab_weight
+    h = torch.randn(3, 7, model.config.hidden_size)[:, 4:]
+    assert not h.is_contiguous()
+    with torch.no_grad():
+        if ids is not None:  # what compute_logits avoids
+            assert "bmm" in _ops_of(lambda: torch.nn.functional.linear(h, weight))
+        ops = _ops_of(lambda: mtp.compute_logits(h))
+        assert ops.count("mm") == 1 and "bmm" not in ops, ops
+        out = mtp.compute_logits(h)
+    assert out.shape == (3, 3, mtp.vocab_width)
+    torch.testing.assert_close(out.double(), h.double() @ weight.double().T, rtol=1e-5, atol=1e-5)
+    for b in range(3):  # each request's rows alone: the same logits
+        torch.testing.assert_close(out[b], mtp.compute_logits(h[b].clone()))
+
+
+def _ops_of(fn) -> list[str]:
+    with _Ops() as rec:
+        fn()
+    return rec.ops
 
 
 def test_embedded_model_frequency_list_is_a_ranking_of_the_train_split():
