@@ -12,6 +12,10 @@
 #   profile    benchmarks/profile_step.py: torch.profiler over the engine's steps           (~1 min)
 #   exactness  benchmarks/verify_exactness.py $EXACT_FLAGS: every verifier's error against float64
 #   fp32verify benchmarks/verify_fp32.py: verify launches on fp32 activations vs serial_tree (~3 min)
+#   draftlogits benchmarks/draft_logits.py: the drafter's lm_head, flattened GEMM vs strided call (<1 min)
+#   moe        benchmarks/moe_dispatch.py --sweep: routed experts at the 35B-A3B shape      (~1 min)
+#   scale      benchmarks/run_gpu_scale.sh with the README's headline flags ($SCALE_FLAGS appended;
+#              SCALE_BUDGET_S / SCALE_KILL_S as there): widening, then the 9B-cost grid      (<= 9 min)
 # $OUT receives results.tar.gz (every step's files, one folder per step) and summary.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -64,6 +68,17 @@ step_fp32verify() {
 step_profile() {
   # shellcheck disable=SC2086
   timeout -k 10 "${PROFILE_S:-240}" python3 benchmarks/profile_step.py --out "$1/profile_h200.json" ${PROFILE_FLAGS:-}
+}
+step_draftlogits() {
+  timeout -k 10 "${DRAFT_S:-120}" python3 benchmarks/draft_logits.py --out "$1/draft_logits_h200.json"
+}
+step_moe() {
+  timeout -k 10 "${MOE_S:-180}" python3 benchmarks/moe_dispatch.py --sweep --out "$1/moe_dispatch_h200.json"
+}
+step_scale() {
+  # shellcheck disable=SC2086
+  OUT="$1" bash benchmarks/run_gpu_scale.sh --depth 8 --topk 4 --beam 4 --draft-vocab 32768 \
+    --calibration-table calibration_tables/h200-qwen3.5-9b.yaml ${SCALE_FLAGS:-}
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee -a "$OUT/summary.log"
