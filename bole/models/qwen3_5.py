@@ -178,9 +178,10 @@ and lm_head are the target's (shared, not registered here).
         weight = self._shared[1].weight if self._vocab_weight is None else self._vocab_weight
         with self._math(hidden):
             # One GEMM over contiguous rows. F.linear on a strided [B, M, H] input (the drafter's frontier
-            # sliced out of its forest) runs as a bmm with the weight expanded per request, re-reading the
-            # whole weight B times: 6.2 of a 23.6 ms batch-16 step at 9B cost (benchmarks/README.md). On a
-            # contiguous 2D input cuBLAS reads it once (benchmarks/draft_logits.py), and the copy is small.
+            # sliced out of its forest) against a weight that needs no grad (the reduced vocabulary's rows)
+            # runs as a bmm with the weight expanded per request, re-reading it B times: 6.2 of a 23.6 ms
+            # batch-16 step at 9B cost (benchmarks/README.md). On contiguous 2D rows cuBLAS reads it once
+            # (docs/performance-notes.md), and the copy is small.
             rows = hidden.reshape(-1, hidden.shape[-1])
             return F.linear(rows, weight).view(*hidden.shape[:-1], weight.shape[0])
 
