@@ -170,6 +170,8 @@ def parse_args(argv=None):
                          "calibration timed B_ver at): <cell>-wcap")
     ap.add_argument("--also-floor", action="store_true",
                     help="every speculative cell (and -wcap cell) again with budget_floor='best_child': <cell>-best1")
+    ap.add_argument("--also-cell", nargs="+", default=[], metavar="CELL",
+                    help=f"cells named in full ({CELL_FORM}), added last: one combination without the others")
     ap.add_argument("--budget-s", type=float, default=None, help="whole run, widening included (480; smoke 150)")
     ap.add_argument("--cell-budget-s", type=float, default=None, help="per cell (60; smoke 40)")
     ap.add_argument("--grace-s", type=float, default=60.0, help="a late worker is killed this much after a budget")
@@ -204,6 +206,12 @@ def parse_args(argv=None):
         a.modes += [f"{m}-wcap" for m in a.modes if m != "ar"]
     if a.also_floor:
         a.modes += [f"{m}-best1" for m in a.modes if m != "ar"]
+    for cell in a.also_cell:
+        try:
+            engine_mode(cell)
+        except ValueError as e:
+            ap.error(f"--also-cell: {e}")
+    a.modes += [c for c in a.also_cell if c not in a.modes]
     a.batches = pick(a.batches, [1, 2, 4, 8, 16, 32], [1, 2])
     a.max_tokens = pick(a.max_tokens, 128, 4)
     a.depth, a.topk, a.beam = (pick(v, 4, 2) for v in (a.depth, a.topk, a.beam))

@@ -188,6 +188,10 @@ def test_cell_names():
     assert a.modes == ["ar", "serial_tree", "bole", "bole_fr64", "serial_tree-wcap", "bole-wcap", "bole_fr64-wcap"]
     a = e2e_scale.parse_args(["--modes", "ar", "bole", "--also-cap", "--also-floor"])
     assert a.modes == ["ar", "bole", "bole-wcap", "bole-best1", "bole-wcap-best1"]
+    a = e2e_scale.parse_args(["--modes", "ar", "--draft-vocab", "64", "--also-cell", "bole_fr64-wcap-best1", "ar"])
+    assert a.modes == ["ar", "bole_fr64", "bole_fr64-wcap-best1"]
+    with pytest.raises(SystemExit):
+        e2e_scale.parse_args(["--also-cell", "bole-best1-wcap"])
     # each drafting suffix's bole cell is compared with its serial_tree cell, every other cell with ar
     rows = [dict(mode=m, batch=1, status="ok", tokens_per_s=t, exact_vs_ar=None)
             for m, t in (("ar", 100.0), ("serial_tree-d8k2b2", 150.0), ("bole-d8k2b2", 300.0))]
