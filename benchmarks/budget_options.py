@@ -31,7 +31,10 @@ from bole import LLM, SamplingParams  # noqa: E402
 from bole.engine.graphs.tree import tree_widths  # noqa: E402
 from bole.spec.budget import CalibrationTable  # noqa: E402
 
-OPTIONS = {"paper": {}, "cap": dict(cap_tree_width=True), "best_child": dict(budget_floor="best_child"),
+# every option set names both options (the engine's defaults are "best_child+cap")
+OPTIONS = {"paper": dict(budget_floor="children", cap_tree_width=False),
+           "cap": dict(budget_floor="children", cap_tree_width=True),
+           "best_child": dict(budget_floor="best_child", cap_tree_width=False),
            "best_child+cap": dict(budget_floor="best_child", cap_tree_width=True)}
 
 

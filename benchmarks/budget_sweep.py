@@ -9,7 +9,8 @@ calibration table's capacities N; the verified forest also holds one root (commi
 request, so a step verifies up to B + batch tokens (``mean_verified_nodes``). The fairness floor
 keeps every request's first-level nodes (top-k each), so budgets below batch * topk verify the
 floor, and a request's tree holds at most ``tree_max`` drafts (``mean_draft_nodes`` is what was
-really verified).
+really verified). That is the paper's budget (``budget_floor="children"``, ``cap_tree_width=False``),
+pinned here; the engine's defaults differ (docs/DESIGN.md §5).
 
 The B_ver the calibrated table would choose comes from ``--table PATH`` or from a quick in-process
 sweep (``--calibrate``, ``bole.calibrate.sweep`` on the loaded model, capacities = the budgets):
@@ -131,7 +132,8 @@ def run_point(model, tokenizer_eos, prompts, warm, batch: int, table, a) -> dict
     cfg = EngineConfig.from_options(
         mode="bole", device=a.device, dtype=a.dtype, max_num_seqs=batch, max_num_batched_tokens=a.max_batched_tokens,
         num_blocks=batch * per_req + 8, block_size=a.block_size, depth=a.depth, topk=a.topk, beam=a.beam,
-        enable_prefix_cache=not a.no_prefix_cache, eos_token_ids=tokenizer_eos)
+        enable_prefix_cache=not a.no_prefix_cache, eos_token_ids=tokenizer_eos,
+        budget_floor="children", cap_tree_width=False)  # Fig. 11's budget: the paper's floor, trees uncapped
     rec = RecordingTable(table)
     eng = LLMEngine(model, cfg, tokenizer=None, calibration=rec)
 

@@ -83,9 +83,10 @@ def label(shape: str) -> str:
 
 SPEC_RE = re.compile(r"-d(\d+)k(\d+)b(\d+)$")  # a cell's drafting suffix: -d<depth>k<topk>b<beam>
 EPS_RE = re.compile(r"-e(\d+(?:\.\d+)?)$")     # a cell's budget suffix: -e<budget_epsilon>
-CAP_RE = re.compile(r"-wcap$")                  # a cell's tree-width suffix: cap_tree_width=True
-FLOOR_RE = re.compile(r"-best1$")               # a cell's floor suffix: budget_floor="best_child"
-CELL_FORM = "MODE[_fr<N>][@<table>][-d<D>k<K>b<B>][-e<E>][-wcap][-best1]"
+CAP_RE = re.compile(r"-(w|no)cap$")             # a cell's tree-width suffix: cap_tree_width True / False
+FLOOR_RE = re.compile(r"-(best1|kids)$")        # a cell's floor suffix: budget_floor "best_child" / "children"
+CELL_FORM = "MODE[_fr<N>][@<table>][-d<D>k<K>b<B>][-e<E>][-wcap|-nocap][-best1|-kids]"
+PAPER = "-nocap-kids"  # the paper's budget (Algorithm 3: all first-level drafts as the floor, trees uncapped)
 
 
 def _strip(name: str, pattern: re.Pattern) -> tuple[str, re.Match | None]:
@@ -97,15 +98,16 @@ def engine_mode(cell_mode: str) -> tuple[str, dict]:
     """A cell's engine mode and extra options, from its name ``CELL_FORM``: ``bole_fr<N>`` is bole with
     ``draft_vocab=N``, ``@<name>`` the budget table calibration_tables/<name>.yaml, ``-d<D>k<K>b<B>`` the
     drafting settings depth D, topk K, beam B instead of the run's, ``-e<E>`` ``budget_epsilon=E`` (B_ver
-    re-derived from the table's timings at ε = E), ``-wcap`` ``cap_tree_width=True``, ``-best1``
-    ``budget_floor="best_child"``. ValueError naming the cell for any other name."""
+    re-derived from the table's timings at ε = E), ``-wcap`` / ``-nocap`` ``cap_tree_width`` True / False,
+    ``-best1`` / ``-kids`` ``budget_floor`` "best_child" / "children" (without them, the engine's
+    defaults). ValueError naming the cell for any other name."""
     extra = {}
     rest, m = _strip(cell_mode, FLOOR_RE)
     if m:
-        extra["budget_floor"] = "best_child"
+        extra["budget_floor"] = "best_child" if m[1] == "best1" else "children"
     rest, m = _strip(rest, CAP_RE)
     if m:
-        extra["cap_tree_width"] = True
+        extra["cap_tree_width"] = m[1] == "w"
     rest, m = _strip(rest, EPS_RE)
     if m:
         extra["budget_epsilon"] = float(m[1])
@@ -165,11 +167,9 @@ def parse_args(argv=None):
     ap.add_argument("--also-epsilon", type=float, nargs="+", default=[], metavar="E",
                     help="every bole cell again per E with budget_epsilon=E (B_ver re-derived from the table's "
                          "timings at that ε): <cell>-e<E>")
-    ap.add_argument("--also-cap", action="store_true",
-                    help="every speculative cell again with cap_tree_width=True (trees capped at the width the "
-                         "calibration timed B_ver at): <cell>-wcap")
-    ap.add_argument("--also-floor", action="store_true",
-                    help="every speculative cell (and -wcap cell) again with budget_floor='best_child': <cell>-best1")
+    ap.add_argument("--also-paper", action="store_true",
+                    help=f"every speculative cell again with the paper's budget (cap_tree_width=False, "
+                         f"budget_floor='children'; the engine's defaults are the opposite): <cell>{PAPER}")
     ap.add_argument("--also-cell", nargs="+", default=[], metavar="CELL",
                     help=f"cells named in full ({CELL_FORM}), added last: one combination without the others")
     ap.add_argument("--budget-s", type=float, default=None, help="whole run, widening included (480; smoke 150)")
@@ -202,10 +202,8 @@ def parse_args(argv=None):
     if any(not 0 <= e < math.inf for e in a.also_epsilon):
         ap.error(f"--also-epsilon: each value is a finite number >= 0, got {a.also_epsilon}")
     a.modes += [f"{m}-e{e:g}" for e in a.also_epsilon for m in a.modes if base_mode(m).startswith("bole")]
-    if a.also_cap:
-        a.modes += [f"{m}-wcap" for m in a.modes if m != "ar"]
-    if a.also_floor:
-        a.modes += [f"{m}-best1" for m in a.modes if m != "ar"]
+    if a.also_paper:
+        a.modes += [f"{m}{PAPER}" for m in a.modes if m != "ar"]
     for cell in a.also_cell:
         try:
             engine_mode(cell)
@@ -372,8 +370,8 @@ def first_divergence(toks: list[list[int]], ref: list[list[int]]) -> list[dict]:
 def ratios(rows: list[dict]) -> dict:
     """Tokens/s ratios of one worker's cells per batch, and their geometric means over batches <= 16:
     ``RATIOS``, every other speculative cell's to ar, per drafting suffix its bole cell's to its
-    serial_tree cell (``bole-d8k2b2/serial_tree-d8k2b2``), and each ``-wcap`` / ``-best1`` cell's to the
-    same cell without them (``bole-wcap/bole``)."""
+    serial_tree cell (``bole-d8k2b2/serial_tree-d8k2b2``), and each cell with a width or floor suffix to the
+    same cell without them (``bole-nocap-kids/bole``)."""
     ok = {(r["mode"], r["batch"]): r for r in rows if r["status"] == "ok"}
     cells = list(dict.fromkeys(r["mode"] for r in rows))
     plain = lambda m: _strip(_strip(m, FLOOR_RE)[0], CAP_RE)[0]

@@ -109,7 +109,8 @@ def count(mode: str = "bole", batch: int = 1, depth: int = 4, topk: int = 4, bea
     vg = eng.runner.enable_verify_graphs(list(range(1, batch + 1)), tree_widths(eng.lookahead), spec.depth + 1,
                                          capture=False)
     eng.runner.enable_draft_graphs(list(range(1, batch + 1)), spec.depth, spec.topk, spec.beam, capture=False,
-                                   max_per_request=MAX_TREE_NODES - 1)
+                                   max_per_request=MAX_TREE_NODES - 1,
+                                   floor=spec.budget_floor)
     if eng.prefix_cache is not None:
         vg.enable_checkpoints(eng.prefix_cache.checkpoints, eng.config.cache.checkpoint_interval,
                               eng.prefix_cache.scratch_slot)

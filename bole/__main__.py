@@ -32,10 +32,10 @@ def main(argv=None) -> int:
                    help="the drafter scores only the N most frequent tokens (token_frequencies.json)")
     g.add_argument("--budget-epsilon", type=float, default=SpecConfig.budget_epsilon,
                    help="eq. 12's ε: B_ver re-derived from the calibration table's timings (None: as written)")
-    g.add_argument("--cap-tree-width", action="store_true",
-                   help="cap every request's tree at the width the calibration timed B_ver at")
+    g.add_argument("--cap-tree-width", action=argparse.BooleanOptionalAction, default=SpecConfig.cap_tree_width,
+                   help="cap every request's tree at the width the calibration timed B_ver at (--no-...: the paper's)")
     g.add_argument("--budget-floor", default=SpecConfig.budget_floor, choices=BUDGET_FLOORS,
-                   help="the budget's fairness floor: every first-level draft (the paper's) or the best one")
+                   help="the budget's fairness floor: the best first-level draft, or every one (children: the paper's)")
     g.add_argument("--num-blocks", type=int, default=CacheConfig.num_blocks)
     g.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt and the metrics")

@@ -247,10 +247,11 @@ class SpecConfig:
     cap_tree_width: cap every request's tree at the width the calibration timed B_ver at (the smallest
     captured tree width holding ceil(B_ver / batch) drafts and the root, ``bole.spec.budget.width_cap``),
     so the verify forward, which pads every tree to the widest, runs the rows its budget was measured
-    for; off: a request may take up to the whole budget (docs/DESIGN.md §5).
-    budget_floor: the budget's fairness floor (``bole.spec.budget.select_nodes``): "children", the
-    paper's (every request keeps all its first-level drafts), or "best_child" (each keeps its likeliest
-    one; its other first-level drafts compete for the budget like deeper ones).
+    for; off (the paper's): a request may take up to the whole budget (docs/DESIGN.md §5).
+    budget_floor: the budget's fairness floor (``bole.spec.budget.select_nodes``): "best_child" (each
+    request keeps its likeliest first-level draft; its other first-level drafts compete for the budget
+    like deeper ones) or "children", the paper's (every request keeps all its first-level drafts).
+    The defaults (cap on, "best_child") are the measured better pair: docs/DESIGN.md §5.
     """
 
     depth: int = 4
@@ -259,8 +260,8 @@ class SpecConfig:
     draft_fast_math: bool = True
     draft_vocab: int | None = None
     budget_epsilon: float | None = None
-    cap_tree_width: bool = False
-    budget_floor: str = "children"
+    cap_tree_width: bool = True
+    budget_floor: str = "best_child"
 
     def __post_init__(self):
         check_types(self, ints=("depth", "topk", "beam") + (("draft_vocab",) if self.draft_vocab is not None else ()),

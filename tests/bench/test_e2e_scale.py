@@ -169,10 +169,12 @@ def test_cell_names():
     assert em("bole_fr64-e0.5-wcap") == ("bole", dict(draft_vocab=64, budget_epsilon=0.5, cap_tree_width=True))
     assert e2e_scale.base_mode("serial_tree-d8k2b2-wcap") == "serial_tree"
     assert em("bole-wcap-best1") == ("bole", dict(cap_tree_width=True, budget_floor="best_child"))
+    assert em("bole_fr64-nocap-kids") == ("bole", dict(draft_vocab=64, cap_tree_width=False, budget_floor="children"))
+    assert e2e_scale.base_mode("serial_tree-nocap-kids") == "serial_tree"
     assert e2e_scale.base_mode("bole_fr64-e0.5-wcap-best1") == "bole_fr64"
     assert e2e_scale.base_mode("bole_fr64-d8k2b2-e0.5") == "bole_fr64"
     for bad in ("ar-d8k2b2", "bole_frx", "tree", "bole-d8k2", "ar-e0.5", "bole-e0.5-d8k2b2", "ar-best1",
-                "bole-best1-wcap"):
+                "bole-best1-wcap", "bole-kids-nocap", "bole-capno"):
         with pytest.raises(ValueError, match="not MODE"):
             em(bad)
     a = e2e_scale.parse_args(["--modes", "ar", "serial_tree", "bole", "--draft-vocab", "64", "--also-spec", "8,2,2"])
@@ -184,10 +186,9 @@ def test_cell_names():
     assert a.modes == ["ar", "serial_tree", "bole", "bole_fr64", "bole-e0.5", "bole_fr64-e0.5"]
     with pytest.raises(SystemExit):
         e2e_scale.parse_args(["--also-epsilon", "-1"])
-    a = e2e_scale.parse_args(["--modes", "ar", "serial_tree", "bole", "--draft-vocab", "64", "--also-cap"])
-    assert a.modes == ["ar", "serial_tree", "bole", "bole_fr64", "serial_tree-wcap", "bole-wcap", "bole_fr64-wcap"]
-    a = e2e_scale.parse_args(["--modes", "ar", "bole", "--also-cap", "--also-floor"])
-    assert a.modes == ["ar", "bole", "bole-wcap", "bole-best1", "bole-wcap-best1"]
+    a = e2e_scale.parse_args(["--modes", "ar", "serial_tree", "bole", "--draft-vocab", "64", "--also-paper"])
+    assert a.modes == ["ar", "serial_tree", "bole", "bole_fr64", "serial_tree-nocap-kids", "bole-nocap-kids",
+                       "bole_fr64-nocap-kids"]
     a = e2e_scale.parse_args(["--modes", "ar", "--draft-vocab", "64", "--also-cell", "bole_fr64-wcap-best1", "ar"])
     assert a.modes == ["ar", "bole_fr64", "bole_fr64-wcap-best1"]
     with pytest.raises(SystemExit):

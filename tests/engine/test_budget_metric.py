@@ -34,9 +34,9 @@ def test_served_engine_budget_used_stays_within_one(tmp_path):
     with open(default_table()) as f:
         table = yaml.safe_load(f)
     for b in table["buckets"]:
-        b["b_ver"] = 8   # below the floor of a full batch (4 requests x topk 4 = 16 depth-1 nodes)
+        b["b_ver"] = 8   # below the paper's floor of a full batch (4 requests x topk 4 = 16 depth-1 nodes)
     cfg = EngineConfig.from_options(mode="bole", num_blocks=96, block_size=4, depth=2, topk=4, beam=2,
-                                    max_num_seqs=4, calibration_table=default_table())
+                                    max_num_seqs=4, calibration_table=default_table(), budget_floor="children")
     eng = LLMEngine(load_model(str(tmp_path), dtype="float32"), cfg,
                     calibration=CalibrationTable.from_dict(table))
     for p in ([1, 2, 3], [4, 5, 6, 7], [8, 9], [3, 3, 3, 3, 3]):

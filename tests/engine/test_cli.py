@@ -23,9 +23,9 @@ def model_dir(tmp_path_factory):
 def test_cli_generate_all_modes_agree(model_dir):
     texts = {}
     # bole with --draft-vocab: the drafter scores 6 of the 40 ids (the folder's token_frequencies.json)
-    # and with --cap-tree-width: trees capped at the calibrated width
+    # and with the paper's budget (--no-cap-tree-width, floor children) instead of the defaults
     for mode, extra in (("ar", []), ("serial_tree", []), ("bole", []), ("bole", ["--draft-vocab", "6"]),
-                        ("bole", ["--cap-tree-width", "--budget-floor", "best_child"])):
+                        ("bole", ["--no-cap-tree-width", "--budget-floor", "children"])):
         out = subprocess.run(
             [sys.executable, "-m", "bole", "generate", "--model", model_dir, "--prompt", "def add(a, b):",
              "--prompt", "x = ", "--mode", mode, "--max-tokens", "12", "--json", "--depth", "2", *extra],
@@ -35,7 +35,7 @@ def test_cli_generate_all_modes_agree(model_dir):
         assert len(lines) == 3 and lines[-1]["mode"] == mode and lines[-1]["tokens"] > 0
         texts[mode + "".join(extra)] = [x["token_ids"] for x in lines[:2]]
     assert texts["ar"] == texts["serial_tree"] == texts["bole"] == texts["bole--draft-vocab6"] \
-        == texts["bole--cap-tree-width--budget-floorbest_child"]
+        == texts["bole--no-cap-tree-width--budget-floorchildren"]
 
 
 def test_cli_rejects_bad_arguments(model_dir):

@@ -133,9 +133,11 @@ def wide_ckpt(tmp_path_factory):
 
 
 def test_trees_past_128_nodes(wide_ckpt):
-    # 150 first-level drafts (the fairness floor keeps them all) and a second level: verified trees of
-    # more than 128 nodes (two and more 64-row chunks in the kernel, four bitmask words), greedy == ar
-    cfg = dict(num_blocks=256, block_size=4, depth=2, topk=150, beam=1, max_num_seqs=2, max_num_batched_tokens=64)
+    # 150 first-level drafts (the paper's fairness floor keeps them all, trees uncapped) and a second level:
+    # verified trees of more than 128 nodes (two and more 64-row chunks in the kernel, four bitmask words),
+    # greedy == ar
+    cfg = dict(num_blocks=256, block_size=4, depth=2, topk=150, beam=1, max_num_seqs=2, max_num_batched_tokens=64,
+               budget_floor="children", cap_tree_width=False)
     prompts, n = [[1, 2, 3, 4, 5], [7, 8, 9]], [6, 5]
     outs, sizes = {}, []
     for mode in ("ar", "bole"):

@@ -182,7 +182,8 @@ def _graph_engine(path, mode):
     vg = eng.runner.enable_verify_graphs((1, 2, 4), tree_widths(eng.lookahead), spec.depth + 1, capture=False,
                                          min_kv=8, sampled_tail=True)
     eng.runner.enable_draft_graphs((1, 2, 4), spec.depth, spec.topk, spec.beam, capture=False, min_kv=8,
-                                   max_per_request=MAX_TREE_NODES - 1)
+                                   max_per_request=MAX_TREE_NODES - 1,
+                                   floor=spec.budget_floor)
     return eng, vg
 
 

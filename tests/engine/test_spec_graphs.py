@@ -352,7 +352,8 @@ def test_graphs_captured_at_start_cover_the_run_cpu(ckpt, mode):
         families = [eng.runner.enable_verify_graphs((1, 2, 4), tree_widths(eng.lookahead), spec.depth + 1,
                                                     capture=False, min_kv=8),
                     eng.runner.enable_draft_graphs((1, 2, 4), spec.depth, spec.topk, spec.beam, capture=False,
-                                                   min_kv=8, max_per_request=MAX_TREE_NODES - 1)]
+                                                   min_kv=8, max_per_request=MAX_TREE_NODES - 1,
+                                                   floor=spec.budget_floor)]
     n = eng.capture_graphs(34)
     keys = [set(f.graphs) for f in families]
     assert n == sum(len(k) for k in keys) > 0 and eng.capture_graphs(34) == 0
@@ -443,7 +444,8 @@ def test_moe_static_forwards_tokens_cpu(moe_ckpt, mode):
         graphs = eng.runner.enable_verify_graphs((1, 2, 4), tree_widths(eng.lookahead), spec.depth + 1,
                                                  capture=False, min_kv=8)
         dg = eng.runner.enable_draft_graphs((1, 2, 4), spec.depth, spec.topk, spec.beam, capture=False, min_kv=8,
-                                            max_per_request=MAX_TREE_NODES - 1)
+                                            max_per_request=MAX_TREE_NODES - 1,
+                                            floor=spec.budget_floor)
     assert run_arrivals(eng, PROMPTS, max_tokens) == ref
     assert graphs.replays > 0 and (mode == "ar" or dg.replays > 0)
 
