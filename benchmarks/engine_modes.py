@@ -54,11 +54,11 @@ def time_llm(llm, batch: int, prompts, max_tokens: int = 48, repeats: int = 1,
     forward, or draft + verify + sample + commit; the output token lists). Each run includes its
     prefills (offline throughput); with the engine's prefix cache on (its default), prompts the
     warm-up (or an earlier run) cached restore from it. ``budget_s``: no further run starts once this
-    many seconds have passed since the call (at least one run).
+    many seconds have passed since the first timed run began (at least one run); the captures and the
+    warm-up do not count, so a process's first cell, which pays the compiles, still times ``repeats``.
     """
     from bole import SamplingParams
 
-    t_start = time.perf_counter()
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     runner = llm.engine.runner
     longest = max(len(llm.encode(p)) for p in prompts[:batch]) + max_tokens + 1
@@ -74,6 +74,7 @@ def time_llm(llm, batch: int, prompts, max_tokens: int = 48, repeats: int = 1,
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     gc.disable()
+    t_start = time.perf_counter()
     try:
         for _ in range(max(1, repeats)):
             if rates and budget_s is not None and time.perf_counter() - t_start > budget_s:

@@ -205,3 +205,25 @@ def test_first_divergence_names_each_differing_request():
     from benchmarks.e2e_scale import first_divergence
     assert first_divergence([[1, 2, 3], [4, 5], [6]], [[1, 2, 3], [4, 7], [6, 8]]) == [
         dict(request=1, position=1, token=5, ar_token=7), dict(request=2, position=1, token=None, ar_token=8)]
+
+
+def test_time_llm_budget_counts_the_timed_runs_only(monkeypatch):
+    """A cell's run budget starts at its first timed run: the captures and the warm-up before it (the
+    compiles a process's first cell pays) leave every repeat to run."""
+    import time
+
+    from benchmarks.engine_modes import time_llm
+    from bole import LLM
+
+    llm = LLM(os.path.join(ROOT, "models", "bole-tiny-coder"), mode="ar", device="cpu", dtype="float32")
+
+    class SlowCapture:   # stands in for a graph family whose captures outlast the budget
+        def capture_all(self, batch, longest):
+            time.sleep(2.5)
+
+    monkeypatch.setattr(llm.engine.runner, "all_graphs", lambda: [SlowCapture()])
+    row, outs = time_llm(llm, 1, ["def add(a, b):"], max_tokens=2, repeats=3, budget_s=2.0)
+    assert len(row["tokens_per_s_runs"]) == 3 and len(outs[0]) == 2
+    # the budget still ends the runs: none starts once it has passed (at least one runs)
+    row, _ = time_llm(llm, 1, ["def add(a, b):"], max_tokens=2, repeats=3, budget_s=0.0)
+    assert len(row["tokens_per_s_runs"]) == 1
