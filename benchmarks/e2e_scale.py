@@ -24,7 +24,8 @@ tokens equal the ar cell's at the same batch; None on ar rows, the reference). A
 ValueError ``refused``. The worker computes the ratios (bole/ar, bole/serial_tree, serial_tree/ar per
 batch; geometric means over batches 1-16) from its own cells: every ratio is of one process.
 ``--draft-vocab N ...`` adds a bole cell ``bole_fr<N>`` per N at every batch (``SpecConfig.draft_vocab``:
-the drafter scores the N most frequent training tokens), with its ratio to ar; ``--also-table NAME ...``
+the drafter scores the N most frequent training tokens), with its ratio to ar (and to ``serial_tree_fr<N>``,
+the like-for-like baseline, where ``--also-cell`` adds it); ``--also-table NAME ...``
 a cell ``bole@NAME`` per NAME (bole with calibration_tables/NAME.yaml as its budget table, e.g. the
 unmeasured defaults beside a calibrated ``--calibration-table``).
 
@@ -68,7 +69,8 @@ from bole.models.widen import TARGET_FIELDS, copy_tokenizer_files, widen  # noqa
 
 MODES = ("ar", "serial_tree", "bole")
 RATIOS = (("bole", "ar"), ("bole", "serial_tree"), ("serial_tree", "ar"))
-FR_PREFIX = "bole_fr"  # bole_fr<N>: the bole cell with draft_vocab=N
+FR_SEP = "_fr"  # <mode>_fr<N>: the speculative cell with draft_vocab=N
+FR_PREFIX = "bole" + FR_SEP  # --draft-vocab N adds bole_fr<N>
 TABLE_SEP = "@"        # bole@<table>: the bole cell with calibration_tables/<table>.yaml as its budget table
 GEOMEAN_MAX_BATCH = 16
 TAG = "@@e2e_scale "  # a worker's stdout lines that carry an event (JSON) for the parent
@@ -117,9 +119,10 @@ def engine_mode(cell_mode: str) -> tuple[str, dict]:
     if TABLE_SEP in rest:
         rest, table = rest.split(TABLE_SEP, 1)
         extra["calibration_table"] = f"calibration_tables/{table}.yaml"
-    if rest.startswith(FR_PREFIX) and rest[len(FR_PREFIX):].isdigit():
-        extra["draft_vocab"] = int(rest[len(FR_PREFIX):])
-        rest = "bole"
+    mode, _, n = rest.rpartition(FR_SEP)
+    if mode in MODES and mode != "ar" and n.isdigit():  # serial_tree_fr<N>: bole_fr<N>'s like-for-like baseline
+        extra["draft_vocab"] = int(n)
+        rest = mode
     if rest not in MODES or (rest == "ar" and extra):
         raise ValueError(f"cell {cell_mode!r}: not {CELL_FORM} with MODE in {MODES} (ar takes no options)")
     return rest, extra
@@ -376,7 +379,8 @@ def ratios(rows: list[dict]) -> dict:
     cells = list(dict.fromkeys(r["mode"] for r in rows))
     plain = lambda m: _strip(_strip(m, FLOOR_RE)[0], CAP_RE)[0]
     pairs = RATIOS + tuple((m, "ar") for m in cells if m not in MODES) + tuple(
-        (m, "serial_tree" + m[len("bole"):]) for m in cells if m != "bole" and base_mode(m) == "bole") + tuple(
+        (m, "serial_tree" + m[len("bole"):]) for m in cells if m != "bole" and (
+            base_mode(m) == "bole" or "serial_tree" + m[len("bole"):] in cells)) + tuple(
         (m, plain(m)) for m in cells if plain(m) != m)
     per_batch = []
     for b in sorted({b for _, b in ok}):

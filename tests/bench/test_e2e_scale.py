@@ -106,6 +106,13 @@ def test_ratios_geomean_over_batches_up_to_16():
              for m, t in [("bole-wcap", 30.0), ("bole-wcap-best1", 36.0)]]
     per = e2e_scale.ratios(rows)["per_batch"][0]
     assert per["bole-wcap/bole"] == 1.5 and per["bole-wcap-best1/bole"] == 1.8 and per["bole-wcap/ar"] == 3.0
+    # a reduced-vocabulary bole cell against serial_tree with the same drafter, where that cell ran
+    assert "bole_fr64/serial_tree_fr64" not in e2e_scale.ratios(rows + [
+        dict(mode="bole_fr64", batch=1, status="ok", tokens_per_s=30.0, exact_vs_ar=True)])["geomean_batches_1_16"]
+    rows += [dict(mode=m, batch=1, status="ok", tokens_per_s=t, exact_vs_ar=True)
+             for m, t in [("bole_fr64", 30.0), ("serial_tree_fr64", 12.0)]]
+    per = e2e_scale.ratios(rows)["per_batch"][0]
+    assert per["bole_fr64/serial_tree_fr64"] == 2.5 and per["bole_fr64/ar"] == 3.0
 
 
 def _spec(smoke, **kw):
@@ -168,6 +175,10 @@ def test_cell_names():
     assert em("bole-e2") == ("bole", dict(budget_epsilon=2.0))
     assert em("bole_fr64-e0.5-wcap") == ("bole", dict(draft_vocab=64, budget_epsilon=0.5, cap_tree_width=True))
     assert e2e_scale.base_mode("serial_tree-d8k2b2-wcap") == "serial_tree"
+    assert em("serial_tree_fr32768-nocap") == ("serial_tree", dict(draft_vocab=32768, cap_tree_width=False))
+    for bad in ("ar_fr64", "bole_frx", "tree_fr64"):
+        with pytest.raises(ValueError, match=bad):
+            em(bad)
     assert em("bole-wcap-best1") == ("bole", dict(cap_tree_width=True, budget_floor="best_child"))
     assert em("bole_fr64-nocap-kids") == ("bole", dict(draft_vocab=64, cap_tree_width=False, budget_floor="children"))
     assert e2e_scale.base_mode("serial_tree-nocap-kids") == "serial_tree"
