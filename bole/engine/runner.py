@@ -318,7 +318,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def draft_batch(self, reqs: list[Request], depth: int, topk: int, beam: int, b_ver: int,
-                    max_per_request: int | None = None, floor: str = "children") -> DraftBatch:
+                    max_per_request: int | None = None, *, floor: str) -> DraftBatch:
         """Draft (``draft``), keep ``b_ver`` nodes for the batch (``select_nodes``, at most
         ``max_per_request`` per request, its fairness ``floor``) and compact them below the pending root
         tokens: the step's ``DraftBatch`` [B, 1 + T_max] (untrimmed). From the draft graph when it applies

@@ -298,7 +298,7 @@ BUDGET_FLOORS = ("children", "best_child")
 
 
 def select_nodes(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, depth: torch.Tensor,
-                 b_ver, max_per_request: int | None = None, floor: str = "children") -> torch.Tensor:
+                 b_ver, max_per_request: int | None = None, *, floor: str) -> torch.Tensor:
     """Algorithm 3 online: which draft nodes of the batch to verify. Returns bool keep [B, T].
 
     Args:
@@ -314,6 +314,8 @@ def select_nodes(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, 
         floor:   the fairness floor: "children" (the paper's Algorithm 3: every depth-1 node) or
                  "best_child" (each request's highest-ρ depth-1 node; its other children compete
                  for the budget like deeper nodes). Both give every running request a verified draft.
+                 Required, with no default here or in the layers that pass it on (the draft graphs,
+                 ``ModelRunner.draft_batch``): the engine's choice is ``SpecConfig.budget_floor``.
 
     Every request keeps its valid depth-1 nodes (fairness floor; "best_child": the best one). The
     remaining budget, max(b_ver - #floor, 0), goes to the other nodes in the order (ρ desc, depth asc, flat index

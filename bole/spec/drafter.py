@@ -10,7 +10,7 @@ One step of drafting for B requests:
    the globally best ones. Candidates are stored in fixed-shape [B, T_max] tensors, depth block by
    depth block, so parents precede children, with
    T_max = k + Σ_{d=2..D} min(beam, size of block d-1) * k, k = min(topk, V): all Python ints.
-2. ``bole.spec.budget.select_nodes(c.rho, c.parents, c.valid, c.depth, b_ver)`` picks the nodes to
+2. ``bole.spec.budget.select_nodes(c.rho, c.parents, c.valid, c.depth, b_ver, floor=...)`` picks the nodes to
    verify (prefix-closed).
 3. ``compact(c, keep, roots)`` re-indexes the kept nodes compactly below each request's root (node
    0, the pending token), preserving the topological order, into padded [B, 1 + T_max] tensors: the

@@ -167,13 +167,13 @@ def test_select_nodes_matches_reference(seed):
     rho, parents, valid, depth = random_batch(B, T, g)
     total, floor = int(valid.sum()), int((valid & (depth == 1)).sum())
     for b_ver in (0, 1, floor, floor + 3, total // 2, total, total + 10):
-        keep = select_nodes(rho, parents, valid, depth, b_ver)
+        keep = select_nodes(rho, parents, valid, depth, b_ver, floor="children")
         assert torch.equal(keep, reference_select(rho, valid, depth, b_ver)), f"b_ver={b_ver}"
         assert_prefix_closed(keep, parents)
         assert int(keep.sum()) == max(floor, min(b_ver, total))
         assert not (keep & ~valid).any()
         # log-probabilities select the same nodes (only the order matters)
-        assert torch.equal(keep, select_nodes(rho.log(), parents, valid, depth, torch.tensor(b_ver)))
+        assert torch.equal(keep, select_nodes(rho.log(), parents, valid, depth, torch.tensor(b_ver), floor="children"))
 
 
 def test_fairness_floor_keeps_every_request_first_level():
@@ -183,7 +183,7 @@ def test_fairness_floor_keeps_every_request_first_level():
     rho[0] = torch.where(valid[0], torch.ones(T), rho[0])  # request 0 is far more confident
     rho[1:] *= 1e-3
     floor = valid & (depth == 1)
-    keep = select_nodes(rho, parents, valid, depth, int(floor.sum()) + 2)
+    keep = select_nodes(rho, parents, valid, depth, int(floor.sum()) + 2, floor="children")
     assert (keep[floor]).all()
     extra = keep & ~floor
     assert int(extra.sum()) == min(2, int((valid & ~floor).sum()))
@@ -196,7 +196,7 @@ def test_select_nodes_prefix_closed_even_if_rho_increases():
     _, parents, valid, depth = random_batch(B, T, g)
     rho = torch.rand(B, T, generator=g)  # not monotone along paths
     for b_ver in range(0, int(valid.sum()) + 1, 3):
-        keep = select_nodes(rho, parents, valid, depth, b_ver)
+        keep = select_nodes(rho, parents, valid, depth, b_ver, floor="children")
         assert_prefix_closed(keep, parents)
         assert int(keep.sum()) == max(int((valid & (depth == 1)).sum()), min(b_ver, int(valid.sum())))
 
@@ -205,7 +205,7 @@ def test_select_nodes_no_host_sync_on_meta():
     m = dict(device="meta")
     keep = select_nodes(torch.zeros(3, 8, **m), torch.zeros(3, 8, dtype=torch.long, **m),
                         torch.ones(3, 8, dtype=torch.bool, **m), torch.ones(3, 8, dtype=torch.long, **m),
-                        torch.tensor(5, **m))
+                        torch.tensor(5, **m), floor="children")
     assert keep.is_meta and keep.shape == (3, 8)
 
 
@@ -219,7 +219,7 @@ def test_select_nodes_per_request_cap(seed):
     floor = valid & (depth == 1)
     for cap in (int(floor.sum(1).max()), int(floor.sum(1).max()) + 2, 10, T):
         for b_ver in (0, 5, 20, int(valid.sum())):
-            keep = select_nodes(rho, parents, valid, depth, b_ver, max_per_request=cap)
+            keep = select_nodes(rho, parents, valid, depth, b_ver, max_per_request=cap, floor="children")
             ref = floor.clone()
             remaining = max(b_ver - int(floor.sum()), 0)
             cands = sorted((-float(rho[b, i]), int(depth[b, i]), b * T + i) for b in range(B) for i in range(T)
@@ -278,9 +278,9 @@ def test_capped_selection_fits_the_calibrated_width():
     rho = -torch.rand(B, T, generator=gen).cumsum(1) * torch.tensor([0.1, 1.0, 1.0, 1.0])[:, None]  # request 0 wins
     valid = torch.ones(B, T, dtype=torch.bool)
     b_ver = 24
-    free = select_nodes(rho, parents, valid, depth, b_ver)
+    free = select_nodes(rho, parents, valid, depth, b_ver, floor="children")
     cap = width_cap(b_ver, B, [8, 16, 32], T)
-    capped = select_nodes(rho, parents, valid, depth, b_ver, max_per_request=cap)
+    capped = select_nodes(rho, parents, valid, depth, b_ver, max_per_request=cap, floor="children")
     floor = int((depth == 1).sum(1).max())
     assert int(free.sum(1).max()) > cap  # uncapped, the likeliest request takes more than its width
     assert int(capped.sum(1).max()) <= max(cap, floor) and cap == 7
@@ -306,7 +306,7 @@ def test_best_child_floor_keeps_one_first_level_draft_each(b_ver):
     B, T = 4, 24
     rho, parents, valid, depth = _forest(B, T, 1)
     keep = select_nodes(rho, parents, valid, depth, b_ver, floor="best_child")
-    children = select_nodes(rho, parents, valid, depth, b_ver)
+    children = select_nodes(rho, parents, valid, depth, b_ver, floor="children")
     first = depth == 1
     best = torch.where(first, rho, torch.full_like(rho, -float("inf"))).argmax(1)
     assert keep[torch.arange(B), best].all()                           # every request keeps its best child
@@ -318,3 +318,5 @@ def test_best_child_floor_keeps_one_first_level_draft_each(b_ver):
         assert int((keep & first).sum()) < int(first.sum())
     with pytest.raises(ValueError, match="floor must be one of"):
         select_nodes(rho, parents, valid, depth, b_ver, floor="none")
+    with pytest.raises(TypeError, match="floor"):   # no default: the engine's choice is SpecConfig.budget_floor
+        select_nodes(rho, parents, valid, depth, b_ver)

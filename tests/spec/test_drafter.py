@@ -80,7 +80,7 @@ def test_impossible_tokens_are_invalid():
 def test_compact_and_to_forest(b_ver):
     root, step, _, _ = markov_drafter(seed=2)
     c = expand_tree(root, step, 4, 3, 2)
-    keep = select_nodes(c.rho, c.parents, c.valid, c.depth, b_ver)
+    keep = select_nodes(c.rho, c.parents, c.valid, c.depth, b_ver, floor="children")
     B, T = c.tokens.shape
     roots = (torch.arange(B) + 1) % V
     d = compact(c, keep, roots)
@@ -123,7 +123,8 @@ def test_drafting_has_no_host_sync():
     B, T = 2, tree_size(V, 3, 2, 2)
     c = expand_tree(torch.zeros(B, V, **m), lambda f: torch.zeros(B, f.tokens.shape[1], V, **m), 3, 2, 2)
     assert c.tokens.is_meta and c.tokens.shape == (B, T)
-    d = compact(c, select_nodes(c.rho, c.parents, c.valid, c.depth, 4), torch.zeros(B, dtype=torch.long, **m))
+    keep = select_nodes(c.rho, c.parents, c.valid, c.depth, 4, floor="children")
+    d = compact(c, keep, torch.zeros(B, dtype=torch.long, **m))
     assert d.tokens.is_meta and d.tokens.shape == (B, 1 + T)
 
 

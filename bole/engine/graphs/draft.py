@@ -37,7 +37,7 @@ class DraftGraphs(GraphFamily):
 
     def __init__(self, runner, batch_sizes: Sequence[int], depth: int, topk: int, beam: int,
                  pad_block: int, capture: bool = True, min_kv: int = 256, pool=None,
-                 max_per_request: int | None = None, floor: str = "children"):
+                 max_per_request: int | None = None, *, floor: str):
         if runner.model.mtp is None:
             raise ValueError("draft graphs need a model with an MTP drafter")
         super().__init__(runner, batch_sizes, runner.mtp_cache, min_kv, capture, pool)
