@@ -51,7 +51,9 @@ BASE_CONFIG = "cluster_configs/local.yaml"
 # server totals read from /metrics (summed over label sets: one replica here)
 TOTALS = ("bole_engine_preemptions", "bole_prefix_cache_hit_tokens", "bole_engine_prompt_tokens",
           "bole_request_mean_accepted_tokens_sum", "bole_request_mean_accepted_tokens_count",
-          "bole_queue_wait_seconds_sum", "bole_queue_wait_seconds_count", "bole_generation_tokens_total")
+          "bole_queue_wait_seconds_sum", "bole_queue_wait_seconds_count", "bole_generation_tokens_total",
+          "bole_engine_steps", "bole_engine_step_seconds", "bole_engine_decode_steps", "bole_engine_eager_forwards",
+          "bole_engine_eager_drafts", "bole_engine_eager_tails")
 
 
 TERMINATED: list[int] = []   # the signal that ended the run, once one has
@@ -80,6 +82,8 @@ def server_delta(before: dict, after: dict) -> dict:
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in TOTALS}
     prompt, n_mat, n_wait = d["bole_engine_prompt_tokens"], d["bole_request_mean_accepted_tokens_count"], \
         d["bole_queue_wait_seconds_count"]
+    steps, decode_steps = d["bole_engine_steps"], d["bole_engine_decode_steps"]
+    share = lambda k: round(d[k] / decode_steps, 4) if decode_steps else None
     return {
         "preemptions": int(d["bole_engine_preemptions"]),
         "prefix_hit_tokens": int(d["bole_prefix_cache_hit_tokens"]),
@@ -89,6 +93,14 @@ def server_delta(before: dict, after: dict) -> dict:
         "mean_queue_wait_ms": round(1000 * d["bole_queue_wait_seconds_sum"] / n_wait, 2) if n_wait else None,
         "generation_tokens": int(d["bole_generation_tokens_total"]),
         "peak_batch_since_start": int(after.get("bole_engine_peak_batch", 0)),
+        # the engine's own time: seconds inside steps, the mean step, and the share of decode steps whose
+        # forward / draft / acceptance ran eagerly (no captured graph for that step's shape)
+        "engine_step_s": round(d["bole_engine_step_seconds"], 3),
+        "mean_step_ms": round(1000 * d["bole_engine_step_seconds"] / steps, 2) if steps else None,
+        "steps": int(steps),
+        "eager_forward_share": share("bole_engine_eager_forwards"),
+        "eager_draft_share": share("bole_engine_eager_drafts"),
+        "eager_tail_share": share("bole_engine_eager_tails"),
     }
 
 
@@ -238,13 +250,18 @@ def summary_rows(doc: dict) -> list[dict]:
                          "req_per_s": c["request_throughput_per_s"], "tok_per_s": c["output_tokens_per_s"],
                          **{f"{k}_{q}_ms": c[k][f"{q}_ms"] for k in ("ttft", "tpot") for q in ("mean", "p50", "p99")},
                          "prefix_hit_rate": s["prefix_hit_rate"], "preemptions": s["preemptions"],
-                         "mean_mat": s["mean_mat"], "queue_wait_ms": s["mean_queue_wait_ms"]})
+                         "mean_mat": s["mean_mat"], "queue_wait_ms": s["mean_queue_wait_ms"],
+                         "step_ms": s.get("mean_step_ms"),
+                         "busy_share": round(s["engine_step_s"] / c["duration_s"], 3)
+                         if s.get("engine_step_s") is not None and c.get("duration_s") else None,
+                         **{f"eager_{k}": s.get(f"eager_{k}_share") for k in ("forward", "draft", "tail")}})
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
     cols = ("mode", "rate", "req_per_s", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p50_ms",
-            "tpot_p99_ms", "prefix_hit_rate", "preemptions", "mean_mat")
+            "tpot_p99_ms", "prefix_hit_rate", "preemptions", "mean_mat", "step_ms", "busy_share", "eager_forward",
+            "eager_draft", "eager_tail")
     print(" ".join(f"{c:>13}" for c in cols))
     for r in rows:
         cells = " ".join(f"{'-' if r.get(c) is None else r[c]!s:>13}" for c in cols)

@@ -80,6 +80,18 @@ class ServerMetrics:
                                        "served from the prefix cache, since the replica started", rep, registry=r),
             "prompt_tokens": Gauge("bole_engine_prompt_tokens", "Prompt tokens of finished requests, since the "
                                    "replica started", rep, registry=r),
+            "steps": Gauge("bole_engine_steps", "Engine steps, since the replica started", rep, registry=r),
+            "step_time_s": Gauge("bole_engine_step_seconds", "Seconds inside engine steps, since the replica "
+                                 "started (over bole_engine_steps: the mean step)", rep, registry=r),
+            "decode_steps": Gauge("bole_engine_decode_steps", "Engine steps that decoded or verified, since the "
+                                  "replica started", rep, registry=r),
+            "eager_forwards": Gauge("bole_engine_eager_forwards", "Decode steps whose decode / verify forward "
+                                    "ran eagerly (no captured CUDA graph for its shape), since the replica "
+                                    "started", rep, registry=r),
+            "eager_drafts": Gauge("bole_engine_eager_drafts", "Speculative steps whose MTP draft ran eagerly, "
+                                  "since the replica started", rep, registry=r),
+            "eager_tails": Gauge("bole_engine_eager_tails", "Speculative steps whose acceptance and commit ran "
+                                 "eagerly, since the replica started", rep, registry=r),
         }
         self.table = Gauge("bole_calibration_table_info", "Calibration table in use (value 1); mismatch: the "
                            "fields (model, dtype, tp_size, hardware) it was not measured for, '' if none",

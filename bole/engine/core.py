@@ -72,6 +72,11 @@ class EngineStats:
     prefill_tokens: int = 0
     preemptions: int = 0
     finished: int = 0
+    step_time_s: float = 0.0
+    decode_steps: int = 0
+    eager_forwards: int = 0
+    eager_drafts: int = 0
+    eager_tails: int = 0
     running: int = 0
     waiting: int = 0
     held: int = 0

@@ -248,6 +248,7 @@ class LLMEngine:
                 toks, lps = sampler.sample_next(decode, logits, sampler.penalties(decode, V, self.runner.device))
                 emitted = [[t] for t in toks]
                 stats.tree_nodes = len(decode)
+                stats.eager_forward = not self.runner.decode_graphed
             else:
                 emitted, lps = self.spec_step.run(decode, stats, self.calibration)
             stats.verify_time = time.perf_counter() - t0

@@ -17,6 +17,10 @@ class StepStats:
     b_ver: int = 0                 # the bucket's capacity (speculative modes)
     verify_time: float = 0.0       # seconds in draft + verify + sample + commit (or decode)
     preempted: int = 0
+    # which parts of the decode step ran eagerly, not from a captured CUDA graph (always, without graphs)
+    eager_forward: bool = False    # the decode (ar) or verify forward
+    eager_draft: bool = False      # the MTP draft (speculative modes)
+    eager_tail: bool = False       # acceptance and commit (speculative modes)
 
 
 @dataclass
@@ -34,6 +38,9 @@ class EngineMetrics:
     verify_time: float = 0.0
     prefill_tokens: int = 0
     preemptions: int = 0
+    eager_forwards: int = 0        # decode steps whose forward ran eagerly (StepStats.eager_*)
+    eager_drafts: int = 0
+    eager_tails: int = 0
     finished: int = 0
     ttft_sum: float = 0.0
     tpot_sum: float = 0.0
@@ -55,6 +62,9 @@ class EngineMetrics:
             self.tree_nodes += s.tree_nodes
             self.b_ver_sum += s.b_ver
             self.verify_time += s.verify_time
+            self.eager_forwards += s.eager_forward
+            self.eager_drafts += s.eager_draft
+            self.eager_tails += s.eager_tail
             if s.b_ver:
                 # ``select_nodes`` keeps every request's depth-1 children (the fairness floor), so a
                 # step verifies max(#floor, min(B_ver, #drafts)) nodes: more than B_ver once
@@ -106,4 +116,11 @@ class EngineMetrics:
             "prefill_tokens": self.prefill_tokens,
             "preemptions": self.preemptions,
             "finished": self.finished,
+            # totals, so a reader takes differences over an interval: seconds inside steps, and the decode
+            # steps whose forward / draft / acceptance ran eagerly (a graph missing for that step's shape)
+            "step_time_s": self.step_time,
+            "decode_steps": self.decode_steps,
+            "eager_forwards": self.eager_forwards,
+            "eager_drafts": self.eager_drafts,
+            "eager_tails": self.eager_tails,
         }

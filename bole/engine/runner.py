@@ -88,6 +88,7 @@ class ModelRunner:
         self.verify_graphs: VerifyGraphs | None = None
         self.draft_graphs: DraftGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self.decode_graphed = self.draft_graphed = False  # whether the last decode_forward / draft_batch replayed
         self._pad: tuple[int, int] | None = None
         if graphs and cuda_graph_batch_sizes:
             self.enable_cuda_graphs(cuda_graph_batch_sizes)
@@ -187,7 +188,8 @@ class ModelRunner:
         """The decode forward of ``reqs`` at their pending root tokens, without advancing them (the new
         K/V is written and the GDN state stepped); returns (logits [B, V], hidden [B, H]). From a CUDA
         graph when the runner has graphs for this batch and ``use_graphs``, else eagerly."""
-        if use_graphs and self.graphs is not None and self.graphs.supports(reqs):
+        self.decode_graphed = use_graphs and self.graphs is not None and self.graphs.supports(reqs)
+        if self.decode_graphed:
             logits, hidden = self.graphs.run(reqs)
             return logits.clone(), hidden.clone()  # the static outputs are overwritten by the next replay
         ids = torch.tensor([r.all_token_ids[r.num_computed] for r in reqs], device=self.device)
@@ -328,7 +330,9 @@ class ModelRunner:
         if dg is not None and (dg.depth, dg.topk, dg.beam, dg.floor) == (depth, topk, beam, floor):
             self._catch_up_head(reqs)
             if dg.supports(reqs):
+                self.draft_graphed = True
                 return dg.run(reqs, b_ver, max_per_request)
+        self.draft_graphed = False
         cand = self.draft(reqs, depth, topk, beam)
         keep = select_nodes(cand.rho, cand.parents, cand.valid, cand.depth, b_ver, max_per_request=max_per_request,
                             floor=floor)

@@ -66,6 +66,7 @@ class SpeculativeStep:
                                         floor=spec.budget_floor)
         batch = batch.trimmed(bound + 1 if no_sync else None)
         res = self.runner.verify(reqs, batch)
+        stats.eager_draft, stats.eager_forward = not self.runner.draft_graphed, res.graph is None
         if plain and self.runner.can_accept_in_graph(res, sampled=not greedy):
             # acceptance (greedy, or sampled with each request's parameters and seed), commit and
             # checkpoints inside the verify graph's captured tail
@@ -75,6 +76,7 @@ class SpeculativeStep:
             if done is not None:  # the tail leaves the verify logits in place: logprobs read them
                 return done[0], self._path_logprobs(reqs, res, res.logits, done[1], done[0], None)
         # eagerly: the same acceptance and commit (``accept_and_commit``) after the logits' preprocessing
+        stats.eager_tail = True
         sampling = None if greedy else sampler.SamplingTensors.of(reqs, self.runner.device)
         logits = res.logits
         if not no_min:

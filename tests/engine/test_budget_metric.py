@@ -24,9 +24,18 @@ def test_step_accounting():
     m.record_step(StepStats(0.0, 1.0, decode_requests=4, emitted_tokens=6, tree_nodes=4 + 12, b_ver=8))
     # batch 1 well inside its budget: 5 of 16
     m.record_step(StepStats(1.0, 2.0, decode_requests=1, emitted_tokens=2, tree_nodes=1 + 5, b_ver=16))
+    # a prefill-only step: its time counts, it is no decode step
+    m.record_step(StepStats(2.0, 2.5, prefill_tokens=7))
     snap = m.snapshot()
     assert snap["budget_used"] == (8 + 5) / (8 + 16)
     assert snap["floor_excess_nodes"] == 4 / 2
+    assert (snap["step_time_s"], snap["decode_steps"], snap["eager_forwards"]) == (2.5, 2, 0)
+    m.record_step(StepStats(3.0, 3.25, decode_requests=2, emitted_tokens=5, tree_nodes=9, b_ver=8,
+                            eager_draft=True, eager_tail=True))
+    m.record_step(StepStats(4.0, 4.25, decode_requests=2, emitted_tokens=2, tree_nodes=2, eager_forward=True))
+    snap = m.snapshot()
+    assert (snap["step_time_s"], snap["decode_steps"]) == (3.0, 4)
+    assert (snap["eager_forwards"], snap["eager_drafts"], snap["eager_tails"]) == (1, 1, 1)
 
 
 def test_served_engine_budget_used_stays_within_one(tmp_path):
@@ -45,6 +54,10 @@ def test_served_engine_budget_used_stays_within_one(tmp_path):
         eng.step()
     snap = eng.metrics.snapshot()
     assert 0 < snap["budget_used"] <= 1.0
+    # no CUDA graphs on the CPU: every decode step's draft, verify forward and acceptance ran eagerly
+    assert snap["decode_steps"] > 0 and snap["step_time_s"] > 0
+    assert snap["eager_forwards"] == snap["eager_drafts"] == snap["eager_tails"] == snap["decode_steps"]
+    assert eng.stats().eager_drafts == snap["eager_drafts"]
     assert snap["floor_excess_nodes"] > 0
     # the old ratio (every verified draft over B_ver) is what exceeded 1
     m = eng.metrics

@@ -463,6 +463,8 @@ def test_graphs_captured_at_start_cuda(ckpt, mode):
     assert families and all(c > 0 for c in captured)
     assert run_arrivals(eng, PROMPTS, max_tokens) == ref
     assert [f.num_captured for f in families] == captured and all(f.replays > 0 for f in families)
+    s = eng.stats()   # every decode step replayed a graph: none of its parts ran eagerly
+    assert s.decode_steps > 0 and (s.eager_forwards, s.eager_drafts, s.eager_tails) == (0, 0, 0)
 
 
 @pytest.mark.gpu
