@@ -16,7 +16,9 @@ Per mode (``--modes``, each a fresh server, so no mode inherits another's prefix
      each turn the previous prompt + answer + the next held-out prompt; conversations arrive at
      ``rate`` per second). Every phase takes its own slice of the held-out prompts, so no phase hits
      blocks an earlier phase cached; the server's totals (preemptions, prefix-cache hit and prompt
-     tokens, MAT, queue wait) are read before and after, and the phase reports the differences;
+     tokens, MAT, queue wait, seconds inside engine steps, and the decode steps whose forward / draft /
+     acceptance ran eagerly) are read before and after, and the phase reports the differences: with them
+     the mean engine step, the engine's busy share of the phase and the eager shares;
   4. SIGINT (drain), then SIGKILL if it is still there after 40 s.
 
 Every step has a timeout; no phase starts after ``--budget-s``. The JSON is rewritten after every
