@@ -281,9 +281,11 @@ def plot_cdfs(doc: dict, path: str) -> bool:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, LogLocator
     except ImportError:
         return False
     fig, axes = plt.subplots(2, len(rates), figsize=(4.6 * len(rates), 7), squeeze=False)
+    plain = FuncFormatter(lambda x, _: f"{x:g}")
     for j, rate in enumerate(rates):
         for mode, rec in doc["modes"].items():
             row = next((r for r in rec["rates"] if r["rate"] == rate and "samples_ms" in r["client"]), None)
@@ -294,6 +296,10 @@ def plot_cdfs(doc: dict, path: str) -> bool:
         for i, key in enumerate(("TTFT", "TPOT")):
             axes[i][j].set(xlabel=f"{key} (ms)", ylabel="fraction of requests", xscale="log",
                            title=f"{rate:g} conversations/s")
+            ax = axes[i][j].xaxis   # plain numbers at 1, 2, 5 per decade (10^x labels overlapped)
+            ax.set_major_formatter(plain)
+            ax.set_minor_locator(LogLocator(subs=(2.0, 5.0)))
+            ax.set_minor_formatter(plain)
             axes[i][j].grid(alpha=0.3)
             axes[i][j].legend()
     fig.suptitle(f"serve_modes on {doc['hardware']}: {doc['settings']['model']}")

@@ -27,6 +27,20 @@ from deployments.replica_stats import ReplicaStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 ABORT_REASONS = ("client_disconnected", "stream_closed", "deadline")
+# per-replica totals (``EngineStats`` key, metric, what it counts)
+TOTALS = (
+    ("preemptions", "bole_engine_preemptions", "Requests preempted by recompute (KV blocks ran out)"),
+    ("prefix_hit_tokens", "bole_prefix_cache_hit_tokens", "Prompt tokens of finished requests served from the "
+     "prefix cache"),
+    ("prompt_tokens", "bole_engine_prompt_tokens", "Prompt tokens of finished requests"),
+    ("steps", "bole_engine_steps", "Engine steps"),
+    ("step_time_s", "bole_engine_step_seconds", "Seconds inside engine steps (over bole_engine_steps: the mean step)"),
+    ("decode_steps", "bole_engine_decode_steps", "Engine steps that decoded or verified"),
+    ("eager_forwards", "bole_engine_eager_forwards", "Decode steps whose decode / verify forward ran eagerly (no "
+     "captured CUDA graph for its shape)"),
+    ("eager_drafts", "bole_engine_eager_drafts", "Speculative steps whose MTP draft ran eagerly"),
+    ("eager_tails", "bole_engine_eager_tails", "Speculative steps whose acceptance and commit ran eagerly"),
+)
 
 
 class ServerMetrics:
@@ -73,26 +87,10 @@ class ServerMetrics:
                              "ingress sent them elsewhere), since the replica started", rep, registry=r),
             "num_prefix_blocks": Gauge("bole_prefix_summary_blocks", "Block hashes in the replica's prefix "
                                        "summary", rep, registry=r),
-            # totals since the replica started, so a load run reads its own share as a difference
-            "preemptions": Gauge("bole_engine_preemptions", "Requests preempted by recompute (KV blocks ran "
-                                 "out), since the replica started", rep, registry=r),
-            "prefix_hit_tokens": Gauge("bole_prefix_cache_hit_tokens", "Prompt tokens of finished requests "
-                                       "served from the prefix cache, since the replica started", rep, registry=r),
-            "prompt_tokens": Gauge("bole_engine_prompt_tokens", "Prompt tokens of finished requests, since the "
-                                   "replica started", rep, registry=r),
-            "steps": Gauge("bole_engine_steps", "Engine steps, since the replica started", rep, registry=r),
-            "step_time_s": Gauge("bole_engine_step_seconds", "Seconds inside engine steps, since the replica "
-                                 "started (over bole_engine_steps: the mean step)", rep, registry=r),
-            "decode_steps": Gauge("bole_engine_decode_steps", "Engine steps that decoded or verified, since the "
-                                  "replica started", rep, registry=r),
-            "eager_forwards": Gauge("bole_engine_eager_forwards", "Decode steps whose decode / verify forward "
-                                    "ran eagerly (no captured CUDA graph for its shape), since the replica "
-                                    "started", rep, registry=r),
-            "eager_drafts": Gauge("bole_engine_eager_drafts", "Speculative steps whose MTP draft ran eagerly, "
-                                  "since the replica started", rep, registry=r),
-            "eager_tails": Gauge("bole_engine_eager_tails", "Speculative steps whose acceptance and commit ran "
-                                 "eagerly, since the replica started", rep, registry=r),
         }
+        # totals since the replica started, so a load run reads its own share as a difference
+        for key, name, what in TOTALS:
+            self.gauges[key] = Gauge(name, what + ", since the replica started", rep, registry=r)
         self.table = Gauge("bole_calibration_table_info", "Calibration table in use (value 1); mismatch: the "
                            "fields (model, dtype, tp_size, hardware) it was not measured for, '' if none",
                            rep + ["table_id", "mismatch"], registry=r)
