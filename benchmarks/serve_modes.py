@@ -54,7 +54,8 @@ BASE_CONFIG = "cluster_configs/local.yaml"
 TOTALS = ("bole_engine_preemptions", "bole_prefix_cache_hit_tokens", "bole_engine_prompt_tokens",
           "bole_request_mean_accepted_tokens_sum", "bole_request_mean_accepted_tokens_count",
           "bole_queue_wait_seconds_sum", "bole_queue_wait_seconds_count", "bole_generation_tokens_total",
-          "bole_engine_steps", "bole_engine_step_seconds", "bole_engine_decode_steps", "bole_engine_eager_forwards",
+          "bole_engine_steps", "bole_engine_step_seconds", "bole_engine_decode_seconds", "bole_engine_decode_steps",
+          "bole_engine_eager_forwards",
           "bole_engine_eager_drafts", "bole_engine_eager_tails")
 
 
@@ -100,6 +101,7 @@ def server_delta(before: dict, after: dict) -> dict:
         "engine_step_s": round(d["bole_engine_step_seconds"], 3),
         "mean_step_ms": round(1000 * d["bole_engine_step_seconds"] / steps, 2) if steps else None,
         "steps": int(steps),
+        "mean_decode_ms": round(1000 * d["bole_engine_decode_seconds"] / decode_steps, 2) if decode_steps else None,
         "eager_forward_share": share("bole_engine_eager_forwards"),
         "eager_draft_share": share("bole_engine_eager_drafts"),
         "eager_tail_share": share("bole_engine_eager_tails"),
@@ -253,7 +255,7 @@ def summary_rows(doc: dict) -> list[dict]:
                          **{f"{k}_{q}_ms": c[k][f"{q}_ms"] for k in ("ttft", "tpot") for q in ("mean", "p50", "p99")},
                          "prefix_hit_rate": s["prefix_hit_rate"], "preemptions": s["preemptions"],
                          "mean_mat": s["mean_mat"], "queue_wait_ms": s["mean_queue_wait_ms"],
-                         "step_ms": s.get("mean_step_ms"),
+                         "step_ms": s.get("mean_step_ms"), "decode_ms": s.get("mean_decode_ms"),
                          "busy_share": round(s["engine_step_s"] / c["duration_s"], 3)
                          if s.get("engine_step_s") is not None and c.get("duration_s") else None,
                          **{f"eager_{k}": s.get(f"eager_{k}_share") for k in ("forward", "draft", "tail")}})
@@ -262,8 +264,8 @@ def summary_rows(doc: dict) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     cols = ("mode", "rate", "req_per_s", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p50_ms",
-            "tpot_p99_ms", "prefix_hit_rate", "preemptions", "mean_mat", "step_ms", "busy_share", "eager_forward",
-            "eager_draft", "eager_tail")
+            "tpot_p99_ms", "prefix_hit_rate", "preemptions", "mean_mat", "step_ms", "decode_ms", "busy_share",
+            "eager_forward", "eager_draft", "eager_tail")
     print(" ".join(f"{c:>13}" for c in cols))
     for r in rows:
         cells = " ".join(f"{'-' if r.get(c) is None else r[c]!s:>13}" for c in cols)

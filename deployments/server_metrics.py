@@ -35,6 +35,8 @@ TOTALS = (
     ("prompt_tokens", "bole_engine_prompt_tokens", "Prompt tokens of finished requests"),
     ("steps", "bole_engine_steps", "Engine steps"),
     ("step_time_s", "bole_engine_step_seconds", "Seconds inside engine steps (over bole_engine_steps: the mean step)"),
+    ("decode_time_s", "bole_engine_decode_seconds", "Seconds in the decode part of steps (draft, verify, "
+     "acceptance, commit; ar: the decode), the rest of a step being its prefill and emission"),
     ("decode_steps", "bole_engine_decode_steps", "Engine steps that decoded or verified"),
     ("eager_forwards", "bole_engine_eager_forwards", "Decode steps whose decode / verify forward ran eagerly (no "
      "captured CUDA graph for its shape)"),

@@ -73,6 +73,7 @@ class EngineStats:
     preemptions: int = 0
     finished: int = 0
     step_time_s: float = 0.0
+    decode_time_s: float = 0.0
     decode_steps: int = 0
     eager_forwards: int = 0
     eager_drafts: int = 0

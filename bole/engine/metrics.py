@@ -119,6 +119,7 @@ class EngineMetrics:
             # totals, so a reader takes differences over an interval: seconds inside steps, and the decode
             # steps whose forward / draft / acceptance ran eagerly (a graph missing for that step's shape)
             "step_time_s": self.step_time,
+            "decode_time_s": self.verify_time,
             "decode_steps": self.decode_steps,
             "eager_forwards": self.eager_forwards,
             "eager_drafts": self.eager_drafts,

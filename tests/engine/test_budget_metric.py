@@ -31,10 +31,11 @@ def test_step_accounting():
     assert snap["floor_excess_nodes"] == 4 / 2
     assert (snap["step_time_s"], snap["decode_steps"], snap["eager_forwards"]) == (2.5, 2, 0)
     m.record_step(StepStats(3.0, 3.25, decode_requests=2, emitted_tokens=5, tree_nodes=9, b_ver=8,
-                            eager_draft=True, eager_tail=True))
+                            eager_draft=True, eager_tail=True, verify_time=0.125))
     m.record_step(StepStats(4.0, 4.25, decode_requests=2, emitted_tokens=2, tree_nodes=2, eager_forward=True))
     snap = m.snapshot()
     assert (snap["step_time_s"], snap["decode_steps"]) == (3.0, 4)
+    assert snap["decode_time_s"] == 0.125   # the decode part of the steps (StepStats.verify_time)
     assert (snap["eager_forwards"], snap["eager_drafts"], snap["eager_tails"]) == (1, 1, 1)
 
 
