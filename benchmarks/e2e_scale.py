@@ -379,9 +379,9 @@ def ratios(rows: list[dict]) -> dict:
     cells = list(dict.fromkeys(r["mode"] for r in rows))
     plain = lambda m: _strip(_strip(m, FLOOR_RE)[0], CAP_RE)[0]
     pairs = RATIOS + tuple((m, "ar") for m in cells if m not in MODES) + tuple(
-        (m, "serial_tree" + m[len("bole"):]) for m in cells if m != "bole" and (
-            base_mode(m) == "bole" or "serial_tree" + m[len("bole"):] in cells)) + tuple(
+        (m, "serial_tree" + m[len("bole"):]) for m in cells if m != "bole" and m.startswith("bole")) + tuple(
         (m, plain(m)) for m in cells if plain(m) != m)
+    pairs = tuple(p for p in pairs if p[0] in cells and p[1] in cells)  # pairs whose cells both ran
     per_batch = []
     for b in sorted({b for _, b in ok}):
         d = dict(batch=b)

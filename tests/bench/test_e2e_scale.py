@@ -113,6 +113,10 @@ def test_ratios_geomean_over_batches_up_to_16():
              for m, t in [("bole_fr64", 30.0), ("serial_tree_fr64", 12.0)]]
     per = e2e_scale.ratios(rows)["per_batch"][0]
     assert per["bole_fr64/serial_tree_fr64"] == 2.5 and per["bole_fr64/ar"] == 3.0
+    assert not [k for k in per if k.startswith(("ar/", "serial_tree/serial"))]   # no pair the wrong way round
+    # only pairs whose cells both ran (run G's cells are all _fr: no bole/ar entry)
+    only_fr = [r for r in rows if r["mode"] in ("ar", "bole_fr64")]
+    assert list(e2e_scale.ratios(only_fr)["geomean_batches_1_16"]) == ["bole_fr64/ar"]
 
 
 def _spec(smoke, **kw):
