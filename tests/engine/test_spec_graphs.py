@@ -337,6 +337,48 @@ def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel
         assert eng.prefix_cache.num_checkpoints > 0
 
 
+def _multiturn(eng, turns: int = 3, max_tokens: int = 10) -> list[list[int]]:
+    """Served-like arrivals: a conversation per PROMPTS entry, one starting every other step, each turn
+    the previous prompt + its answer + the next prompt (so its head is a prefix-cache hit); every turn's
+    output tokens."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    live, outs, step = {}, {}, 0
+    while step < 2 * len(PROMPTS) or live:
+        if step % 2 == 0 and step // 2 < len(PROMPTS):
+            c = step // 2
+            live[eng.add_request(PROMPTS[c], params)] = (c, 0, PROMPTS[c])
+        for o in eng.step():
+            if o.finished:
+                c, t, prompt = live.pop(o.request_id)
+                outs[c, t] = o.output_token_ids
+                if t + 1 < turns:
+                    nxt = prompt + o.output_token_ids + PROMPTS[(c + t + 1) % len(PROMPTS)]
+                    live[eng.add_request(nxt, params)] = (c, t + 1, nxt)
+        step += 1
+    return [outs[k] for k in sorted(outs)]
+
+
+def test_multiturn_arrivals_stay_on_the_graph_path_cpu(ckpt):
+    """The serving path's shape of work: requests arriving while others decode, and turns whose head is
+    a prefix-cache hit (GDN checkpoints every 4-token block) with the rest prefilled. With the GPU's graph
+    families built (uncaptured on the CPU: their static paths run), no decode step's draft, verify forward
+    or acceptance leaves them (``EngineStats.eager_*``), and every turn's tokens equal ar's."""
+    ref = _multiturn(_engine(ckpt, "cpu", "ar", False, enable_prefix_cache=False))
+    eng = _engine(ckpt, "cpu", "bole", False)
+    spec = eng.config.spec
+    vg = eng.runner.enable_verify_graphs((1, 2, 4), tree_widths(eng.lookahead), spec.depth + 1, capture=False,
+                                         min_kv=8)
+    eng.runner.enable_draft_graphs((1, 2, 4), spec.depth, spec.topk, spec.beam, capture=False, min_kv=8,
+                                   max_per_request=MAX_TREE_NODES - 1, floor=spec.budget_floor)
+    vg.enable_checkpoints(eng.prefix_cache.checkpoints, eng.config.cache.checkpoint_interval,
+                          eng.prefix_cache.scratch_slot)
+    assert _multiturn(eng) == ref
+    s = eng.stats()
+    assert s.decode_steps > 0 and s.prefix_hit_tokens > 0 and eng.prefix_cache.num_checkpoints > 0
+    assert (s.eager_forwards, s.eager_drafts, s.eager_tails) == (0, 0, 0)
+    assert vg.replays == vg.tail_replays == s.decode_steps
+
+
 @pytest.mark.parametrize("mode", ["ar", "bole"])
 def test_graphs_captured_at_start_cover_the_run_cpu(ckpt, mode):
     """``capture_graphs(max_len)`` (the engine option ``cuda_graph_capture_len``) builds every key a step of
