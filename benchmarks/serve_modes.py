@@ -47,16 +47,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.serve_load import HELDOUT, heldout_prompts  # noqa: E402
+from deployments import server_metrics  # noqa: E402
 
 MODES = ("ar", "serial_tree", "bole")
 BASE_CONFIG = "cluster_configs/local.yaml"
-# server totals read from /metrics (summed over label sets: one replica here)
-TOTALS = ("bole_engine_preemptions", "bole_prefix_cache_hit_tokens", "bole_engine_prompt_tokens",
-          "bole_request_mean_accepted_tokens_sum", "bole_request_mean_accepted_tokens_count",
-          "bole_queue_wait_seconds_sum", "bole_queue_wait_seconds_count", "bole_generation_tokens_total",
-          "bole_engine_steps", "bole_engine_step_seconds", "bole_engine_decode_seconds", "bole_engine_decode_steps",
-          "bole_engine_eager_forwards",
-          "bole_engine_eager_drafts", "bole_engine_eager_tails")
+# server totals read from /metrics (summed over label sets: one replica here): the replicas' totals, as
+# the ingress names them, and the request histograms' sums and counts
+TOTALS = tuple(name for _, name, _ in server_metrics.TOTALS) + (
+    "bole_request_mean_accepted_tokens_sum", "bole_request_mean_accepted_tokens_count",
+    "bole_queue_wait_seconds_sum", "bole_queue_wait_seconds_count", "bole_generation_tokens_total")
 
 
 TERMINATED: list[int] = []   # the signal that ended the run, once one has
