@@ -235,6 +235,12 @@ def test_ray_serve_64_concurrent_requests_fill_the_engine_batch(cluster):
     peak = wait_for(lambda: (f := fleet(url)) and all(v.get("bole_engine_peak_batch") == seqs for v in f.values())
                     and f, timeout=10)   # the stats lag by a period
     assert len(peak) == 2, "both replicas' batches reached max_num_seqs"
+    # each replica's engine totals reach the ingress's /metrics through Serve's routing stats: steps, the
+    # seconds inside them, and (no CUDA graphs on the CPU) every decode step's forward run eagerly
+    for v in peak.values():
+        assert v["bole_engine_steps"] >= v["bole_engine_decode_steps"] > 0
+        assert v["bole_engine_step_seconds"] >= v["bole_engine_decode_seconds"] > 0
+        assert v["bole_engine_eager_forwards"] == v["bole_engine_decode_steps"]
     assert max(scrape_s) < 10.0, f"/metrics took {max(scrape_s):.1f} s under load"
     text = httpx.get(url + "/metrics").text
     # requests held behind full batches: their queue wait is part of TTFT and measured on its own
