@@ -25,6 +25,7 @@ Cases (``--cases``):
                      then a cProfile of a second call; ``{mode}_generate`` is its alias for ``--model`` /
                      ``--batch`` / ``--max-tokens`` runs (e.g. a widened 9B at batch 16)
   {ar,serial_tree,bole}_tiny_prefill    one warm prefill step of the held-out prompt (a fresh one-token request)
+  {ar,serial_tree,bole}_prefill   one eager prefill step of ``--prefill-tokens`` fresh tokens on ``--model``
 Each case also lists the top GPU kernels by device time. The engine cases run ``--model`` (default the
 embedded model; a widened checkpoint gives a 9B-cost step with real acceptance), ``--calibration-table``,
 ``--draft-vocab``, ``--depth/--topk/--beam``.
@@ -316,6 +317,34 @@ def case_prefill(name: str, args, device) -> dict:
     return out
 
 
+def case_model_prefill(name: str, args, device) -> dict:
+    """One eager prefill step on ``--model`` (e.g. a widened 9B): a fresh request of ``--prefill-tokens``
+    tokens (the held-out prompt, repeated; its first token differs every call, so no prefix-cache hit),
+    one output token, graphs enabled as served. Longer than the prefill graphs' 64 tokens, it runs
+    eagerly, as a served turn's uncached tail does; in the speculative modes the finishing request's
+    drafter catch-up over the prompt is part of the step."""
+    from bole import LLM, SamplingParams
+
+    mode = name.split("_prefill")[0]
+    llm = LLM(args.model, mode=mode, depth=args.depth, topk=args.topk, beam=args.beam, draft_vocab=args.draft_vocab,
+              device=str(device), dtype="float32" if args.smoke else args.tiny_dtype, num_blocks=2048,
+              max_num_seqs=4, calibration_table=args.calibration_table, enable_cuda_graphs=device.type == "cuda")
+    eng = llm.engine
+    base = llm.encode(json.loads(open(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl").readline())
+                      ["prompt"])
+    tokens = (base * (args.prefill_tokens // len(base) + 1))[:args.prefill_tokens]
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    calls = iter(range(10 ** 6))
+
+    def fn():
+        rid = eng.add_request([100 + next(calls) % 1000] + tokens[1:], sp)
+        eng.step()
+        eng.pop_finished(rid)
+    out = profile(fn, device, warmup=3, reps=7)
+    out["prompt_tokens"] = len(tokens)
+    return out
+
+
 CASES = {"decode9b": case_target, "verify9b": case_target,
          "ar_tiny": lambda n, a, d: case_engine("ar", a, d), "bole_tiny": lambda n, a, d: case_engine("bole", a, d),
          "ar_tiny_graphs": lambda n, a, d: case_engine("ar", a, d, True),
@@ -329,7 +358,8 @@ CASES = {"decode9b": case_target, "verify9b": case_target,
             for e in ("", "_eager_prefill", "_sampled", "_sampled_eager_accept")},
          **{f"{m}_generate": case_generate for m in ("ar", "serial_tree", "bole")},
          **{f"{m}_tiny_prefill{e}": case_prefill for m in ("ar", "serial_tree", "bole")
-            for e in ("", "_eager_prefill")}}
+            for e in ("", "_eager_prefill")},
+         **{f"{m}_prefill": case_model_prefill for m in ("ar", "serial_tree", "bole")}}
 DEFAULT_CASES = ["decode9b", "verify9b", "ar_tiny", "bole_tiny", "ar_tiny_graphs", "bole_tiny_graphs"]
 
 
@@ -350,6 +380,7 @@ def main(argv=None):
     ap.add_argument("--calibration-table", default="calibration_tables/default.yaml")
     ap.add_argument("--draft-vocab", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=256, help="tokens per request of the *_generate cases")
+    ap.add_argument("--prefill-tokens", type=int, default=128, help="prompt tokens of the {mode}_prefill cases")
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--beam", type=int, default=4)

@@ -71,7 +71,9 @@ def _attend_block(b_q, b_m, b_l, b_acc, p_i, p_k, p_v, p_m, m_r, last, start, hi
     return b_mn, b_l * b_alpha + tl.sum(b_p, axis=1), b_acc
 
 
-@triton.jit
+# the key length and the strides that follow it are not specialised on (divisibility by 16, == 1): an
+# eager call at a new key length then reuses the compiled kernel instead of compiling a variant
+@triton.jit(do_not_specialize=["L", "stride_ib", "stride_mb", "stride_mt"])
 def tree_attention_kernel(
     q, k_cache, v_cache, kv_index, mask, cu_seqlens, num_cached, o, o_part, lse_part,
     L, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ib, stride_in,
@@ -197,7 +199,7 @@ def tree_attention(q, k_cache, v_cache, kv_index, mask, cu_seqlens, num_cached, 
         kv_index.stride(0), kv_index.stride(1), *m_strides,
         out.stride(0), out.stride(1), float(D ** -0.5 if scale is None else scale) * math.log2(math.e),
         HQ=HQ, REP=rep, REPP=repp, D=D, BD=BD, BM=bm, BN=block_n, S=S,
-        NB=triton.cdiv(triton.cdiv(L, S), block_n), DYNAMIC_LOOP=dynamic,
+        NB=1 if dynamic else triton.cdiv(triton.cdiv(L, S), block_n), DYNAMIC_LOOP=dynamic,  # NB: interpreter only
         PRECISION=precision if q.dtype == torch.float32 else "tf32", CAUSAL=mask is None, num_warps=num_warps,
     )
     if S > 1:  # rows of a request past its T_b hold no partials; only real rows (N of them) are combined

@@ -190,3 +190,64 @@ def test_gpu_half_and_tf32(device, dtype, cache_dtype, precision):
     args, _ = tree_inputs(device, [40, 3, 200], [28, 16, 59], 4, 2, 64, dtype, cache_dtype, seed=9, L=320, tq=64)
     o_k, o_t = run_both(args, precision=precision)
     assert rel_err(o_k, o_t) <= (TOL[torch.bfloat16] if precision is None else 2e-3)
+
+
+class _Launches:
+    """Stands in for a ``@triton.jit`` kernel: records each launch's compile-time constants."""
+
+    def __init__(self):
+        self.constants = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.constants.append(tuple(sorted(kw.items())))
+
+
+def test_compiled_variants_bounded_over_key_lengths_and_rows(monkeypatch):
+    """A compiled kernel's constants may not follow the step's sizes: each new value compiles a kernel
+    (1-2 s at 9B shapes, on the serving path's eager drafter catch-up). Over every key length up to 4096
+    and 1-64 causal rows of 1-16 requests, on a 132-SM GPU's split counts, the launches use at most the six
+    power-of-two split counts; the old constants (NB from the key length, any split count up to 32) made
+    hundreds."""
+    import kernels.paged_decode_attention as pda
+    import kernels.tree_attention as ta
+    fake, combine = _Launches(), _Launches()
+    monkeypatch.setattr(ta, "tree_attention_kernel", fake)
+    monkeypatch.setattr(ta, "paged_decode_combine_kernel", combine)
+    monkeypatch.setattr(ta, "interpreting", lambda: False)
+    monkeypatch.setattr(pda, "_num_sms", lambda device: 132)
+    HQ, HKV, D = 16, 4, 256
+    kc = vc = torch.zeros(8, HKV, D)
+    for B in (1, 3, 16):
+        for rows in (1, 5, 33, 64):
+            N = B * rows
+            q = torch.zeros(N, HQ, D)
+            cu = torch.arange(B + 1, dtype=torch.int32) * rows
+            for L in list(range(rows, 300)) + list(range(300, 4097, 37)):
+                kv_index = torch.zeros(B, L, dtype=torch.long)
+                tree_attention(q, kc, vc, kv_index, None, cu, torch.zeros(B, dtype=torch.long), checked=True)
+    splits = {dict(c)["S"] for c in fake.constants}
+    assert splits <= {1, 2, 4, 8, 16, 32} and len(set(fake.constants)) == len(splits)
+    assert {dict(c)["S"] for c in combine.constants} <= splits - {1}
+
+
+@pytest.mark.gpu
+def test_gpu_no_new_compile_for_new_key_lengths(device):
+    """On the GPU: after one call per split count, calls at 40 other key lengths and row counts compile
+    nothing new (counted in the JIT's cache)."""
+    import kernels.tree_attention as ta
+
+    def compiled() -> int:
+        return sum(len(c[0]) for c in ta.tree_attention_kernel.device_caches.values())
+
+    def call(prefix, rows, B=2):
+        args, _ = tree_inputs(device, [prefix] * B, [rows] * B, 16, 4, 128, torch.bfloat16, torch.bfloat16,
+                              seed=prefix + rows)
+        q, kc, vc, kv_index, _, cu, nc = args
+        tree_attention(q, kc, vc, kv_index, None, cu, nc)
+
+    for prefix in (8, 100, 300, 700, 1500, 3000, 6000):  # reaches every split count of this launch
+        call(prefix, 4)
+    before = compiled()
+    for i in range(40):
+        call(50 + 97 * i, 1 + i % 16)
+    assert compiled() == before
