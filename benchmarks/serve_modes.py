@@ -104,6 +104,9 @@ def server_delta(before: dict, after: dict) -> dict:
         "eager_forward_share": share("bole_engine_eager_forwards"),
         "eager_draft_share": share("bole_engine_eager_drafts"),
         "eager_tail_share": share("bole_engine_eager_tails"),
+        # graphs captured during the phase (lazily, inside steps) and the seconds of steps they took
+        "graph_captures": int(d["bole_engine_graph_captures"]),
+        "capture_s": round(d["bole_engine_capture_seconds"], 3),
     }
 
 
@@ -257,14 +260,15 @@ def summary_rows(doc: dict) -> list[dict]:
                          "step_ms": s.get("mean_step_ms"), "decode_ms": s.get("mean_decode_ms"),
                          "busy_share": round(s["engine_step_s"] / c["duration_s"], 3)
                          if s.get("engine_step_s") is not None and c.get("duration_s") else None,
-                         **{f"eager_{k}": s.get(f"eager_{k}_share") for k in ("forward", "draft", "tail")}})
+                         **{f"eager_{k}": s.get(f"eager_{k}_share") for k in ("forward", "draft", "tail")},
+                         "captures": s.get("graph_captures"), "capture_s": s.get("capture_s")})
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
     cols = ("mode", "rate", "req_per_s", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p50_ms",
             "tpot_p99_ms", "prefix_hit_rate", "preemptions", "mean_mat", "step_ms", "decode_ms", "busy_share",
-            "eager_forward", "eager_draft", "eager_tail")
+            "eager_forward", "eager_draft", "eager_tail", "captures", "capture_s")
     print(" ".join(f"{c:>13}" for c in cols))
     for r in rows:
         cells = " ".join(f"{'-' if r.get(c) is None else r[c]!s:>13}" for c in cols)

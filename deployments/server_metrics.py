@@ -42,6 +42,10 @@ TOTALS = (
      "captured CUDA graph for its shape)"),
     ("eager_drafts", "bole_engine_eager_drafts", "Speculative steps whose MTP draft ran eagerly"),
     ("eager_tails", "bole_engine_eager_tails", "Speculative steps whose acceptance and commit ran eagerly"),
+    ("graph_captures", "bole_engine_graph_captures", "CUDA graphs captured (at start, or inside the step that "
+     "first needed one)"),
+    ("capture_time_s", "bole_engine_capture_seconds", "Seconds spent capturing CUDA graphs, Triton compiles inside "
+     "them included (inside steps, they stall every running request)"),
 )
 
 

@@ -301,8 +301,10 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """Metrics, queue and budget state as of the last step (between steps)."""
         running = [(r.request_id, r.num_computed) for r in self.scheduler.running]
-        return budget_stats(self.metrics.snapshot(), self.calibration, self.config.spec.depth, running,
-                            len(self.scheduler.waiting), len(self.requests))
+        captures, capture_s = self.runner.graph_captures()
+        return budget_stats({**self.metrics.snapshot(), "graph_captures": captures, "capture_time_s": capture_s},
+                            self.calibration, self.config.spec.depth, running, len(self.scheduler.waiting),
+                            len(self.requests))
 
     def limits(self) -> EngineLimits:
         """The model's positions or the KV capacity less one step's lookahead, whichever is smaller,

@@ -140,6 +140,12 @@ class ModelRunner:
         """The runner's graph families (those enabled), for ``capture_all`` before a timed run."""
         return [g for g in (self.graphs, self.verify_graphs, self.draft_graphs, self.prefill_graphs) if g is not None]
 
+    def graph_captures(self) -> tuple[int, float]:
+        """CUDA graphs every family captured so far (at start or when a step first needed one), and the
+        host seconds those captures took."""
+        fams = self.all_graphs()
+        return sum(g.captures for g in fams), sum(g.capture_seconds for g in fams)
+
     def padding(self) -> tuple[int, int]:
         """The KV block and GDN state slot that graphs' padding rows use (reserved once)."""
         if self._pad is None:

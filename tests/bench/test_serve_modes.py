@@ -34,13 +34,16 @@ def test_prompt_slices_and_deltas():
     assert d["mean_step_ms"] is None and d["eager_forward_share"] is None   # no steps in the interval
     before.update(bole_engine_steps=10, bole_engine_step_seconds=1.0, bole_engine_decode_steps=8,
                   bole_engine_decode_seconds=0.5,
-                  bole_engine_eager_forwards=8, bole_engine_eager_drafts=0, bole_engine_eager_tails=2)
+                  bole_engine_eager_forwards=8, bole_engine_eager_drafts=0, bole_engine_eager_tails=2,
+                  bole_engine_graph_captures=40, bole_engine_capture_seconds=30.0)
     after.update(bole_engine_steps=30, bole_engine_step_seconds=1.5, bole_engine_decode_steps=18,
                  bole_engine_decode_seconds=0.7,
-                 bole_engine_eager_forwards=8, bole_engine_eager_drafts=5, bole_engine_eager_tails=4)
+                 bole_engine_eager_forwards=8, bole_engine_eager_drafts=5, bole_engine_eager_tails=4,
+                 bole_engine_graph_captures=43, bole_engine_capture_seconds=30.25)
     d = server_delta(before, after)
     assert (d["steps"], d["mean_step_ms"], d["engine_step_s"], d["mean_decode_ms"]) == (20, 25.0, 0.5, 20.0)
     assert (d["eager_forward_share"], d["eager_draft_share"], d["eager_tail_share"]) == (0.0, 0.5, 0.2)
+    assert (d["graph_captures"], d["capture_s"]) == (3, 0.25)   # captured inside this phase's steps
 
 
 def test_serve_modes_on_the_cpu(tmp_path):
@@ -73,6 +76,7 @@ def test_serve_modes_on_the_cpu(tmp_path):
     assert s["preemptions"] == 0 and s["mean_mat"] == 1.0
     # the engine's own time over the phase, from /metrics: on the CPU every decode step runs eagerly
     assert s["steps"] > 0 and s["mean_step_ms"] > 0 and s["eager_forward_share"] == 1.0
+    assert (s["graph_captures"], s["capture_s"]) == (0, 0.0)   # and nothing is captured
     assert 0 < s["mean_decode_ms"] and s["engine_step_s"] > 0
     (summary,) = doc["summary"]
     for key in ("ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms"):

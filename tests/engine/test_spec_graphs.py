@@ -407,6 +407,43 @@ def test_graphs_captured_at_start_cover_the_run_cpu(ckpt, mode):
             _engine(ckpt, "cpu", mode, True, cuda_graph_capture_len=bad)
 
 
+def test_graph_captures_counted_cpu(ckpt, monkeypatch):
+    """``EngineStats.graph_captures`` / ``capture_time_s`` (``bole_engine_graph_captures`` /
+    ``bole_engine_capture_seconds`` in /metrics) count every graph the families capture: at start
+    (``capture_graphs``) and inside the steps that first need a key. The CPU has no CUDA graphs, so the
+    capture is stood in for by a graph that replays the static forward it was given."""
+    import bole.engine.graphs.base as base
+    import bole.engine.graphs.verify as verify
+
+    class Replays:
+        def __init__(self, run):
+            self.run = run
+
+        def replay(self):
+            self.run()
+
+    for module in (base, verify):
+        monkeypatch.setattr(module, "capture_graph", lambda run, pool, device: Replays(run))
+    max_tokens = [12, 5, 20, 9]
+    ref = run_arrivals(_engine(ckpt, "cpu", "ar", False, enable_prefix_cache=False), PROMPTS, max_tokens)
+    eng = _engine(ckpt, "cpu", "bole", False, enable_prefix_cache=False)
+    spec = eng.config.spec
+    families = [eng.runner.enable_verify_graphs((1, 2, 4), tree_widths(eng.lookahead), spec.depth + 1,
+                                                capture=False, min_kv=8),
+                eng.runner.enable_draft_graphs((1, 2, 4), spec.depth, spec.topk, spec.beam, capture=False,
+                                               min_kv=8, max_per_request=MAX_TREE_NODES - 1, floor=spec.budget_floor)]
+    for f in families:
+        f.capturing, f.pool = True, "pool"
+    assert (eng.stats().graph_captures, eng.stats().capture_time_s) == (0, 0.0)
+    n = eng.capture_graphs(1)   # at start: the keys of steps whose requests hold one token
+    start = eng.stats()
+    assert start.graph_captures == n > 0 and start.capture_time_s > 0
+    assert run_arrivals(eng, PROMPTS, max_tokens) == ref   # requests grow to 34 tokens: more keys, captured lazily
+    end = eng.stats()
+    assert end.graph_captures == sum(len(f.graphs) for f in families) > n
+    assert end.capture_time_s > start.capture_time_s
+
+
 def test_incremental_draft_levels_equal_whole_forest_cpu(ckpt, monkeypatch):
     """Each draft level runs only its new frontier (``ForwardContext.suffix``; the earlier nodes' K/V are
     in the drafter's cache from their own level): the drafts of the graph family's static forward equal an
@@ -507,6 +544,7 @@ def test_graphs_captured_at_start_cuda(ckpt, mode):
     assert [f.num_captured for f in families] == captured and all(f.replays > 0 for f in families)
     s = eng.stats()   # every decode step replayed a graph: none of its parts ran eagerly
     assert s.decode_steps > 0 and (s.eager_forwards, s.eager_drafts, s.eager_tails) == (0, 0, 0)
+    assert s.graph_captures == sum(captured) and s.capture_time_s > 0   # all at start, none inside a step
 
 
 @pytest.mark.gpu

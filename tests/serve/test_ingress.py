@@ -245,6 +245,7 @@ def test_metrics_count_preemptions_and_prefix_hits(tiny_model, serve_app):
         assert _gauge(text, "bole_engine_steps") == stats.steps > 0
         assert _gauge(text, "bole_engine_step_seconds") == stats.step_time_s > 0
         assert _gauge(text, "bole_engine_eager_forwards") == stats.eager_forwards == stats.decode_steps > 0
+        assert _gauge(text, "bole_engine_graph_captures") == stats.graph_captures == 0   # no graphs on the CPU
 
 
 def test_auth_overload_and_drain(tiny_model, serve_app):

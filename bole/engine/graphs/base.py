@@ -13,6 +13,7 @@ the CPU tests of the padding and bucketing).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -159,6 +160,10 @@ class GraphFamily:
         self.graphs: dict[tuple[int, ...], Graph] = {}
         self.pool = pool
         self.replays = 0
+        # graphs captured, and the host seconds their captures took (Triton compiles of kernel variants
+        # first met inside a capture included): in serving, a capture inside a step stalls every request
+        self.captures = 0
+        self.capture_seconds = 0.0
 
     @property
     def num_captured(self) -> int:
@@ -177,11 +182,14 @@ class GraphFamily:
         """Make the forward of ``key``, capture it (when capturing) into the shared pool, keep it."""
         g = self._make(key)
         if self.capturing:
+            t0 = time.perf_counter()
             self._load_padding(g)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             g.graph = capture_graph(g.run, self.pool, self.runner.device)
             self._capture_more(g)
+            self.captures += 1
+            self.capture_seconds += time.perf_counter() - t0
             logger.info("captured %s graph %s", self.kind, key)
         self.graphs[key] = g
         return g
