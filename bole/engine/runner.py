@@ -144,7 +144,7 @@ class ModelRunner:
         """CUDA graphs every family captured so far (at start or when a step first needed one), and the
         host seconds those captures took."""
         fams = self.all_graphs()
-        return sum(g.captures for g in fams), sum(g.capture_seconds for g in fams)
+        return sum(g.num_captured for g in fams), sum(g.capture_seconds for g in fams)
 
     def padding(self) -> tuple[int, int]:
         """The KV block and GDN state slot that graphs' padding rows use (reserved once)."""

@@ -233,7 +233,7 @@ def test_time_llm_budget_counts_the_timed_runs_only(monkeypatch):
     llm = LLM(os.path.join(ROOT, "models", "bole-tiny-coder"), mode="ar", device="cpu", dtype="float32")
 
     class SlowCapture:   # stands in for a graph family whose captures outlast the budget
-        captures, capture_seconds = 0, 0.0   # what the engine's stats read of a family
+        num_captured, capture_seconds = 0, 0.0   # what the engine's stats read of a family
 
         def capture_all(self, batch, longest):
             time.sleep(2.5)

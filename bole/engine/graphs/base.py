@@ -160,9 +160,8 @@ class GraphFamily:
         self.graphs: dict[tuple[int, ...], Graph] = {}
         self.pool = pool
         self.replays = 0
-        # graphs captured, and the host seconds their captures took (Triton compiles of kernel variants
-        # first met inside a capture included): in serving, a capture inside a step stalls every request
-        self.captures = 0
+        # host seconds of this family's captures (``num_captured`` of them; Triton compiles of kernel
+        # variants first met inside a capture included): in serving, a capture inside a step stalls every request
         self.capture_seconds = 0.0
 
     @property
@@ -188,7 +187,6 @@ class GraphFamily:
                 self.pool = torch.cuda.graph_pool_handle()
             g.graph = capture_graph(g.run, self.pool, self.runner.device)
             self._capture_more(g)
-            self.captures += 1
             self.capture_seconds += time.perf_counter() - t0
             logger.info("captured %s graph %s", self.kind, key)
         self.graphs[key] = g
