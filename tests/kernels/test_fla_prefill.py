@@ -1,6 +1,10 @@
 """The triton backend's GDN prefill (flash-linear-attention's chunk_gated_delta_rule behind
 ``bole.backend.fla_prefill``) against our chunked twin ``bole.ops.gdn_chunk``: variable-length
-sequences, GQA, initial states read from pool slots. On the GPU only (fla's kernels are Triton)."""
+sequences, GQA, initial states read from pool slots, on the GPU (fla's kernels are Triton); on the CPU,
+with fla stood in for, that a forward's layers hand fla one offsets tensor (its plans are memoised by it)."""
+
+import sys
+import types
 
 import pytest
 import torch
@@ -8,9 +12,37 @@ from numerics import rel_err
 
 from bole.ops.gdn_chunk import gdn_chunk
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+def test_fla_prefill_plans_once_per_forward(monkeypatch):
+    """fla memoises its chunk plans (one device read each) by the identity of ``cu_seqlens``: the wrapper
+    passes the same int64 tensor for every call with the same int32 offsets (every layer of a forward),
+    and a new one for a new forward's."""
+    seen = []
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                               use_qk_l2norm_in_kernel):
+        seen.append(cu_seqlens)
+        HV, V, K = v.shape[2], v.shape[3], q.shape[3]
+        return torch.zeros_like(v), torch.zeros(cu_seqlens.numel() - 1, HV, K, V)
+
+    fake = types.ModuleType("fla.ops.gated_delta_rule")
+    fake.chunk_gated_delta_rule = chunk_gated_delta_rule
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake)
+    from bole.backend import fla_prefill
+
+    prefill = fla_prefill()
+    q, v, g = torch.zeros(1, 7, 2, 4), torch.zeros(1, 7, 2, 4), torch.zeros(1, 7, 2)
+    pool, slots = torch.zeros(3, 2, 4, 4), torch.tensor([2, 0])
+    forwards = [torch.tensor([0, 3, 7], dtype=torch.int32) for _ in range(2)]
+    for cu in forwards:
+        for _layer in range(3):
+            prefill(q, q, v, g, g, initial_state=pool, state_indices=slots, cu_seqlens=cu)
+    assert all(c.dtype == torch.int64 and c.tolist() == [0, 3, 7] for c in seen)
+    assert seen[0] is seen[1] is seen[2] and seen[3] is seen[4] is seen[5] and seen[0] is not seen[3]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("lens,dtype", [([13], torch.float32), ([5, 64, 130], torch.float32),
                                         ([1, 77, 200], torch.bfloat16)])
 def test_fla_prefill_matches_chunk_twin(lens, dtype):
