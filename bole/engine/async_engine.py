@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -152,6 +153,11 @@ class AsyncEngine:
             except RuntimeError:  # that event loop is closed: nobody is listening any more
                 self._streams.pop(rid, None)
 
+    def _deliver_all(self, outputs: list, delivered: list) -> None:
+        delivered.extend(outputs)
+        for out in outputs:
+            self._deliver(out.request_id, out)
+
     def _apply_inbox(self, stopping: bool = False) -> None:
         eng = self.engine
         while self._inbox:
@@ -188,19 +194,24 @@ class AsyncEngine:
                     return
                 self._apply_inbox()
                 busy = self.engine.has_unfinished()
-                outputs = []
+                outputs, early = [], []
                 if busy:
                     try:
-                        outputs = self.engine.step()
+                        # first tokens stream out mid-step (``EngineCore.step``'s emit_early)
+                        outputs = self.engine.step(emit_early=functools.partial(self._deliver_all, delivered=early))
+                        stats = self.engine.stats()
                         # the step's batch: what still runs plus what finished in it
-                        self._batch = self.engine.stats().running + sum(o.finished for o in outputs)
+                        self._batch = stats.running + sum(o.finished for o in outputs + early)
                         self._peak_batch = max(self._peak_batch, self._batch)
+                        self._stats = dataclasses.replace(stats, batch=self._batch, peak_batch=self._peak_batch)
                     except Exception as e:  # fail this step's requests, keep serving
                         logger.exception("engine step failed")
                         for rid in self.engine.stats().running_ids:
                             self.engine.abort(rid)
                             self._deliver(rid, e)
-                self._publish()
+                        self._publish()
+                else:
+                    self._publish()
             for out in outputs:
                 self._deliver(out.request_id, out)
             if not busy:

@@ -14,7 +14,7 @@ mapping (Serve's routing stats, /metrics).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from bole.engine.output import RequestOutput
 from bole.sampling_params import SamplingParams
@@ -124,7 +124,11 @@ class EngineCore(Protocol):
 
     def has_unfinished(self) -> bool: ...
 
-    def step(self) -> list[RequestOutput]: ...
+    def step(self, emit_early: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
+        """One step's outputs. An engine may hand some to ``emit_early`` before the step ends (then it does
+        not return them): ``LLMEngine`` hands its prefills' first tokens as soon as they are sampled, before
+        the step's decode or speculative forwards, so a new request's TTFT does not include them."""
+        ...
 
     def pop_finished(self, request_id: str) -> Any: ...
 

@@ -33,10 +33,12 @@ import itertools
 import logging
 import random
 import time
+from typing import Callable
 
 import torch
 
 from bole import recalibration
+from bole.backend import FLA_MIN_TOKENS
 from bole.cache.checkpoints import publish_committed
 from bole.cache.memory_plan import plan_engine_memory
 from bole.cache.prefix_cache import PrefixCache
@@ -125,6 +127,8 @@ class LLMEngine:
         if self.prefix_cache is not None and self.runner.verify_graphs is not None:
             self.runner.verify_graphs.enable_checkpoints(self.prefix_cache.checkpoints, cc.checkpoint_interval,
                                                          self.prefix_cache.scratch_slot)
+        if self.runner.device.type == "cuda":
+            self.warm_up()
         if config.cuda_graph_capture_len is not None:  # after enable_checkpoints: it must precede any graph
             self.capture_graphs(config.cuda_graph_capture_len)
         self.spec_step = SpeculativeStep(self.runner, spec, V, self.max_draft_nodes, self.prefix_cache) \
@@ -200,6 +204,22 @@ class LLMEngine:
         engine has cached, least recently used first; [] without a prefix cache. For routing stats."""
         return self.prefix_cache.summary(limit) if self.prefix_cache is not None else []
 
+    def warm_up(self) -> float:
+        """Run the eager forwards of long prefills once, before any request (``ModelRunner.warm_up``), so
+        their kernels compile here and not in a served step: on a fresh machine fla's autotuned chunk
+        kernels took 50 s in the first 128-token prefill of a 9B-cost model (H100), stalling every request
+        in flight. The rows cover a single and a packed prefill, with token totals on and off a multiple of
+        16 (Triton's specialisation of integer arguments). Returns the seconds it took (logged)."""
+        t0 = time.perf_counter()
+        cap = self.config.max_num_batched_tokens
+        rows = [r for r in ((2 * (FLA_MIN_TOKENS - 1),), (FLA_MIN_TOKENS, FLA_MIN_TOKENS + 1)) if sum(r) <= cap]
+        self.runner.warm_up(rows)
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+        dt = time.perf_counter() - t0
+        logger.info("warmed up the eager prefill forwards (%s tokens) in %.1f s", rows, dt)
+        return dt
+
     def capture_graphs(self, max_len: int) -> int:
         """Capture now every graph a step of <= max_num_seqs requests with <= ``max_len`` tokens each can
         need (every family the runner enabled: decode, draft, verify with each tree width, short prefill),
@@ -213,19 +233,28 @@ class LLMEngine:
         return n
 
     # -- the step --------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, emit_early: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
+        """Run one step; its outputs. With ``emit_early``, the prefills' outputs (first tokens) go there as
+        soon as they are sampled, before the decode / speculative forwards, and are not returned
+        (``AsyncEngine`` streams them at once: a bole step's draft and verify then add nothing to TTFT)."""
         self._finish()  # requests a failed step left finishing
         sched = self.scheduler.schedule(self.lookahead)
         outputs: list[RequestOutput] = []
         stats = StepStats(time.perf_counter())
         spec, V = self.mode != "ar", self.model.config.vocab_size
         if sched.prefill:
-            starts = {r.request_id: r.num_computed for r, _ in sched.prefill}
-            scored = {} if any(r.needs_prompt_logits for r, _ in sched.prefill) else None
-            last = self.runner.prefill(sched.prefill, keep_hidden=spec, position_logits=scored)
-            for rid, lg in (scored or {}).items():
-                sampler.score_prompt(self.requests[rid], starts[rid], lg)
-            publish_committed(self.prefix_cache, [r for r, _ in sched.prefill])
+            last = {}
+            # the chunks, then the prompts' tails past the checkpoint boundary their chunks ended at
+            # (publish_committed has checkpointed it by then)
+            for chunks in (sched.prefill, sched.prefill_tails):
+                if not chunks:
+                    continue
+                starts = {r.request_id: r.num_computed for r, _ in chunks}
+                scored = {} if any(r.needs_prompt_logits for r, _ in chunks) else None
+                last.update(self.runner.prefill(chunks, keep_hidden=spec, position_logits=scored))
+                for rid, lg in (scored or {}).items():
+                    sampler.score_prompt(self.requests[rid], starts[rid], lg)
+                publish_committed(self.prefix_cache, [r for r, _ in chunks])
             done = [r for r, _ in sched.prefill if r.request_id in last]
             for r in done:
                 r.prefilled = True
@@ -237,7 +266,10 @@ class LLMEngine:
                                                 sampler.penalties(done, V, self.runner.device))
                 for i, (r, t) in enumerate(zip(done, toks)):
                     outputs.append(self._emit(r, [t], lps and lps[i]))
-            stats.prefill_tokens = sum(n for _, n in sched.prefill)
+            stats.prefill_tokens = sum(n for _, n in sched.prefill + sched.prefill_tails)
+            if emit_early is not None and outputs:
+                emit_early(outputs)
+                outputs = []
         ending = {id(r) for r, _ in self._finishing}  # finished by this step's prefill sampling
         decode = [r for r in sched.decode if not r.is_finished and id(r) not in ending]
         if decode:

@@ -190,6 +190,32 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
+    def warm_up(self, row_lengths: Sequence[Sequence[int]]) -> None:
+        """Run one eager prefill forward per entry of ``row_lengths`` (the token count of each row), the
+        target's and the drafter's, over one scratch KV block and GDN state slot taken and given back: the
+        kernels a long prefill first launches (fla's autotuned chunk kernels, the conv) compile now rather
+        than inside a served step. Every row starts at position 0 and runs over the same block (its table
+        repeats it), so the rows write garbage there only; the slot is zeroed when a request next takes it.
+        Call before any request holds memory."""
+        (block,), slot = self.allocator.allocate(1), self.state_pool.allocate()
+        try:
+            for rows in row_lengths:
+                rows = [int(n) for n in rows]
+                table = [block] * -(-max(rows) // self.block_size)
+                ctx = ForwardContext.build("prefill", rows, [0] * len(rows), [slot] * len(rows), [table] * len(rows),
+                                           self.kv_cache, self.state_pool, device=self.device)
+                ids = torch.zeros(sum(rows), dtype=torch.long, device=self.device)
+                hidden = self.model(ids, ctx)
+                self.model.compute_logits(hidden[torch.tensor(ctx.cu_host[1:], device=self.device) - 1])
+                if self.model.mtp is not None:
+                    mctx = ForwardContext.build("prefill", rows, [0] * len(rows), [0] * len(rows), [table] * len(rows),
+                                                self.mtp_cache, None, device=self.device)
+                    self.model.mtp(ids, hidden, mctx)
+        finally:
+            self.allocator.free([block])
+            self.state_pool.free(slot)
+
+    @torch.inference_mode()
     def decode_forward(self, reqs: list[Request], use_graphs: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode forward of ``reqs`` at their pending root tokens, without advancing them (the new
         K/V is written and the GDN state stepped); returns (logits [B, V], hidden [B, H]). From a CUDA

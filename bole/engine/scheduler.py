@@ -18,7 +18,10 @@ preempted requests are re-admitted before new ones.
 With a ``PrefixCache``: an admitted request first takes the longest restorable cached chain (shared
 blocks + GDN checkpoint) and prefills only the rest; a preempted request usually finds its own
 blocks there. Cached blocks nobody uses are evicted (LRU) before anything is preempted or refused,
-and prefill chunks end at GDN checkpoint boundaries (``PrefixCache.align_chunk``).
+and prefill chunks end at GDN checkpoint boundaries (``PrefixCache.align_chunk``). A chunk cut there
+that would otherwise have completed its prompt gets the rest (under one checkpoint interval) as a
+``prefill_tails`` entry of the same step: the engine runs it right after the chunks, once the
+boundary's checkpoint is taken, so the first token does not wait a whole step for a few tokens.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ from bole.engine.sequence import Request, RequestStatus
 @dataclass
 class SchedulerOutput:
     prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens this step)
+    # (request, tokens): the rest of a prompt whose ``prefill`` chunk was cut at a checkpoint boundary,
+    # run in a second forward of the same step
+    prefill_tails: list[tuple[Request, int]] = field(default_factory=list)
     decode: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
@@ -128,12 +134,17 @@ class Scheduler:
             nonlocal budget
             remaining = req.num_tokens - req.num_computed
             chunk = min(remaining, budget)
+            tail = 0
             if chunk > 0 and self.prefix_cache is not None:
-                chunk = self.prefix_cache.align_chunk(req.num_computed, chunk)
-            if chunk <= 0 or not self._grow(req, req.num_computed + chunk):
+                whole, chunk = chunk, self.prefix_cache.align_chunk(req.num_computed, chunk)
+                # prompt logprobs are scored per chunk: one chunk per step for those
+                tail = whole - chunk if whole == remaining and not req.needs_prompt_logits else 0
+            if chunk <= 0 or not self._grow(req, req.num_computed + chunk + tail):
                 return False
             out.prefill.append((req, chunk))
-            budget -= chunk
+            if tail:
+                out.prefill_tails.append((req, tail))
+            budget -= chunk + tail
             return True
 
         for req in self.running:

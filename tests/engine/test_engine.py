@@ -257,6 +257,36 @@ def test_async_engine_streams_and_aborts(ckpt):
     assert not eng.requests
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_first_tokens_emitted_before_the_steps_decode(ckpt, mode):
+    """``step(emit_early=...)`` hands a new request's first token over before the step's decode / verify
+    forward runs (the running request has not advanced yet), and returns only the rest: together the same
+    outputs, in every step, as a step without it."""
+    path, _ = ckpt("dense")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    a, b = engine(path, mode), engine(path, mode)
+    for eng in (a, b):
+        eng.add_request(PROMPTS[0], params, request_id="old")
+        eng.step()
+        eng.step()
+        eng.add_request(PROMPTS[2], params, request_id="new")
+    firsts = 0
+    while a.has_unfinished() or b.has_unfinished():
+        got, old_before = [], len(a.requests["old"].output_token_ids)
+
+        def early(outs, got=got, old_before=old_before):   # the running request has not advanced yet
+            assert len(a.requests["old"].output_token_ids) == old_before
+            got.extend(outs)
+
+        rest = a.step(emit_early=early)
+        firsts += len(got)
+        assert all(o.request_id == "new" and len(o.output_token_ids) == 1 for o in got)
+        assert all(not (o.request_id == "new" and len(o.output_token_ids) == 1) for o in rest)
+        key = lambda outs: sorted((o.request_id, list(o.new_token_ids)) for o in outs)
+        assert key(got + rest) == key(b.step())
+    assert firsts == 1
+
+
 def test_async_engine_shutdown_applies_the_last_releases_and_refuses_new_requests(ckpt):
     path, _ = ckpt("dense")
     aeng = AsyncEngine(engine(path, "ar"))
@@ -288,6 +318,86 @@ def test_min_tokens_suppresses_stop_tokens_in_every_mode(ckpt):
     short, long = outs["ar"]
     assert short[0] == free[0][:2]                 # stops at the stop token without min_tokens
     assert len(long[0]) >= 6 and all(stop not in o[:6] for o in long)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prompt_tail_past_the_last_checkpoint_runs_in_the_same_step(ckpt, mode):
+    """A prompt's chunk ends at a GDN checkpoint boundary (8 of 11 tokens at block_size 4); the 3-token
+    rest runs in a second forward of the same step (``SchedulerOutput.prefill_tails``): the first token
+    comes out of the first step, the boundary's checkpoint is taken in between (a later request with the
+    same prompt restores 8 tokens), and the outputs are those of an engine without a prefix cache."""
+    path, _ = ckpt("dense")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    eng = engine(path, mode)
+    rid = eng.add_request(PROMPTS[2], params)
+    outs = eng.step()
+    assert [len(o.output_token_ids) for o in outs if o.request_id == rid] == [1]
+    assert eng.metrics.prefill_tokens == 11
+    while eng.has_unfinished():
+        eng.step()
+    first = eng.pop_finished(rid).output_token_ids
+    again = eng.add_request(PROMPTS[2], params)
+    while eng.has_unfinished():
+        eng.step()
+    req = eng.pop_finished(again)
+    assert req.metrics.prefix_hit_tokens == 8
+    plain = engine(path, mode, enable_prefix_cache=False)
+    ref = plain.add_request(PROMPTS[2], params)
+    while plain.has_unfinished():
+        plain.step()
+    assert first == req.output_token_ids == plain.pop_finished(ref).output_token_ids
+
+
+@pytest.mark.parametrize("mode", ["ar", "bole"])
+def test_warm_up_changes_no_output_and_gives_its_memory_back(ckpt, mode):
+    """The start's warm-up (``LLMEngine.warm_up``: on CUDA, eager prefills of 128 and 65 + 66 tokens over a
+    scratch block and slot) leaves every pool as full as before and the greedy outputs as a fresh engine's,
+    even where its garbage lands in the block and slot the next requests take."""
+    path, _ = ckpt("dense")
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 5, 9, 14, 7)]
+    ref = run_staggered(engine(path, mode, max_num_batched_tokens=256), PROMPTS, params)
+    eng = engine(path, mode, max_num_batched_tokens=256)
+    free = (eng.runner.allocator.num_free, eng.runner.state_pool.num_free)
+    assert eng.warm_up() > 0
+    eng.runner.warm_up([[9], [5, 6, 1]])
+    assert (eng.runner.allocator.num_free, eng.runner.state_pool.num_free) == free
+    assert run_staggered(eng, PROMPTS, params) == ref
+
+
+@pytest.mark.gpu
+def test_warm_up_compiles_the_long_prefill_at_start_cuda(ckpt):
+    """On CUDA the engine warms up at start: the first prefills of more than 64 tokens (fla's chunked
+    kernels when importable, the conv) then compile no Triton kernel, counted in the JIT caches of every
+    loaded ``kernels`` / ``fla`` module; the outputs are the CPU's."""
+    import sys
+
+    def jit_functions():
+        for name, mod in list(sys.modules.items()):
+            if name.split(".")[0] in ("kernels", "fla") and mod is not None:
+                for obj in list(vars(mod).values()):
+                    while hasattr(obj, "fn") and not hasattr(obj, "device_caches"):
+                        obj = obj.fn    # autotuners / heuristics wrap the JIT function
+                    if hasattr(obj, "device_caches"):
+                        yield obj
+
+    def compiled() -> int:
+        return sum(len(c[0]) for f in set(jit_functions()) for c in f.device_caches.values())
+
+    path, _ = ckpt("dense")
+    prompts = [[(7 * i + 3) % 16 for i in range(n)] for n in (150, 97)]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * 2
+    ref = run_staggered(engine(path, "bole", max_num_batched_tokens=256), prompts, params)
+    cfg = EngineConfig.from_options(mode="bole", calibration_table=default_table(), num_blocks=96, block_size=4,
+                                    depth=3, topk=3, beam=3, max_num_seqs=4, max_num_batched_tokens=256, device="cuda")
+    eng = LLMEngine(load_model(path, dtype="float32", device="cuda"), cfg)
+    before = compiled()   # what the warm-up compiled (it imported fla's kernels where fla is installed)
+    assert before > 0
+    for p in prompts:     # one packed prefill of 247 tokens; one token each, so no decode step runs
+        eng.add_request(p, SamplingParams(max_tokens=1))
+    while eng.has_unfinished():
+        eng.step()
+    assert compiled() == before
+    assert run_staggered(eng, prompts, params) == ref
 
 
 @pytest.mark.parametrize("mode", ["serial_tree", "bole"])
