@@ -122,6 +122,8 @@ def prompt_slices(prompts: list[str], sizes: list[int]) -> tuple[list[list[str]]
 def overlay(args, mode: str, port: int) -> dict:
     opts = {"mode": mode, "device": args.device, "dtype": args.dtype, "num_blocks": args.num_blocks,
             "max_num_seqs": args.max_num_seqs, "enable_cuda_graphs": args.device.startswith("cuda")}
+    if opts["enable_cuda_graphs"]:   # as served (cluster_configs/mixed.yaml): no capture inside a served step
+        opts["cuda_graph_capture_len"] = 1024
     for kv in args.engine_option:
         key, _, value = kv.partition("=")
         opts[key] = yaml.safe_load(value)
