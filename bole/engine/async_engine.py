@@ -154,6 +154,9 @@ class AsyncEngine:
                 self._streams.pop(rid, None)
 
     def _deliver_all(self, outputs: list, delivered: list) -> None:
+        """A step's early outputs (first tokens), delivered mid-step: the stats are published first, so a
+        caller holding a token finds its request among them (the step's admissions are in)."""
+        self._publish()
         delivered.extend(outputs)
         for out in outputs:
             self._deliver(out.request_id, out)
