@@ -192,6 +192,8 @@ class LLMEngine:
         return rid
 
     def abort(self, request_id: str) -> bool:
+        # a request a failed step left finishing is released here, not again by the next step's _finish
+        self._finishing = [(r, why) for r, why in self._finishing if r.request_id != request_id]
         req = self.scheduler.abort(request_id)
         self.requests.pop(request_id, None)
         return req is not None
@@ -208,12 +210,14 @@ class LLMEngine:
         """Run the eager forwards of long prefills once, before any request (``ModelRunner.warm_up``), so
         their kernels compile here and not in a served step: on a fresh machine fla's autotuned chunk
         kernels took 50 s in the first 128-token prefill of a 9B-cost model (H100), stalling every request
-        in flight. The rows cover a single and a packed prefill, with token totals on and off a multiple of
-        16 (Triton's specialisation of integer arguments). Returns the seconds it took (logged)."""
+        in flight. The rows cover a single and a packed long prefill, with token totals on and off a
+        multiple of 16 (Triton's specialisation of integer arguments), and two short ones (the recurrent
+        path, eager when prefill graphs are off). Returns the seconds it took (logged)."""
         t0 = time.perf_counter()
-        cap = self.config.max_num_batched_tokens
-        rows = [r for r in ((2 * (FLA_MIN_TOKENS - 1),), (FLA_MIN_TOKENS, FLA_MIN_TOKENS + 1)) if sum(r) <= cap]
-        self.runner.warm_up(rows)
+        cap, F = self.config.max_num_batched_tokens, FLA_MIN_TOKENS
+        rows = [(min(2 * (F - 1), cap),)] if cap >= F else []
+        rows += [r for r in ((F, F + 1), (F - 1,), (3, 4)) if sum(r) <= cap]   # packed; short (graphs off)
+        self.runner.warm_up(rows, drafter=self.mode != "ar")
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)
         dt = time.perf_counter() - t0
@@ -234,9 +238,10 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------------
     def step(self, emit_early: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
-        """Run one step; its outputs. With ``emit_early``, the prefills' outputs (first tokens) go there as
-        soon as they are sampled, before the decode / speculative forwards, and are not returned
-        (``AsyncEngine`` streams them at once: a bole step's draft and verify then add nothing to TTFT)."""
+        """Run one step; its outputs. With ``emit_early``, the prefills' first tokens of requests that go on
+        go there as soon as they are sampled, before the decode / speculative forwards, and are not
+        returned (``AsyncEngine`` streams them at once: a bole step's draft and verify then add nothing to
+        TTFT); an output that finishes its request is returned at the end, after the request's release."""
         self._finish()  # requests a failed step left finishing
         sched = self.scheduler.schedule(self.lookahead)
         outputs: list[RequestOutput] = []
@@ -267,9 +272,11 @@ class LLMEngine:
                 for i, (r, t) in enumerate(zip(done, toks)):
                     outputs.append(self._emit(r, [t], lps and lps[i]))
             stats.prefill_tokens = sum(n for _, n in sched.prefill + sched.prefill_tails)
-            if emit_early is not None and outputs:
-                emit_early(outputs)
-                outputs = []
+            # a request that ended on its first token is handed back at the end, once it is released
+            early = [o for o in outputs if not o.finished] if emit_early is not None else []
+            if early:
+                emit_early(early)
+                outputs = [o for o in outputs if o.finished]
         ending = {id(r) for r, _ in self._finishing}  # finished by this step's prefill sampling
         decode = [r for r in sched.decode if not r.is_finished and id(r) not in ending]
         if decode:

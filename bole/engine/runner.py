@@ -190,13 +190,13 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def warm_up(self, row_lengths: Sequence[Sequence[int]]) -> None:
+    def warm_up(self, row_lengths: Sequence[Sequence[int]], drafter: bool = True) -> None:
         """Run one eager prefill forward per entry of ``row_lengths`` (the token count of each row), the
-        target's and the drafter's, over one scratch KV block and GDN state slot taken and given back: the
-        kernels a long prefill first launches (fla's autotuned chunk kernels, the conv) compile now rather
-        than inside a served step. Every row starts at position 0 and runs over the same block (its table
-        repeats it), so the rows write garbage there only; the slot is zeroed when a request next takes it.
-        Call before any request holds memory."""
+        target's and (with ``drafter``) the drafter's, over one scratch KV block and GDN state slot taken and
+        given back: the kernels a prefill first launches (fla's autotuned chunk kernels, the conv) compile
+        now rather than inside a served step. Every row starts at position 0 and runs over the same block
+        (its table repeats it), so the rows write garbage there only; the slot is zeroed when a request
+        next takes it. Call before any request holds memory."""
         (block,), slot = self.allocator.allocate(1), self.state_pool.allocate()
         try:
             for rows in row_lengths:
@@ -207,7 +207,7 @@ class ModelRunner:
                 ids = torch.zeros(sum(rows), dtype=torch.long, device=self.device)
                 hidden = self.model(ids, ctx)
                 self.model.compute_logits(hidden[torch.tensor(ctx.cu_host[1:], device=self.device) - 1])
-                if self.model.mtp is not None:
+                if drafter and self.model.mtp is not None:
                     mctx = ForwardContext.build("prefill", rows, [0] * len(rows), [0] * len(rows), [table] * len(rows),
                                                 self.mtp_cache, None, device=self.device)
                     self.model.mtp(ids, hidden, mctx)

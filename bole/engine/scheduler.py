@@ -13,7 +13,8 @@ Each engine step asks ``schedule(lookahead)`` for a ``SchedulerOutput``:
    split into chunks over several steps.
 
 No starvation: admission is strictly FIFO (a request that does not fit blocks those behind it), and
-preempted requests are re-admitted before new ones.
+preempted requests are re-admitted before new ones. No deadlock: when requests in the middle of chunked
+prefills hold every free block and none can take its next chunk, the newest is preempted.
 
 With a ``PrefixCache``: an admitted request first takes the longest restorable cached chain (shared
 blocks + GDN checkpoint) and prefills only the rest; a preempted request usually finds its own
@@ -116,6 +117,18 @@ class Scheduler:
 
     # -- the step ------------------------------------------------------------------------------
     def schedule(self, lookahead: int = 1) -> SchedulerOutput:
+        out = self._schedule(lookahead)
+        # Requests in the middle of a chunked prefill can hold every free block between them with none
+        # able to take its next chunk: nothing would ever run. Preempt the newest until one can (a request
+        # alone always fits: the engine refuses one that cannot, ``LLMEngine.check_request``).
+        while out.is_empty and len(self.running) > 1:
+            self._preempt(self.running[-1], out)
+            again = self._schedule(lookahead)
+            again.preempted[:0] = out.preempted
+            out = again
+        return out
+
+    def _schedule(self, lookahead: int) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         for req in list(self.running):
@@ -139,7 +152,9 @@ class Scheduler:
                 whole, chunk = chunk, self.prefix_cache.align_chunk(req.num_computed, chunk)
                 # prompt logprobs are scored per chunk: one chunk per step for those
                 tail = whole - chunk if whole == remaining and not req.needs_prompt_logits else 0
-            if chunk <= 0 or not self._grow(req, req.num_computed + chunk + tail):
+            if tail and not self._grow(req, req.num_computed + chunk + tail):
+                tail = 0   # no blocks for the tail: it runs in a later step
+            if chunk <= 0 or not self._grow(req, req.num_computed + chunk):
                 return False
             out.prefill.append((req, chunk))
             if tail:
