@@ -68,3 +68,36 @@ def test_fla_prefill_matches_chunk_twin(lens, dtype):
     assert o.shape == o_ref.shape and f.shape == f_ref.shape
     assert rel_err(o.float(), o_ref) < tol and rel_err(f.float(), f_ref) < tol
     assert torch.equal(pool, before)  # the pool is read, never written
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fla_prefill_plans_once_per_forward_gpu(monkeypatch):
+    """With fla itself: three layers' calls with one forward's offsets plan (``prepare_lens`` under fla's
+    memoised ``prepare_chunk_indices`` / ``_offsets``) only in the first; new offsets plan again."""
+    pytest.importorskip("fla", reason="flash-linear-attention (the gpu extra) is not installed")
+    import fla.ops.utils.index as index
+
+    from bole.backend import fla_prefill
+
+    calls = []
+    real = index.prepare_lens
+    monkeypatch.setattr(index, "prepare_lens", lambda cu: calls.append(1) or real(cu))
+    prefill = fla_prefill()
+    HK, HV, K, V, N = 2, 4, 64, 64, 200
+    q, k = torch.randn(1, N, HK, K).cuda(), torch.randn(1, N, HK, K).cuda()
+    v, g = torch.randn(1, N, HV, V).cuda(), -torch.rand(1, N, HV).cuda()
+    beta, pool = torch.rand(1, N, HV).cuda(), torch.zeros(3, HV, V, K).cuda()
+    slots = torch.tensor([2, 0]).cuda()
+
+    def forward():
+        cu = torch.tensor([0, 77, N], dtype=torch.int32).cuda()
+        counts = []
+        for _layer in range(3):
+            prefill(q, k, v, g, beta, initial_state=pool, state_indices=slots, cu_seqlens=cu, use_qk_l2norm=True)
+            counts.append(len(calls))
+        return counts
+
+    first, second = forward(), forward()
+    assert first[0] > 0 and first[0] == first[1] == first[2]
+    assert second[0] > first[2] and second[0] == second[1] == second[2]
