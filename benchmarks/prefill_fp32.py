@@ -12,6 +12,12 @@ chunk kernels take TF32 products for fp32 inputs. This measures, in one run, wha
   routing as shipped and with fp32 sent to fla (the previous routing), and whether the first tokens agree.
 
     python benchmarks/prefill_fp32.py --out $OUT/prefill_fp32_h200.json
+
+The op level also runs at a target shape and dtype, for where the recurrence should hand over to fla
+(``bole.backend.FLA_MIN_TOKENS``, never measured at 9B; the recurrence is what prefill graphs capture):
+
+    python benchmarks/prefill_fp32.py --shape qwen3.5-9b --dtype bfloat16 --op-only --lens 64 128 256 512 \
+        --out $OUT/prefill_9b.json
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import triton
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
-from benchmarks.gdn_verify import bench_us  # noqa: E402
+from benchmarks.gdn_verify import SHAPES, bench_us  # noqa: E402
 from bole import backend as backend_mod  # noqa: E402
 from bole.ops import gdn as gdn_ops  # noqa: E402
 from bole.ops.gdn_chunk import gdn_chunk  # noqa: E402
@@ -42,13 +48,15 @@ def rel(a, ref) -> float:
     return float((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
-def op_row(fla, name, lens, HK=4, HV=8, K=64, V=64) -> dict:
+def op_row(fla, name, lens, HK=4, HV=8, K=64, V=64, dtype=torch.float32) -> dict:
     gen = torch.Generator().manual_seed(len(lens) * 1000 + sum(lens))
     N, B = sum(lens), len(lens)
-    q, k = torch.randn(1, N, HK, K, generator=gen).cuda(), torch.randn(1, N, HK, K, generator=gen).cuda()
-    v = torch.randn(1, N, HV, V, generator=gen).cuda()
+    q, k = torch.randn(1, N, HK, K, generator=gen), torch.randn(1, N, HK, K, generator=gen)
+    v = torch.randn(1, N, HV, V, generator=gen)
     g = (-torch.rand(1, N, HV, generator=gen) * 0.5).cuda()
-    beta = torch.rand(1, N, HV, generator=gen).cuda()
+    beta = torch.rand(1, N, HV, generator=gen)
+    # activations in ``dtype`` (the reference takes the same rounded values in float64); decay in fp32
+    q, k, v, beta = (t.to(dtype).cuda() for t in (q, k, v, beta))
     pool = (0.1 * torch.randn(B + 2, HV, V, K, generator=gen)).cuda()
     idx = torch.randperm(B + 2, generator=gen)[:B].cuda()
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32).cuda()
@@ -56,7 +64,7 @@ def op_row(fla, name, lens, HK=4, HV=8, K=64, V=64) -> dict:
     o_ref, f_ref = gdn_ops.gdn_recurrent_ref(q.double(), k.double(), v.double(), g.double(), beta.double(),
                                          initial_state=pool.double(), state_indices=idx, cu_seqlens=cu,
                                          use_qk_l2norm=True)
-    row = dict(case=name, sequences=B, tokens=N)
+    row = dict(case=name, sequences=B, tokens=N, dtype=str(dtype).removeprefix("torch."), HK=HK, HV=HV, K=K, V=V)
     for impl, fn in (("fla", fla), ("recurrent", gdn_recurrent), ("torch_chunk", gdn_chunk)):
         o, f = fn(q, k, v, g, beta, **kw)
         row[f"{impl}_err_o"], row[f"{impl}_err_state"] = rel(o, o_ref), rel(f, f_ref)
@@ -116,18 +124,27 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/prefill_fp32.json")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--shape", default="embedded", choices=["embedded", *sorted(SHAPES)],
+                    help="GDN heads of the op level (embedded: HK=4, HV=8, K=V=64)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="op-level activations")
+    ap.add_argument("--lens", type=int, nargs="*", default=[13, 128, 180, 512, 2048],
+                    help="single-prompt lengths of the op level")
+    ap.add_argument("--op-only", action="store_true", help="skip the embedded model's engine rows")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(MODEL))
     heldout = [len(tok(json.loads(line)["prompt"])["input_ids"]) for line in open(PROMPTS)][:16]
-    cases = [(f"one_{n}", [n]) for n in (13, 128, 180, 512, 2048)] + [("heldout16_packed", heldout)]
+    cases = [(f"one_{n}", [n]) for n in args.lens] + [("heldout16_packed", heldout)]
     res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                command="python " + " ".join(sys.argv))
     fla = backend_mod.fla_prefill()
-    res["op"] = [op_row(fla, name, lens) for name, lens in cases]
+    heads = {} if args.shape == "embedded" else SHAPES[args.shape]
+    res["op"] = [op_row(fla, name, lens, **heads, dtype=getattr(torch, args.dtype)) for name, lens in cases]
     Path(args.out).write_text(json.dumps(res, indent=1))
+    if args.op_only:
+        return
     try:
         res["engine"] = engine_rows(args.reps)
     except Exception as e:  # keep the op rows
