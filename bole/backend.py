@@ -29,9 +29,10 @@ Registered backends:
               routed experts of MoE blocks (bole.ops.moe: it reads the expert list on the host).
     "triton": kernels.gdn_tree_verify / kernels.gdn_commit (and kernels.gdn_tree_serial for the
               serial_tree baseline); verify's conv and gating with kernels.gdn_tree_conv; prefill with
-              kernels.gdn_recurrent below 65 tokens (and in fp32 when fla is taken), else
-              flash-linear-attention's chunk_gated_delta_rule when importable (else the torch chunk),
-              its conv with kernels.causal_conv1d;
+              kernels.gdn_recurrent below 65 tokens (and in fp32 when fla is taken) and at any length in
+              captured prefills (``prefill_sync_free``), else flash-linear-attention's
+              chunk_gated_delta_rule when importable (else the torch chunk), its conv with
+              kernels.causal_conv1d;
               decode and its conv with kernels.gdn_decode; norms with kernels.rmsnorm; the graphed
               decode's attention with kernels.paged_decode_attention (keys read in place from the
               paged cache); the attention prologue (q / k norms, RoPE, KV store) with
@@ -98,6 +99,9 @@ class GDNBackend:
     greedy_accept: Callable = greedy_accept_ref  # the verify tail's greedy tree walk (kernels.greedy_accept)
     log_softmax_topk: Callable = log_softmax_topk_ref  # the drafter's children per level (kernels.logits_topk)
     moe_experts: Callable = moe_experts_ref   # a MoE block's routed experts (kernels.moe_experts: no host read)
+    # a prefill at any length that reads no device value on the host (kernels.gdn_recurrent), what the
+    # captured prefills take (``ForwardContext.sync_free``); None: ``prefill`` (the twins, run uncaptured)
+    prefill_sync_free: Callable | None = None
 
 
 _REGISTRY: dict[str, Callable[[], GDNBackend]] = {}
@@ -213,6 +217,7 @@ def _triton_backend() -> GDNBackend:
     from kernels.causal_conv1d import causal_conv1d_varlen
     from kernels.gdn_commit import gdn_commit as triton_commit
     from kernels.gdn_decode import causal_conv1d_update, gdn_decode_step
+    from kernels.gdn_recurrent import gdn_recurrent
     from kernels.gdn_tree_conv import gdn_tree_conv
     from kernels.gdn_tree_serial import gdn_tree_serial as triton_serial
     from kernels.gdn_tree_verify import gdn_tree_verify as triton_verify
@@ -248,7 +253,8 @@ def _triton_backend() -> GDNBackend:
                       tree_attention=context_checked(tree_attention),
                       qk_norm_rope_store=context_checked(qk_norm_rope_store), act_mul=act_mul, tree_layout=tree_layout,
                       greedy_accept=tree_acceptance(greedy_accept),
-                      log_softmax_topk=topk_within(log_softmax_topk, MAX_V, MAX_K), moe_experts=moe_experts)
+                      log_softmax_topk=topk_within(log_softmax_topk, MAX_V, MAX_K), moe_experts=moe_experts,
+                      prefill_sync_free=context_checked(gdn_recurrent))
 
 
 def resolve_backend(name: str = "auto", device: torch.device | str | None = None) -> GDNBackend:

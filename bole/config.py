@@ -347,7 +347,7 @@ class EngineConfig:
     # ignored on the CPU, and for MoE / tensor-parallel models (decode then runs eagerly)
     enable_cuda_graphs: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-    # with enable_cuda_graphs, short prefill steps (<= 64 tokens with padding) replay captured graphs in
+    # with enable_cuda_graphs, prefill steps of <= 256 tokens (with padding) replay captured graphs in
     # every mode (bole.engine.graphs.prefill; the "triton" backend only); off: prefills run eagerly
     cuda_graph_prefill: bool = True
     # with enable_cuda_graphs, capture at start every graph a step of <= max_num_seqs requests of <= this

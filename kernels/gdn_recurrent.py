@@ -7,11 +7,12 @@ of host time per layer for the embedded model's 13-token prompt on the H200 (ben
 layer: a program per (sequence, value head, value tile) loads its Sᵀ tile [BV, K] from the pool slot,
 walks the sequence's tokens (g, beta already gated; q/k normalised in the kernel as the twin does)
 and writes o per token and the final state once: read once, never snapshotted, the pool untouched.
-The loop is serial in the tokens, so it is for short prefills: the backend sends those of < 65
+The loop is serial in the tokens, so it is for short prefills: the backend sends eager ones of < 65
 tokens here, longer ones to flash-linear-attention, except with fp32 activations, which all come here:
-fla's chunk takes TF32 products for fp32 inputs (bole/backend.py). On the GPU the loop runs to the
-sequence's length; under the interpreter to a static bound (the next power of two of all the launch's
-tokens; the tokens past a sequence's end change nothing: g = beta = 0 there).
+fla's chunk takes TF32 products for fp32 inputs (bole/backend.py). Captured prefills of up to 256
+tokens come here too (``GDNBackend.prefill_sync_free``): fla plans on the host, so cannot be captured.
+On the GPU the loop runs to the sequence's length; under the interpreter to a static bound (the next
+power of two of all the launch's tokens; the tokens past a sequence's end change nothing: g = beta = 0 there).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Three kinds of forward per step (DESIGN.md §2), all batched over requests:
 * ``decode(reqs)``: autoregressive mode: one forward over every request's pending root token; on a
   GPU with ``cuda_graph_batch_sizes`` it replays a captured CUDA graph (``bole.engine.graphs.decode``:
   the runner then reserves one extra KV block and one GDN state slot for the graphs' padding rows).
-  Short prefills (<= 64 tokens with the padding) replay captured graphs too (``prefill_graph_sizes``:
+  Prefills of <= 256 tokens (with the padding) replay captured graphs too (``prefill_graph_sizes``:
   ``bole.engine.graphs.prefill``), in every mode.
 * ``draft(reqs)`` + ``verify(reqs, batch)``: speculative modes. The MTP drafter first catches up
   on the committed positions it has not seen, then grows each request's candidate tree
@@ -161,7 +161,7 @@ class ModelRunner:
     def prefill(self, chunks: list[tuple[Request, int]], keep_hidden: bool,
                 position_logits: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Run each request's next chunk; return {request_id: last logits [V]} for completed prefills.
-        From a captured graph when the runner has prefill graphs and one fits (short prefills).
+        From a captured graph when the runner has prefill graphs and one fits (<= 256 tokens).
         ``position_logits``: when given, the logits of every position of the chunk [n, V] of each
         request that ``needs_prompt_logits`` go there (the lm_head runs on those rows only)."""
         cu = [0]

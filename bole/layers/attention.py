@@ -47,7 +47,8 @@ BATCHED_VERIFY_DECODE = True
 
 # prefill chunks below this many tokens (the whole forward's) take ``prefill_attention`` when set: the
 # short-prefill regime of the backend's recurrence (bole.backend.FLA_MIN_TOKENS), where launches and host
-# work decide; longer ones keep the per-request SDPA (flash / memory-efficient kernels)
+# work decide, as do captured prefills of any length (``ForwardContext.sync_free``: the per-request SDPA
+# loops over host offsets); longer eager ones keep the per-request SDPA (flash / memory-efficient kernels)
 SHORT_PREFILL_TOKENS = FLA_MIN_TOKENS
 
 # SDPA backends, in torch's order of preference, without cuDNN: cuDNN's attention builds an execution
@@ -93,7 +94,8 @@ class GatedAttention(nn.Module):
         # the batched SDPA path over gathered, padded keys (``_padded``, the "torch" backend)
         self.tree_attention: Callable | None = None
         # short prefill chunks' causal attention in one launch (kernels.tree_attention without a mask), on
-        # every attention layer of the "triton" backend; None (or a long chunk) keeps the per-request SDPA
+        # every attention layer of the "triton" backend, and captured prefills' (``ctx.sync_free``); None
+        # (or a long eager chunk) keeps the per-request SDPA
         self.prefill_attention: Callable | None = None
 
     def fuse_projections(self) -> None:
@@ -119,7 +121,8 @@ class GatedAttention(nn.Module):
         elif ctx.mode == "verify" and self.tree_attention is not None and BATCHED_VERIFY_DECODE:
             pa = ctx.padded_attention()
             out = self._in_one_launch(self.tree_attention, q, cache, pa.kv_index, pa.mask, ctx, x.dtype)
-        elif ctx.mode == "prefill" and self.prefill_attention is not None and ctx.num_tokens < SHORT_PREFILL_TOKENS:
+        elif ctx.mode == "prefill" and self.prefill_attention is not None and (
+                ctx.sync_free or ctx.num_tokens < SHORT_PREFILL_TOKENS):
             out = self._in_one_launch(self.prefill_attention, q, cache, ctx.key_index(), None, ctx, x.dtype)
         elif ctx.mode in ("verify", "decode") and BATCHED_VERIFY_DECODE:
             out = self._padded(q, cache, ctx.padded_attention(), x.dtype)

@@ -7,7 +7,8 @@
 
 Modes (``ctx.mode``):
     prefill: conv over each request's new tokens continuing from the conv pool (updated in place);
-        GDN from the ssm pool slot through the backend's chunked prefill; final state written back.
+        GDN from the ssm pool slot through the backend's prefill (its ``prefill_sync_free`` in a
+        ``sync_free`` context: captured prefills); final state written back.
     decode (eager, or over a static context ``ctx.static`` for CUDA graphs): one token per request,
         the backend's ``conv_update`` and ``decode_step`` (gating, q/k norm, one recurrence step, the
         pool slot updated in place), neither of which reads a device value on the host.
@@ -88,9 +89,10 @@ class GatedDeltaNet(nn.Module):
             y = self.backend.prefill_conv(mixed, weight, pool.conv[i], ctx.state_slots, ctx.cu_seqlens,
                                           cu_host=ctx.cu_host, slots_host=ctx.state_slots_host)
             q, k, v = (t[None] for t in split(y))
-            o, final = self.backend.prefill(q, k, v, g[None], beta[None], initial_state=pool.ssm[i],
-                                            state_indices=ctx.state_slots, cu_seqlens=ctx.cu_seqlens,
-                                            use_qk_l2norm=True)
+            sync_free = ctx.sync_free and self.backend.prefill_sync_free is not None
+            prefill = self.backend.prefill_sync_free if sync_free else self.backend.prefill
+            o, final = prefill(q, k, v, g[None], beta[None], initial_state=pool.ssm[i],
+                               state_indices=ctx.state_slots, cu_seqlens=ctx.cu_seqlens, use_qk_l2norm=True)
             pool.ssm[i, ctx.state_slots] = final.to(pool.ssm.dtype)
         o = self.norm(o[0].to(x.dtype), z)
         return self.out_proj(o.reshape(N, self.value_dim))

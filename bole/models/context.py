@@ -150,6 +150,10 @@ class ForwardContext:
         state_slots_host: host copy of state_slots (``build``; empty in static contexts).
         static:        ``StaticDecode`` for a graph-capturable decode context (``kv_slots``,
                        ``block_tables`` and ``num_cached_host`` are then empty), else None.
+        sync_free:     (host) a prefill that must read no device value on the host, at any length: the
+                       GDN layers take the backend's ``prefill_sync_free`` and the attention layers their
+                       one-launch ``prefill_attention`` (``PrefillGraphs`` sets it; eager prefills choose
+                       by length).
     """
 
     mode: Mode
@@ -169,6 +173,7 @@ class ForwardContext:
     factors: TreeFactors | None = None
     static: StaticDecode | None = None
     state_slots_host: list = field(default_factory=list)
+    sync_free: bool = False
     _memo: dict = field(default_factory=dict, repr=False, compare=False)  # per-forward layouts, built once
 
     def check_kernel_inputs(self) -> None:

@@ -73,13 +73,13 @@ PLANS = [
 ]
 
 
-def _compare(path, device, backend, capture, tol, plans=PLANS, dtype="float32"):
+def _compare(path, device, backend, capture, tol, plans=PLANS, dtype="float32", prompts=PROMPTS):
     """The same prefill steps on an eager runner and a graph runner (same model)."""
     model = load_model(path, dtype=dtype, device=device, backend=backend)
     eager, graph = _runner(model, device), _runner(model, device)
     pg = graph.enable_prefill_graphs((1, 2, 4), capture=capture, min_kv=8)
     for plan in plans:
-        re, rg = _requests(eager, PROMPTS), _requests(graph, PROMPTS)
+        re, rg = _requests(eager, prompts), _requests(graph, prompts)
         for step in plan:
             ce, cg = [(re[i], n) for i, n in step], [(rg[i], n) for i, n in step]
             assert pg.supports(cg)
@@ -116,10 +116,47 @@ def test_static_prefill_matches_eager_triton_kernels(ckpt):
     _compare(ckpt, "cpu", "triton", capture=False, tol=1e-5, plans=PLANS[2:])
 
 
+# prompts past the eager path's fla threshold (bole.backend.FLA_MIN_TOKENS): eagerly the long prefill (the
+# torch chunk on the CPU), in the static forward the recurrence and the one-launch attention (sync_free)
+LONG_PROMPTS = [[(7 * i) % 61 + 1 for i in range(100)], [(5 * i) % 53 + 2 for i in range(40)]]
+
+
+def test_static_long_prefill_is_sync_free(ckpt):
+    """Buckets of 128 tokens: the static forward's context is ``sync_free``, so every GDN layer takes the
+    backend's ``prefill_sync_free`` (here the recurrence's twin, spied on; on "triton" the kernel), not
+    the chunked prefill the eager path takes at this length, and agrees with it."""
+    import dataclasses
+
+    from bole.backend import FLA_MIN_TOKENS, resolve_backend
+    from bole.ops.gdn import gdn_recurrent_ref
+
+    launched = []   # tokens of each sync-free prefill call
+
+    def spy(q, *a, **kw):
+        launched.append(q.shape[1])
+        return gdn_recurrent_ref(q, *a, **kw)
+    backend = dataclasses.replace(resolve_backend("torch"), prefill_sync_free=spy)
+    plans = [[[(0, 100)]], [[(0, 70), (1, 40)]]]
+    pg = _compare(ckpt, "cpu", backend, capture=False, tol=5e-5, plans=plans, prompts=LONG_PROMPTS)
+    assert {k[:2] for k in pg.graphs} == {(1, 128), (2, 128)}, sorted(pg.graphs)
+    assert all(g.ctx.sync_free for g in pg.graphs.values())
+    n_gdn = sum(t == "linear_attention" for t in load_model(ckpt).config.layer_types)
+    # every GDN layer of the two static forwards, 128 tokens each; none of the eager ones (>= 65 tokens)
+    assert launched == [128] * (2 * n_gdn) and min(100, 110) >= FLA_MIN_TOKENS
+
+
 def test_keys_and_fallbacks(ckpt):
     model = load_model(ckpt, dtype="float32")
     runner = _runner(model, "cpu")
-    pg = runner.enable_prefill_graphs((1, 2, 4), capture=False, min_kv=8)
+    big = runner.enable_prefill_graphs((1, 2, 4), capture=False, min_kv=8)
+    r = _requests(runner, [[1] * 150])
+    assert big.token_sizes == [16, 32, 64, 128, 256]
+    assert big.key([(r[0], 64)]) == (1, 128, 128)      # 64 tokens + the padding row's one
+    assert big.key([(r[0], 120)]) == (1, 128, 128)
+    assert big.key([(r[0], 150)]) is None                # a 256-token bucket: past this runner's 192 keys
+    runner.allocator.free(r[0].block_table)
+    runner.state_pool.free(r[0].state_slot)
+    pg = runner.enable_prefill_graphs((1, 2, 4), capture=False, min_kv=8, token_sizes=(16, 32, 64))
     r = _requests(runner, [[1] * 70, [2] * 20, [3] * 20, [4] * 3, [5] * 3])
     assert pg.key([(r[0], 15)]) == (1, 16, 16)          # 15 tokens + the padding row's one
     assert pg.key([(r[0], 16)]) == (1, 32, 32)          # the padding row needs a token: the next bucket
@@ -134,10 +171,10 @@ def test_keys_and_fallbacks(ckpt):
     out = runner.prefill([(r[0], 64)], keep_hidden=False)  # eager
     assert pg.replays == 0 and out == {}
     with pytest.raises(ValueError, match="token sizes"):
-        runner.enable_prefill_graphs((1,), capture=False, token_sizes=(16, 65))
-    assert runner.enable_prefill_graphs((1, 4, 64, 256), capture=False, min_kv=8).batch_sizes == [1, 4]
+        runner.enable_prefill_graphs((1,), capture=False, token_sizes=(16, 257))
+    assert runner.enable_prefill_graphs((1, 4, 64, 256), capture=False, min_kv=8).batch_sizes == [1, 4, 64]
     with pytest.raises(ValueError, match="fits"):
-        runner.enable_prefill_graphs((64,), capture=False)
+        runner.enable_prefill_graphs((256,), capture=False)
     with pytest.raises(ValueError, match="CUDA"):
         runner.enable_prefill_graphs((1,), capture=True)
     assert "host" in prefill_graphs_unsupported(model)   # the torch twins' prefill loops on the host
@@ -175,6 +212,16 @@ def test_graphed_prefill_matches_eager_cuda(ckpt):
     pg = _compare(ckpt, "cuda", "triton", capture=True, tol=1e-4)
     assert pg.num_captured == len(pg.graphs) >= 3
     assert pg.replays > len(pg.graphs)
+
+
+@pytest.mark.gpu
+def test_graphed_long_prefill_matches_eager_cuda(ckpt):
+    """Buckets of 128 tokens, captured: the recurrence and the one-launch attention inside the graph
+    against the eager forward's fla (or torch) chunk, in bfloat16 as served and in float32."""
+    plans = [[[(0, 100)]], [[(0, 70), (1, 40)]], [[(1, 30), (0, 90)]]]
+    for dtype, tol in (("float32", 1e-4), ("bfloat16", 3e-2)):
+        pg = _compare(ckpt, "cuda", "triton", capture=True, tol=tol, plans=plans, prompts=LONG_PROMPTS, dtype=dtype)
+        assert pg.num_captured == len(pg.graphs) == 2 and pg.replays == 3
 
 
 @pytest.mark.gpu

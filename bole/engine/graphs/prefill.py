@@ -1,4 +1,4 @@
-"""CUDA-graph capture of short prefill forwards (a request's first step, in every mode).
+"""CUDA-graph capture of prefill forwards of up to 256 tokens (a request's first step, in every mode).
 
 On a small model a short prefill is host bound: the embedded model's 13-token prompt issues ~330
 launches from Python, 16.8 ms of wall time for 1.5 ms of GPU work on the H200 (``profile_step.py
@@ -7,7 +7,7 @@ launches from Python, 16.8 ms of wall time for 1.5 ms of GPU work on the H200 (`
 logits of each row's last token) per key
 
     (Bc, Nc, Lc)   Bc: the smallest captured batch size >= the step's chunks (DecodeGraphs' sizes)
-                   Nc: the smallest token bucket (16, 32, 64) >= the chunks' tokens + Bc - B + 1
+                   Nc: the smallest token bucket (16, 32, 64, 128, 256) >= the chunks' tokens + Bc - B + 1
                    Lc: the smallest KV-length bucket >= every row's keys (committed prefix + chunk) and Nc
 
 over Bc + 1 rows: the step's B chunks first, their tokens packed in order, then padding rows B .. Bc,
@@ -15,11 +15,14 @@ each of B .. Bc-1 one token and row Bc the rest of the Nc tokens, so no row is e
 start at position 0 and run over the pad KV block (every block-table entry) and the pad GDN slot the
 runner reserves: they read and write garbage there and nowhere else, and no real row reads them.
 
-Only short prefills (Nc <= 64, below ``bole.backend.FLA_MIN_TOKENS`` and the attention layer's
-``SHORT_PREFILL_TOKENS``) are captured: there the "triton" backend's prefill reads no device value
-on the host (the conv is ``kernels.causal_conv1d``, the recurrence ``kernels.gdn_recurrent``, the
-attention ``kernels.tree_attention`` with causal rows, each over the device offsets); longer prefills
-run eagerly (fla's chunked kernels plan on the host). So capture needs that backend.
+The captured forward reads no device value on the host: its context is ``sync_free``, so on the
+"triton" backend the conv is ``kernels.causal_conv1d``, the recurrence ``kernels.gdn_recurrent`` (the
+backend's ``prefill_sync_free``, whatever the length) and the attention ``kernels.tree_attention`` with
+causal rows, each over the device offsets. So capture needs that backend. Eager prefills of 65 tokens
+and more take fla's chunked kernels, which plan on the host (a device read per forward) and launch
+several kernels per layer from Python: a 9B-cost prefill of 65-200 tokens took 80-90 ms eagerly, against
+~10 ms for a captured one of up to 64 tokens (H100, 2026-12-05 served trace). The recurrence is serial in
+a sequence's tokens, so the buckets stop at 256 (``MAX_TOKENS``); longer steps run eagerly, through fla.
 
 Static inputs (``StaticRows``, one pinned host-to-device copy each): per row its token count, its
 committed length, its GDN slot and its block table; the packed token ids. Everything else is derived
@@ -36,11 +39,11 @@ from typing import Sequence
 
 import torch
 
-from bole.backend import FLA_MIN_TOKENS
 from bole.engine.graphs import base
 from bole.models.context import ForwardContext
 
-DEFAULT_TOKEN_SIZES = (16, 32, 64)
+DEFAULT_TOKEN_SIZES = (16, 32, 64, 128, 256)
+MAX_TOKENS = 256  # the largest token bucket: the recurrence walks a sequence's tokens one by one
 _CNT, _POS, _SLOT, _TABLE = 0, 1, 2, 3  # columns of the per-row input buffer
 
 
@@ -50,7 +53,8 @@ def prefill_graphs_unsupported(model) -> str | None:
     if why:
         return why
     backend = getattr(model, "backend", None)
-    if getattr(backend, "name", None) != "triton" or backend.tree_attention is None:
+    if (getattr(backend, "name", None) != "triton" or backend.tree_attention is None
+            or backend.prefill_sync_free is None):
         return f"the {getattr(backend, 'name', None)!r} backend's prefill reads offsets on the host"
     return None
 
@@ -65,8 +69,8 @@ class PrefillGraphs(base.GraphFamily):
                  token_sizes: Sequence[int] = DEFAULT_TOKEN_SIZES, pool=None):
         super().__init__(runner, batch_sizes, runner.kv_cache, min_kv, capture, pool)
         tokens = sorted({int(n) for n in token_sizes})
-        if not tokens or tokens[0] < 2 or tokens[-1] >= FLA_MIN_TOKENS:
-            raise ValueError(f"token sizes must be ints in [2, {FLA_MIN_TOKENS}), got {list(token_sizes)}")
+        if not tokens or tokens[0] < 2 or tokens[-1] > MAX_TOKENS:
+            raise ValueError(f"token sizes must be ints in [2, {MAX_TOKENS}], got {list(token_sizes)}")
         sizes = [b for b in self.batch_sizes if b < tokens[-1]]  # Bc + 1 rows of >= 1 token each fit the largest bucket
         if not sizes:
             raise ValueError(f"no batch size in {list(batch_sizes)} fits {tokens[-1]} tokens with its padding row")
@@ -118,7 +122,7 @@ class PrefillGraphs(base.GraphFamily):
             mode="prefill", cu_seqlens=cu, num_cached=num_cached, positions=positions, kv_positions=positions,
             slot_mapping=slot_mapping, kv_slots=[], state_slots=state_slots, block_tables=[],
             cu_host=[0] * R + [Nc], num_cached_host=[0] * R, kv_cache=runner.kv_cache,
-            state_pool=runner.state_pool, state_slots_host=[self.pad_slot] * R)
+            state_pool=runner.state_pool, state_slots_host=[self.pad_slot] * R, sync_free=True)
         ctx._memo["keys"] = kv_index  # the rows' key slots (``ForwardContext.key_index``), laid out below
         model, out_h, out_l = self.model, self.out_hidden, self.out_logits
 
