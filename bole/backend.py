@@ -190,7 +190,8 @@ def topk_within(kernel: Callable, max_v: int, max_k: int) -> Callable:
 FLA_MIN_TOKENS = 65
 
 
-def short_to_recurrent(long_prefill, min_tokens: int = FLA_MIN_TOKENS, fp32_to_recurrent: bool = True):
+def short_to_recurrent(long_prefill, min_tokens: int = FLA_MIN_TOKENS, fp32_to_recurrent: bool = True,
+                       recurrent: Callable | None = None):
     """Prefills of fewer than ``min_tokens`` tokens (in the whole batch), and with ``fp32_to_recurrent``
     (``long_prefill`` is fla's) every prefill of fp32 activations, through the Triton recurrence
     (``kernels.gdn_recurrent``, one launch per layer); the others through ``long_prefill``. For short
@@ -199,9 +200,11 @@ def short_to_recurrent(long_prefill, min_tokens: int = FLA_MIN_TOKENS, fp32_to_r
     host-bound (first engine step of ``profile_step.py --cases ar_tiny_generate``). The crossover to
     fla was not measured. fp32: fla's chunk takes TF32 products for fp32 inputs, and put our fp32
     model 1.5e-2 (max-relative logits) from transformers' fp32 forward on the CPU after a 70-token
-    prefill on the H200 (2026-12-02, tests/models/test_gpu.py); the recurrence is fp32 throughout."""
-    from kernels.gdn_recurrent import gdn_recurrent
-    recurrent = context_checked(gdn_recurrent)   # the layers' prefill: offsets and slots checked per forward
+    prefill on the H200 (2026-12-02, tests/models/test_gpu.py); the recurrence is fp32 throughout.
+    ``recurrent``: the backend's checked recurrence (its ``prefill_sync_free``); None builds it."""
+    if recurrent is None:
+        from kernels.gdn_recurrent import gdn_recurrent
+        recurrent = context_checked(gdn_recurrent)   # the layers' prefill: offsets and slots checked per forward
 
     def prefill(q, k, v, g, beta, **kw):
         if q.shape[1] < min_tokens or (fp32_to_recurrent and q.dtype == torch.float32):
@@ -239,7 +242,9 @@ def _triton_backend() -> GDNBackend:
             logger.warning("GDN triton backend: flash-linear-attention unavailable (%s); torch chunk prefill", e)
     # the torch chunk (CPU tests) is exact in fp32: only fla's TF32 products send fp32 to the recurrence
     fla = long_prefill is not gdn_chunk
-    prefill = short_to_recurrent(long_prefill, fp32_to_recurrent=fla)
+    # one checked recurrence: the short / fp32 prefills' and the captured prefills' (prefill_sync_free)
+    recurrent = context_checked(gdn_recurrent)
+    prefill = short_to_recurrent(long_prefill, fp32_to_recurrent=fla, recurrent=recurrent)
     logger.info("GDN triton backend: prefill via kernels.gdn_recurrent below %d tokens%s, else %s",
                 FLA_MIN_TOKENS, " or in fp32" if fla else "", prefill_name)
     # the measured per-shape launch tables (kernels.gdn_tree_verify_launch.TUNED_LOWP for half-precision q/k,
@@ -254,7 +259,7 @@ def _triton_backend() -> GDNBackend:
                       qk_norm_rope_store=context_checked(qk_norm_rope_store), act_mul=act_mul, tree_layout=tree_layout,
                       greedy_accept=tree_acceptance(greedy_accept),
                       log_softmax_topk=topk_within(log_softmax_topk, MAX_V, MAX_K), moe_experts=moe_experts,
-                      prefill_sync_free=context_checked(gdn_recurrent))
+                      prefill_sync_free=recurrent)
 
 
 def resolve_backend(name: str = "auto", device: torch.device | str | None = None) -> GDNBackend:

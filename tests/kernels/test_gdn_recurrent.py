@@ -5,6 +5,8 @@ Mixed sequence lengths (one token, a few, a chunk's worth), GQA, fp32 and fp16 a
 bf16 state pools read by slot index (never written), no initial state; bad inputs raise ValueError.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -97,3 +99,16 @@ def test_backend_sends_short_and_fp32_prefills_here(device):
     exact = short_to_recurrent(lambda *a, **kw: "long", fp32_to_recurrent=False)
     x, pool, idx, cu = make([FLA_MIN_TOKENS], 1, 2, 16, 16, torch.float32, torch.float32, seed=2, device=device)
     assert exact(*x, initial_state=pool, cu_seqlens=cu) == "long"
+
+
+def test_backend_shares_one_checked_recurrence():
+    # the triton backend builds one checked recurrence: the short / fp32 prefills' and the captured ones'
+    from bole.backend import FLA_MIN_TOKENS, resolve_backend, short_to_recurrent
+
+    short = []
+    prefill = short_to_recurrent(lambda *a, **kw: "long", recurrent=lambda *a, **kw: short.append(a[0].shape[1]))
+    x, pool, idx, cu = make([FLA_MIN_TOKENS - 1], 1, 2, 16, 16, torch.float16, torch.float32, seed=2, device="cpu")
+    assert prefill(*x, initial_state=pool, cu_seqlens=cu) is None and short == [FLA_MIN_TOKENS - 1]
+    backend = resolve_backend("triton")
+    cell = [c.cell_contents for c in backend.prefill.__closure__ if isinstance(c.cell_contents, functools.partial)]
+    assert cell == [backend.prefill_sync_free]
