@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bole.backend import FLA_MIN_TOKENS
 from bole.layers.draft_math import bf16_attention
 from bole.layers.linear import FusedLinear
 from bole.layers.norm import RMSNorm
@@ -44,12 +43,6 @@ from bole.parallel import local_heads, split_heads
 # verify and decode steps attend in one batched SDPA call per layer (``_padded``); prefill keeps the
 # per-request reference path (its chunks can be long, and padding them to the widest would cost).
 BATCHED_VERIFY_DECODE = True
-
-# prefill chunks below this many tokens (the whole forward's) take ``prefill_attention`` when set: the
-# short-prefill regime of the backend's recurrence (bole.backend.FLA_MIN_TOKENS), where launches and host
-# work decide, as do captured prefills of any length (``ForwardContext.sync_free``: the per-request SDPA
-# loops over host offsets); longer eager ones keep the per-request SDPA (flash / memory-efficient kernels)
-SHORT_PREFILL_TOKENS = FLA_MIN_TOKENS
 
 # SDPA backends, in torch's order of preference, without cuDNN: cuDNN's attention builds an execution
 # plan per input shape, ~10 ms of host time each time the key length changes, i.e. on every engine
@@ -121,8 +114,9 @@ class GatedAttention(nn.Module):
         elif ctx.mode == "verify" and self.tree_attention is not None and BATCHED_VERIFY_DECODE:
             pa = ctx.padded_attention()
             out = self._in_one_launch(self.tree_attention, q, cache, pa.kv_index, pa.mask, ctx, x.dtype)
-        elif ctx.mode == "prefill" and self.prefill_attention is not None and (
-                ctx.sync_free or ctx.num_tokens < SHORT_PREFILL_TOKENS):
+        elif ctx.mode == "prefill" and self.prefill_attention is not None and ctx.sync_free:
+            # short and captured prefills (ForwardContext.sync_free): the per-request SDPA loops over host
+            # offsets; longer eager ones keep it (flash / memory-efficient kernels)
             out = self._in_one_launch(self.prefill_attention, q, cache, ctx.key_index(), None, ctx, x.dtype)
         elif ctx.mode in ("verify", "decode") and BATCHED_VERIFY_DECODE:
             out = self._padded(q, cache, ctx.padded_attention(), x.dtype)

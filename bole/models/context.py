@@ -33,6 +33,7 @@ from typing import Literal, Sequence
 
 import torch
 
+from bole.backend import FLA_MIN_TOKENS
 from bole.cache.kv_cache import PagedKVCache
 from bole.cache.state_pool import StatePool
 from bole.spec.tree import PackedForest
@@ -152,8 +153,12 @@ class ForwardContext:
                        ``block_tables`` and ``num_cached_host`` are then empty), else None.
         sync_free:     (host) a prefill that must read no device value on the host, at any length: the
                        GDN layers take the backend's ``prefill_sync_free`` and the attention layers their
-                       one-launch ``prefill_attention`` (``PrefillGraphs`` sets it; eager prefills choose
-                       by length).
+                       one-launch ``prefill_attention``. ``PrefillGraphs`` sets it at every length;
+                       ``build`` sets it for prefills of fewer than ``bole.backend.FLA_MIN_TOKENS``
+                       tokens (the whole forward's: launches and host work decide there). The one
+                       place the layers' prefill routing is decided; longer eager prefills take the
+                       backend's ``prefill`` (fla's chunk; the recurrence in fp32) and the
+                       per-request SDPA.
     """
 
     mode: Mode
@@ -358,6 +363,7 @@ class ForwardContext:
             kv_cache=kv_cache,
             state_pool=state_pool,
             forest=None if forest is None else forest.to(device),
+            sync_free=mode == "prefill" and cu[-1] < FLA_MIN_TOKENS,
             factors=factors,
             state_slots_host=[int(s) for s in state_slots],
         )

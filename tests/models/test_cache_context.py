@@ -62,6 +62,15 @@ def test_context_positions_and_validation(checkpoints):
     ctx = ForwardContext.build("prefill", [3, 2], [5, 0], [0, 1], [[0, 1, 2], [3]], kv, None)
     assert ctx.positions.tolist() == [5, 6, 7, 0, 1] and ctx.cu_seqlens.tolist() == [0, 3, 5]
     assert ctx.slot_mapping.tolist() == [5, 6, 7, 12, 13]
+    # the layers' prefill routing: sync-free (recurrence, one-launch attention) below FLA_MIN_TOKENS in all
+    from bole.backend import FLA_MIN_TOKENS
+    assert ctx.sync_free and FLA_MIN_TOKENS > 5
+    big = PagedKVCache(1, 64, 4, 2, 16, dtype=torch.float32)
+    n = FLA_MIN_TOKENS // 2
+    routed = [ForwardContext.build("prefill", [n, m], [0, 0], [0, 1], [list(range(32)), list(range(32, 64))], big,
+                                   None).sync_free for m in (FLA_MIN_TOKENS - 1 - n, FLA_MIN_TOKENS - n)]
+    assert routed == [True, False]
+    assert not ForwardContext.build("decode", [1], [3], [0], [[0]], kv, None).sync_free
     with pytest.raises(ValueError, match="exactly one token"):
         ForwardContext.build("decode", [2], [0], [0], [[0]], kv, None)
     with pytest.raises(ValueError, match="needs a PackedForest"):
