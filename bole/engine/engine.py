@@ -84,6 +84,10 @@ class LLMEngine:
     def __init__(self, model, config: EngineConfig, tokenizer=None, calibration: CalibrationTable | None = None):
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.mode = config.mode
+        have, want = next(model.parameters()).device, torch.device(config.device)
+        if have.type != want.type or want.index not in (None, have.index):
+            raise ValueError(f"the model is on {have} but the engine's device is {config.device!r}: "
+                             f"load it with device={config.device!r} (bole.models.loader.load_model)")
         if self.mode != "ar" and model.mtp is None:
             raise ValueError(f"mode {self.mode!r} needs a checkpoint with an MTP drafter (mtp.* tensors)")
         spec, V = config.spec, model.config.vocab_size

@@ -288,6 +288,9 @@ def test_bad_requests_raise_and_lose_nothing(ckpt):
         EngineConfig.from_options(mode="bole", depht=3)
     with pytest.raises(ValueError, match="mode must be one of"):
         EngineConfig.from_options(mode="fast")
+    # a model loaded elsewhere than the engine's device: refused before anything runs on either
+    with pytest.raises(ValueError, match=r"model is on cpu but the engine's device is 'cuda'"):
+        engine(path, "bole", device="cuda")
 
 
 def test_async_engine_streams_and_aborts(ckpt):
@@ -531,7 +534,7 @@ def test_warm_up_compiles_the_long_prefill_at_start_cuda(ckpt, dtype):
         eng.step()
     assert compiled() == before
     if dtype == "float32":
-        ref = run_staggered(engine(path, "bole", max_num_batched_tokens=256), prompts, params)
+        ref = run_staggered(engine(path, "bole", max_num_batched_tokens=256, device="cpu"), prompts, params)
         assert run_staggered(eng, prompts, params) == ref
 
 

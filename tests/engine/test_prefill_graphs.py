@@ -214,14 +214,48 @@ def test_graphed_prefill_matches_eager_cuda(ckpt):
     assert pg.replays > len(pg.graphs)
 
 
+def _outputs(model, device, plan, prompts, graphed: bool) -> list[torch.Tensor]:
+    """One plan's prefill steps on a fresh runner (its prefill graphs captured when ``graphed``): each
+    step's last logits and hiddens, then the caches of the requests it touched (``_state``)."""
+    runner = _runner(model, device)
+    pg = runner.enable_prefill_graphs((1, 2, 4), capture=True, min_kv=8) if graphed else None
+    reqs, out = _requests(runner, prompts), []
+    for step in plan:
+        chunks = [(reqs[i], n) for i, n in step]
+        before = pg and pg.replays
+        logits = runner.prefill(chunks, keep_hidden=True)
+        assert pg is None or pg.replays == before + 1
+        out += [logits[k] for k in sorted(logits)] + [r.pending_hidden for r, _ in chunks]
+    used = sorted({i for step in plan for i, _ in step})
+    return out + [t for row in _state(runner, [reqs[i] for i in used]) for t in row]
+
+
 @pytest.mark.gpu
 def test_graphed_long_prefill_matches_eager_cuda(ckpt):
     """Buckets of 128 tokens, captured: the recurrence and the one-launch attention inside the graph
-    against the eager forward's fla (or torch) chunk, in bfloat16 as served and in float32."""
+    against the eager forward's fla (or torch) chunk. float32: equal within 1e-4. bfloat16, as served: the
+    two algorithms round differently (3.4e-2 apart in the logits of a 100-token prefill, H100), so each is
+    measured against the float32 forward of the same bf16-rounded weights, and the graphed one may be no
+    further from it than the eager one, with a 1.5x margin."""
     plans = [[[(0, 100)]], [[(0, 70), (1, 40)]], [[(1, 30), (0, 90)]]]
-    for dtype, tol in (("float32", 1e-4), ("bfloat16", 3e-2)):
-        pg = _compare(ckpt, "cuda", "triton", capture=True, tol=tol, plans=plans, prompts=LONG_PROMPTS, dtype=dtype)
-        assert pg.num_captured == len(pg.graphs) == 2 and pg.replays == 3
+    pg = _compare(ckpt, "cuda", "triton", capture=True, tol=1e-4, plans=plans, prompts=LONG_PROMPTS)
+    assert pg.num_captured == len(pg.graphs) == 2 and pg.replays == 3
+    bf16 = load_model(ckpt, dtype="bfloat16", device="cuda", backend="triton")
+    ref_model = load_model(ckpt, dtype="float32", device="cuda", backend="triton")
+    with torch.no_grad():
+        for p in ref_model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    worst = 0.0
+    for plan in plans:
+        ref = _outputs(ref_model, "cuda", plan, LONG_PROMPTS, graphed=False)
+        eager = _outputs(bf16, "cuda", plan, LONG_PROMPTS, graphed=False)
+        graph = _outputs(bf16, "cuda", plan, LONG_PROMPTS, graphed=True)
+        assert len(ref) == len(eager) == len(graph)
+        for i, (r, e, g) in enumerate(zip(ref, eager, graph, strict=True)):
+            err_e, err_g = _rel(e, r), _rel(g, r)
+            assert err_g <= 1.5 * err_e + 4e-3, (plan, i, err_g, err_e)
+            worst = max(worst, err_g)
+    assert worst < 0.1   # bf16 rounding, not a wrong forward
 
 
 @pytest.mark.gpu
