@@ -214,11 +214,12 @@ def test_graphed_prefill_matches_eager_cuda(ckpt):
     assert pg.replays > len(pg.graphs)
 
 
-def _outputs(model, device, plan, prompts, graphed: bool) -> list[torch.Tensor]:
-    """One plan's prefill steps on a fresh runner (its prefill graphs captured when ``graphed``): each
-    step's last logits and hiddens, then the caches of the requests it touched (``_state``)."""
+def _outputs(model, device, plan, prompts, graphs: str | None) -> list[torch.Tensor]:
+    """One plan's prefill steps on a fresh runner, eagerly (``graphs`` None) or through its prefill
+    graphs ("static": the static forward uncaptured, "captured"): each step's last logits and hiddens,
+    then the caches of the requests it touched (``_state``)."""
     runner = _runner(model, device)
-    pg = runner.enable_prefill_graphs((1, 2, 4), capture=True, min_kv=8) if graphed else None
+    pg = None if graphs is None else runner.enable_prefill_graphs((1, 2, 4), capture=graphs == "captured", min_kv=8)
     reqs, out = _requests(runner, prompts), []
     for step in plan:
         chunks = [(reqs[i], n) for i, n in step]
@@ -233,10 +234,14 @@ def _outputs(model, device, plan, prompts, graphed: bool) -> list[torch.Tensor]:
 @pytest.mark.gpu
 def test_graphed_long_prefill_matches_eager_cuda(ckpt):
     """Buckets of 128 tokens, captured: the recurrence and the one-launch attention inside the graph
-    against the eager forward's fla (or torch) chunk. float32: equal within 1e-4. bfloat16, as served: the
-    two algorithms round differently (3.4e-2 apart in the logits of a 100-token prefill, H100), so each is
-    measured against the float32 forward of the same bf16-rounded weights, and the graphed one may be no
-    further from it than the eager one, with a 1.5x margin."""
+    against the eager forward's fla (or torch) chunk and per-request SDPA.
+
+    float32: equal within 1e-4. bfloat16, as served: the captured replay equals the same static forward
+    run uncaptured; against the eager forward the two algorithms round differently, by prompt either
+    one nearer the truth (H100, this checkpoint: 2e-2 to 1.8e-1 max-relative from the float32 forward of
+    the same bf16-rounded weights, per output). So each output's error against that float32 forward is
+    bounded (a wrong forward is off by O(1)) and, over a plan's outputs, the graphed path's mean error is
+    within 1.25x of the eager path's."""
     plans = [[[(0, 100)]], [[(0, 70), (1, 40)]], [[(1, 30), (0, 90)]]]
     pg = _compare(ckpt, "cuda", "triton", capture=True, tol=1e-4, plans=plans, prompts=LONG_PROMPTS)
     assert pg.num_captured == len(pg.graphs) == 2 and pg.replays == 3
@@ -245,17 +250,15 @@ def test_graphed_long_prefill_matches_eager_cuda(ckpt):
     with torch.no_grad():
         for p in ref_model.parameters():
             p.copy_(p.to(torch.bfloat16).float())
-    worst = 0.0
     for plan in plans:
-        ref = _outputs(ref_model, "cuda", plan, LONG_PROMPTS, graphed=False)
-        eager = _outputs(bf16, "cuda", plan, LONG_PROMPTS, graphed=False)
-        graph = _outputs(bf16, "cuda", plan, LONG_PROMPTS, graphed=True)
-        assert len(ref) == len(eager) == len(graph)
-        for i, (r, e, g) in enumerate(zip(ref, eager, graph, strict=True)):
-            err_e, err_g = _rel(e, r), _rel(g, r)
-            assert err_g <= 1.5 * err_e + 4e-3, (plan, i, err_g, err_e)
-            worst = max(worst, err_g)
-    assert worst < 0.1   # bf16 rounding, not a wrong forward
+        ref = _outputs(ref_model, "cuda", plan, LONG_PROMPTS, graphs=None)
+        eager, static, graph = (_outputs(bf16, "cuda", plan, LONG_PROMPTS, graphs=g)
+                                for g in (None, "static", "captured"))
+        assert len(ref) == len(eager) == len(static) == len(graph)
+        assert max(_rel(g, s) for g, s in zip(graph, static, strict=True)) <= 1e-3, plan
+        err_e, err_g = ([_rel(x, r) for x, r in zip(xs, ref, strict=True)] for xs in (eager, graph))
+        assert max(err_g) < 0.3, (plan, err_g)
+        assert sum(err_g) <= 1.25 * sum(err_e), (plan, err_g, err_e)
 
 
 @pytest.mark.gpu
