@@ -347,9 +347,11 @@ class EngineConfig:
     # ignored on the CPU, and for MoE / tensor-parallel models (decode then runs eagerly)
     enable_cuda_graphs: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-    # with enable_cuda_graphs, prefill steps of <= 256 tokens (with padding) replay captured graphs in
-    # every mode (bole.engine.graphs.prefill; the "triton" backend only); off: prefills run eagerly
+    # with enable_cuda_graphs, prefill steps of <= cuda_graph_prefill_tokens tokens (with padding) replay
+    # captured graphs in every mode (bole.engine.graphs.prefill; the "triton" backend only; token buckets
+    # 16, 32, ... up to it, a power of two in [16, 1024]); off: prefills run eagerly
     cuda_graph_prefill: bool = True
+    cuda_graph_prefill_tokens: int = 256
     # with enable_cuda_graphs, capture at start every graph a step of <= max_num_seqs requests of <= this
     # many tokens each can need (vLLM's max_seq_len_to_capture), so no step waits on a capture; longer
     # requests' keys are still captured when first needed. None: every graph is captured lazily
@@ -376,6 +378,9 @@ class EngineConfig:
         for name in ("enable_cuda_graphs", "cuda_graph_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        n = self.cuda_graph_prefill_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or not 16 <= n <= 1024 or n & (n - 1):
+            raise ValueError(f"cuda_graph_prefill_tokens must be a power of two in [16, 1024], got {n!r}")
         n = self.cuda_graph_capture_len
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"cuda_graph_capture_len must be None or an int >= 1, got {n!r}")

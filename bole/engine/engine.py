@@ -123,7 +123,8 @@ class LLMEngine:
                                                         floor=spec.budget_floor)
                                   if spec_graphs else None,
                                   # the same buckets in every mode: a prefill runs at the same padded shapes
-                                  prefill_graph_sizes=spec_sizes if graphs and config.cuda_graph_prefill else None)
+                                  prefill_graph_sizes=spec_sizes if graphs and config.cuda_graph_prefill else None,
+                                  prefill_graph_tokens=config.cuda_graph_prefill_tokens)
         cc = config.cache
         self.prefix_cache = PrefixCache(self.runner.allocator, self.runner.state_pool, cc.block_size,
                                         cc.checkpoint_interval_blocks, cc.num_checkpoint_slots,

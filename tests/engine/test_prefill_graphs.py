@@ -171,7 +171,7 @@ def test_keys_and_fallbacks(ckpt):
     out = runner.prefill([(r[0], 64)], keep_hidden=False)  # eager
     assert pg.replays == 0 and out == {}
     with pytest.raises(ValueError, match="token sizes"):
-        runner.enable_prefill_graphs((1,), capture=False, token_sizes=(16, 257))
+        runner.enable_prefill_graphs((1,), capture=False, token_sizes=(16, 1025))
     assert runner.enable_prefill_graphs((1, 4, 64, 256), capture=False, min_kv=8).batch_sizes == [1, 4, 64]
     with pytest.raises(ValueError, match="fits"):
         runner.enable_prefill_graphs((256,), capture=False)
@@ -202,6 +202,52 @@ def test_option_validated_and_off_on_cpu(ckpt):
     with pytest.raises(ValueError, match="cuda_graph_prefill"):
         EngineConfig(cuda_graph_prefill=1)
     assert _engine(ckpt, "ar", enable_cuda_graphs=True).runner.prefill_graphs is None
+
+
+def test_largest_token_bucket_is_an_option(ckpt, monkeypatch):
+    """``cuda_graph_prefill_tokens``: the largest bucket (a power of two in [16, 1024]) reaches the runner,
+    whose graphs then take 512-token buckets: a 300-token prompt runs the static forward (uncaptured here),
+    sync-free (the recurrence's twin as the backend's ``prefill_sync_free``), and equals the eager one."""
+    import dataclasses
+
+    import bole.engine.engine as engine_mod
+    from bole.backend import resolve_backend
+    from bole.engine.graphs.prefill import token_buckets
+    from bole.ops.gdn import gdn_recurrent_ref
+
+    assert token_buckets() == (16, 32, 64, 128, 256) and token_buckets(512)[-1] == 512
+    for bad in (8, 100, 2048, True, 256.0):
+        with pytest.raises(ValueError, match="power of two"):
+            token_buckets(bad)
+        with pytest.raises(ValueError, match="cuda_graph_prefill_tokens"):
+            EngineConfig(cuda_graph_prefill_tokens=bad)
+    seen = []
+
+    class Spy(ModelRunner):
+        def __init__(self, *a, **kw):
+            seen.append(kw["prefill_graph_tokens"])
+            super().__init__(*a, **kw)
+    monkeypatch.setattr(engine_mod, "ModelRunner", Spy)
+    _engine(ckpt, "ar", cuda_graph_prefill_tokens=512)
+    assert seen == [512]
+    launched = []
+
+    def spy(q, *a, **kw):
+        launched.append(q.shape[1])
+        return gdn_recurrent_ref(q, *a, **kw)
+    backend = dataclasses.replace(resolve_backend("torch"), prefill_sync_free=spy)
+    model = load_model(ckpt, dtype="float32", backend=backend)
+    eager, static = (ModelRunner(model, num_blocks=160, block_size=4, num_state_slots=4, max_batch_nodes=8,
+                                 kv_dtype=torch.float32, device="cpu") for _ in range(2))
+    pg = static.enable_prefill_graphs((1, 2), capture=False, min_kv=8, token_sizes=token_buckets(512))
+    prompt = [(11 * i) % 61 + 1 for i in range(300)]
+    (re,), (rs,) = _requests(eager, [prompt]), _requests(static, [prompt])
+    assert pg.key([(rs, 300)])[1] == 512
+    le, ls = eager.prefill([(re, 300)], keep_hidden=True), static.prefill([(rs, 300)], keep_hidden=True)
+    n_gdn = sum(t == "linear_attention" for t in model.config.layer_types)
+    assert pg.replays == 1 and launched == [512] * n_gdn and _rel(ls["r0"], le["r0"]) <= 5e-5
+    for x, y in zip(_state(eager, [re])[0], _state(static, [rs])[0], strict=True):
+        assert _rel(y, x) <= 5e-5
 
 
 # ------------------------------------------------------------------------------------------- GPU

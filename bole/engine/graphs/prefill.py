@@ -1,4 +1,4 @@
-"""CUDA-graph capture of prefill forwards of up to 256 tokens (a request's first step, in every mode).
+"""CUDA-graph capture of prefill forwards of up to 256 tokens by default (a request's first step, in every mode).
 
 On a small model a short prefill is host bound: the embedded model's 13-token prompt issues ~330
 launches from Python, 16.8 ms of wall time for 1.5 ms of GPU work on the H200 (``profile_step.py
@@ -22,7 +22,12 @@ causal rows, each over the device offsets. So capture needs that backend. Eager 
 and more take fla's chunked kernels, which plan on the host (a device read per forward) and launch
 several kernels per layer from Python: a 9B-cost prefill of 65-200 tokens took 80-90 ms eagerly, against
 ~10 ms for a captured one of up to 64 tokens (H100, 2026-12-05 served trace). The recurrence is serial in
-a sequence's tokens, so the buckets stop at 256 (``MAX_TOKENS``); longer steps run eagerly, through fla.
+a sequence's tokens, so the buckets stop at 256 by default (``EngineConfig.cuda_graph_prefill_tokens``,
+at most ``MAX_TOKENS``); longer steps run eagerly, through fla. Per GDN layer at the 9B shape (bf16, one
+sequence, H100, ``prefill_fp32.py --shape qwen3.5-9b --dtype bfloat16 --op-only``) the recurrence took
+104 / 203 / 407 / 787 / 1608 us at 64 / 128 / 256 / 512 / 1024 tokens and fla's eager call ~1250-1490 us
+at each: a 512-token bucket would beat fla's call per layer, 1024 would not; whether 512 pays served
+(the padded GEMM rows, start time, graph memory) is not measured.
 
 Static inputs (``StaticRows``, one pinned host-to-device copy each): per row its token count, its
 committed length, its GDN slot and its block table; the packed token ids. Everything else is derived
@@ -42,8 +47,19 @@ import torch
 from bole.engine.graphs import base
 from bole.models.context import ForwardContext
 
-DEFAULT_TOKEN_SIZES = (16, 32, 64, 128, 256)
-MAX_TOKENS = 256  # the largest token bucket: the recurrence walks a sequence's tokens one by one
+MAX_TOKENS = 1024  # the largest token bucket allowed: the recurrence walks a sequence's tokens one by one
+
+
+def token_buckets(largest: int = 256) -> tuple[int, ...]:
+    """The token buckets 16, 32, ... up to ``largest`` (a power of two in [16, MAX_TOKENS])."""
+    if not isinstance(largest, int) or isinstance(largest, bool) or not 16 <= largest <= MAX_TOKENS \
+            or largest & (largest - 1):
+        raise ValueError(f"the largest prefill token bucket must be a power of two in [16, {MAX_TOKENS}], "
+                         f"got {largest!r}")
+    return tuple(16 << i for i in range((largest // 16).bit_length()))
+
+
+DEFAULT_TOKEN_SIZES = token_buckets(256)
 _CNT, _POS, _SLOT, _TABLE = 0, 1, 2, 3  # columns of the per-row input buffer
 
 
