@@ -86,6 +86,7 @@ def server_delta(before: dict, after: dict) -> dict:
         d["bole_queue_wait_seconds_count"]
     steps, decode_steps = d["bole_engine_steps"], d["bole_engine_decode_steps"]
     share = lambda k: round(d[k] / decode_steps, 4) if decode_steps else None
+    prefills = d["bole_engine_prefill_steps"]
     return {
         "preemptions": int(d["bole_engine_preemptions"]),
         "prefix_hit_tokens": int(d["bole_prefix_cache_hit_tokens"]),
@@ -104,6 +105,10 @@ def server_delta(before: dict, after: dict) -> dict:
         "eager_forward_share": share("bole_engine_eager_forwards"),
         "eager_draft_share": share("bole_engine_eager_drafts"),
         "eager_tail_share": share("bole_engine_eager_tails"),
+        # the steps that prefilled: the mean time to their first tokens, the share with an eager prefill
+        "prefill_steps": int(prefills),
+        "mean_prefill_ms": round(1000 * d["bole_engine_prefill_seconds"] / prefills, 2) if prefills else None,
+        "eager_prefill_share": round(d["bole_engine_eager_prefills"] / prefills, 4) if prefills else None,
         # graphs captured during the phase (lazily, inside steps) and the seconds of steps they took
         "graph_captures": int(d["bole_engine_graph_captures"]),
         "capture_s": round(d["bole_engine_capture_seconds"], 3),
@@ -262,7 +267,8 @@ def summary_rows(doc: dict) -> list[dict]:
                          "step_ms": s.get("mean_step_ms"), "decode_ms": s.get("mean_decode_ms"),
                          "busy_share": round(s["engine_step_s"] / c["duration_s"], 3)
                          if s.get("engine_step_s") is not None and c.get("duration_s") else None,
-                         **{f"eager_{k}": s.get(f"eager_{k}_share") for k in ("forward", "draft", "tail")},
+                         **{f"eager_{k}": s.get(f"eager_{k}_share") for k in ("forward", "draft", "tail", "prefill")},
+                         "prefill_ms": s.get("mean_prefill_ms"),
                          "captures": s.get("graph_captures"), "capture_s": s.get("capture_s")})
     return rows
 
@@ -270,7 +276,7 @@ def summary_rows(doc: dict) -> list[dict]:
 def print_table(rows: list[dict]) -> None:
     cols = ("mode", "rate", "req_per_s", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p50_ms",
             "tpot_p99_ms", "prefix_hit_rate", "preemptions", "mean_mat", "step_ms", "decode_ms", "busy_share",
-            "eager_forward", "eager_draft", "eager_tail", "captures", "capture_s")
+            "eager_forward", "eager_draft", "eager_tail", "prefill_ms", "eager_prefill", "captures", "capture_s")
     print(" ".join(f"{c:>13}" for c in cols))
     for r in rows:
         cells = " ".join(f"{'-' if r.get(c) is None else r[c]!s:>13}" for c in cols)

@@ -262,6 +262,7 @@ class LLMEngine:
                 starts = {r.request_id: r.num_computed for r, _ in chunks}
                 scored = {} if any(r.needs_prompt_logits for r, _ in chunks) else None
                 last.update(self.runner.prefill(chunks, keep_hidden=spec, position_logits=scored))
+                stats.eager_prefill |= not self.runner.prefill_graphed
                 for rid, lg in (scored or {}).items():
                     sampler.score_prompt(self.requests[rid], starts[rid], lg)
                 publish_committed(self.prefix_cache, [r for r, _ in chunks])
@@ -277,6 +278,7 @@ class LLMEngine:
                 for i, (r, t) in enumerate(zip(done, toks)):
                     outputs.append(self._emit(r, [t], lps and lps[i]))
             stats.prefill_tokens = sum(n for _, n in sched.prefill + sched.prefill_tails)
+            stats.prefill_time = time.perf_counter() - stats.start
             # a request that ended on its first token is handed back at the end, once it is released
             early = [o for o in outputs if not o.finished] if emit_early is not None else []
             if early:

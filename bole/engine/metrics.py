@@ -16,6 +16,8 @@ class StepStats:
     tree_nodes: int = 0            # tokens run through the target in the decode / verify forward
     b_ver: int = 0                 # the bucket's capacity (speculative modes)
     verify_time: float = 0.0       # seconds in draft + verify + sample + commit (or decode)
+    prefill_time: float = 0.0      # seconds from the step's start to its first tokens (prefill forwards, sampling)
+    eager_prefill: bool = False    # a prefill forward of the step ran eagerly (no captured graph fits it)
     preempted: int = 0
     # which parts of the decode step ran eagerly, not from a captured CUDA graph (always, without graphs)
     eager_forward: bool = False    # the decode (ar) or verify forward
@@ -37,6 +39,9 @@ class EngineMetrics:
     step_time: float = 0.0
     verify_time: float = 0.0
     prefill_tokens: int = 0
+    prefill_steps: int = 0         # steps that prefilled
+    prefill_time: float = 0.0      # StepStats.prefill_time over them
+    eager_prefills: int = 0        # of those, steps with an eager prefill forward
     preemptions: int = 0
     eager_forwards: int = 0        # decode steps whose forward ran eagerly (StepStats.eager_*)
     eager_drafts: int = 0
@@ -54,6 +59,10 @@ class EngineMetrics:
         self.steps += 1
         self.step_time += s.end - s.start
         self.prefill_tokens += s.prefill_tokens
+        if s.prefill_tokens:
+            self.prefill_steps += 1
+            self.prefill_time += s.prefill_time
+            self.eager_prefills += s.eager_prefill
         self.preemptions += s.preempted
         if s.decode_requests:
             self.decode_steps += 1
@@ -124,4 +133,9 @@ class EngineMetrics:
             "eager_forwards": self.eager_forwards,
             "eager_drafts": self.eager_drafts,
             "eager_tails": self.eager_tails,
+            # the same for the steps that prefilled: their count, the seconds to their first tokens, and
+            # those with a prefill forward that ran eagerly (more tokens than the largest prefill graph)
+            "prefill_steps": self.prefill_steps,
+            "prefill_time_s": self.prefill_time,
+            "eager_prefills": self.eager_prefills,
         }

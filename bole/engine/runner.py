@@ -89,7 +89,8 @@ class ModelRunner:
         self.verify_graphs: VerifyGraphs | None = None
         self.draft_graphs: DraftGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
-        self.decode_graphed = self.draft_graphed = False  # whether the last decode_forward / draft_batch replayed
+        # whether the last decode_forward / draft_batch / prefill replayed a graph
+        self.decode_graphed = self.draft_graphed = self.prefill_graphed = False
         self._pad: tuple[int, int] | None = None
         if graphs and cuda_graph_batch_sizes:
             self.enable_cuda_graphs(cuda_graph_batch_sizes)
@@ -169,7 +170,8 @@ class ModelRunner:
         for _, n in chunks:
             cu.append(cu[-1] + n)
         pg = self.prefill_graphs
-        if pg is not None and pg.supports(chunks):
+        self.prefill_graphed = pg is not None and pg.supports(chunks)
+        if self.prefill_graphed:
             hidden, last = pg.run(chunks)
             logits_of = lambda b: last[b]
         else:
