@@ -86,7 +86,7 @@ def server_delta(before: dict, after: dict) -> dict:
         d["bole_queue_wait_seconds_count"]
     steps, decode_steps = d["bole_engine_steps"], d["bole_engine_decode_steps"]
     share = lambda k: round(d[k] / decode_steps, 4) if decode_steps else None
-    prefills = d["bole_engine_prefill_steps"]
+    prefills, first = d["bole_engine_prefill_steps"], d["bole_engine_first_token_steps"]
     return {
         "preemptions": int(d["bole_engine_preemptions"]),
         "prefix_hit_tokens": int(d["bole_prefix_cache_hit_tokens"]),
@@ -105,9 +105,10 @@ def server_delta(before: dict, after: dict) -> dict:
         "eager_forward_share": share("bole_engine_eager_forwards"),
         "eager_draft_share": share("bole_engine_eager_drafts"),
         "eager_tail_share": share("bole_engine_eager_tails"),
-        # the steps that prefilled: the mean time to their first tokens, the share with an eager prefill
+        # the steps that prefilled (the share with an eager prefill forward), and the mean time to the
+        # first tokens of those that sampled some
         "prefill_steps": int(prefills),
-        "mean_prefill_ms": round(1000 * d["bole_engine_prefill_seconds"] / prefills, 2) if prefills else None,
+        "mean_prefill_ms": round(1000 * d["bole_engine_prefill_seconds"] / first, 2) if first else None,
         "eager_prefill_share": round(d["bole_engine_eager_prefills"] / prefills, 4) if prefills else None,
         # graphs captured during the phase (lazily, inside steps) and the seconds of steps they took
         "graph_captures": int(d["bole_engine_graph_captures"]),

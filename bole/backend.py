@@ -201,7 +201,9 @@ def short_to_recurrent(long_prefill, min_tokens: int = FLA_MIN_TOKENS, fp32_to_r
     fla was not measured. fp32: fla's chunk takes TF32 products for fp32 inputs, and put our fp32
     model 1.5e-2 (max-relative logits) from transformers' fp32 forward on the CPU after a 70-token
     prefill on the H200 (2026-12-02, tests/models/test_gpu.py); the recurrence is fp32 throughout.
-    ``recurrent``: the backend's checked recurrence (its ``prefill_sync_free``); None builds it."""
+    ``recurrent``: the backend's checked recurrence (its ``prefill_sync_free``); None builds it. The layers
+    route short prefills to ``prefill_sync_free`` themselves (``ForwardContext.sync_free``, set by the
+    same ``FLA_MIN_TOKENS``): the length test here serves direct callers (benchmarks, tests)."""
     if recurrent is None:
         from kernels.gdn_recurrent import gdn_recurrent
         recurrent = context_checked(gdn_recurrent)   # the layers' prefill: offsets and slots checked per forward

@@ -229,6 +229,9 @@ def _attr(obj, name, default):
 
 ENGINE_MODES = ("ar", "serial_tree", "bole")
 DEFAULT_CALIBRATION_TABLE = "calibration_tables/default.yaml"
+# the largest prefill graph (``cuda_graph_prefill_tokens``) allowed: the recurrence a captured prefill runs
+# walks a sequence's tokens one by one (bole.engine.graphs.prefill)
+PREFILL_GRAPH_MAX_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -349,7 +352,8 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     # with enable_cuda_graphs, prefill steps of <= cuda_graph_prefill_tokens tokens (with padding) replay
     # captured graphs in every mode (bole.engine.graphs.prefill; the "triton" backend only; token buckets
-    # 16, 32, ... up to it, a power of two in [16, 1024]); off: prefills run eagerly
+    # 16, 32, ... up to it, a power of two in [16, 1024], and no larger than a step can fill:
+    # max_num_batched_tokens + max_num_seqs + 1 with the padding rows); off: prefills run eagerly
     cuda_graph_prefill: bool = True
     cuda_graph_prefill_tokens: int = 256
     # with enable_cuda_graphs, capture at start every graph a step of <= max_num_seqs requests of <= this
@@ -379,8 +383,9 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         n = self.cuda_graph_prefill_tokens
-        if not isinstance(n, int) or isinstance(n, bool) or not 16 <= n <= 1024 or n & (n - 1):
-            raise ValueError(f"cuda_graph_prefill_tokens must be a power of two in [16, 1024], got {n!r}")
+        if not isinstance(n, int) or isinstance(n, bool) or not 16 <= n <= PREFILL_GRAPH_MAX_TOKENS or n & (n - 1):
+            raise ValueError(f"cuda_graph_prefill_tokens must be a power of two in [16, {PREFILL_GRAPH_MAX_TOKENS}], "
+                             f"got {n!r}")
         n = self.cuda_graph_capture_len
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"cuda_graph_capture_len must be None or an int >= 1, got {n!r}")

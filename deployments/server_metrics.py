@@ -43,10 +43,11 @@ TOTALS = (
     ("eager_drafts", "bole_engine_eager_drafts", "Speculative steps whose MTP draft ran eagerly"),
     ("eager_tails", "bole_engine_eager_tails", "Speculative steps whose acceptance and commit ran eagerly"),
     ("prefill_steps", "bole_engine_prefill_steps", "Engine steps that prefilled"),
-    ("prefill_time_s", "bole_engine_prefill_seconds", "Seconds from the start of prefilling steps to their first "
-     "tokens (the prefill forwards and sampling; the step's decode follows)"),
-    ("eager_prefills", "bole_engine_eager_prefills", "Prefilling steps with a prefill forward that ran eagerly (more "
-     "tokens than the largest captured prefill graph)"),
+    ("eager_prefills", "bole_engine_eager_prefills", "Prefilling steps with a prefill forward that ran eagerly (no "
+     "captured prefill graph fits it, or graphs are off)"),
+    ("first_token_steps", "bole_engine_first_token_steps", "Engine steps that sampled first tokens"),
+    ("prefill_time_s", "bole_engine_prefill_seconds", "Seconds from the start of the steps that sampled first tokens "
+     "to those tokens (prefill forwards and sampling; the step's decode follows)"),
     ("graph_captures", "bole_engine_graph_captures", "CUDA graphs captured (at start, or inside the step that "
      "first needed one)"),
     ("capture_time_s", "bole_engine_capture_seconds", "Seconds spent capturing CUDA graphs, Triton compiles inside "

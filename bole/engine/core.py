@@ -79,8 +79,9 @@ class EngineStats:
     eager_drafts: int = 0
     eager_tails: int = 0
     prefill_steps: int = 0
-    prefill_time_s: float = 0.0
     eager_prefills: int = 0
+    first_token_steps: int = 0
+    prefill_time_s: float = 0.0
     graph_captures: int = 0        # CUDA graphs captured since start (ModelRunner.graph_captures)
     capture_time_s: float = 0.0    # host seconds in those captures, at start or inside steps
     running: int = 0

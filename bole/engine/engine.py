@@ -46,6 +46,7 @@ from bole.config import EngineConfig
 from bole.engine import sampler
 from bole.engine.core import EngineLimits, EngineStats, RequestTimings, budget_stats
 from bole.engine.detokenizer import IncrementalDetokenizer, skipped_token_ids
+from bole.engine.graphs.prefill import useful_token_buckets
 from bole.engine.graphs.tree import tree_widths
 from bole.engine.metrics import EngineMetrics, StepStats
 from bole.engine.output import RequestOutput, emit
@@ -124,7 +125,9 @@ class LLMEngine:
                                   if spec_graphs else None,
                                   # the same buckets in every mode: a prefill runs at the same padded shapes
                                   prefill_graph_sizes=spec_sizes if graphs and config.cuda_graph_prefill else None,
-                                  prefill_graph_tokens=config.cuda_graph_prefill_tokens)
+                                  prefill_graph_tokens=useful_token_buckets(
+                                      config.cuda_graph_prefill_tokens, config.max_num_batched_tokens,
+                                      config.max_num_seqs))
         cc = config.cache
         self.prefix_cache = PrefixCache(self.runner.allocator, self.runner.state_pool, cc.block_size,
                                         cc.checkpoint_interval_blocks, cc.num_checkpoint_slots,
@@ -277,8 +280,9 @@ class LLMEngine:
                                                 sampler.penalties(done, V, self.runner.device))
                 for i, (r, t) in enumerate(zip(done, toks)):
                     outputs.append(self._emit(r, [t], lps and lps[i]))
+                # toks are host ints: the clock includes the prefill's GPU work
+                stats.first_tokens, stats.prefill_time = len(done), time.perf_counter() - stats.start
             stats.prefill_tokens = sum(n for _, n in sched.prefill + sched.prefill_tails)
-            stats.prefill_time = time.perf_counter() - stats.start
             # a request that ended on its first token is handed back at the end, once it is released
             early = [o for o in outputs if not o.finished] if emit_early is not None else []
             if early:

@@ -16,7 +16,10 @@ class StepStats:
     tree_nodes: int = 0            # tokens run through the target in the decode / verify forward
     b_ver: int = 0                 # the bucket's capacity (speculative modes)
     verify_time: float = 0.0       # seconds in draft + verify + sample + commit (or decode)
-    prefill_time: float = 0.0      # seconds from the step's start to its first tokens (prefill forwards, sampling)
+    # seconds from the step's start to its first tokens, sampled on the host (so the prefill's GPU work is
+    # in it), when it sampled ``first_tokens`` of them
+    prefill_time: float = 0.0
+    first_tokens: int = 0
     eager_prefill: bool = False    # a prefill forward of the step ran eagerly (no captured graph fits it)
     preempted: int = 0
     # which parts of the decode step ran eagerly, not from a captured CUDA graph (always, without graphs)
@@ -40,8 +43,9 @@ class EngineMetrics:
     verify_time: float = 0.0
     prefill_tokens: int = 0
     prefill_steps: int = 0         # steps that prefilled
-    prefill_time: float = 0.0      # StepStats.prefill_time over them
     eager_prefills: int = 0        # of those, steps with an eager prefill forward
+    first_token_steps: int = 0     # steps that sampled first tokens
+    prefill_time: float = 0.0      # StepStats.prefill_time over them
     preemptions: int = 0
     eager_forwards: int = 0        # decode steps whose forward ran eagerly (StepStats.eager_*)
     eager_drafts: int = 0
@@ -61,8 +65,10 @@ class EngineMetrics:
         self.prefill_tokens += s.prefill_tokens
         if s.prefill_tokens:
             self.prefill_steps += 1
-            self.prefill_time += s.prefill_time
             self.eager_prefills += s.eager_prefill
+        if s.first_tokens:
+            self.first_token_steps += 1
+            self.prefill_time += s.prefill_time
         self.preemptions += s.preempted
         if s.decode_requests:
             self.decode_steps += 1
@@ -133,9 +139,10 @@ class EngineMetrics:
             "eager_forwards": self.eager_forwards,
             "eager_drafts": self.eager_drafts,
             "eager_tails": self.eager_tails,
-            # the same for the steps that prefilled: their count, the seconds to their first tokens, and
-            # those with a prefill forward that ran eagerly (more tokens than the largest prefill graph)
+            # the steps that prefilled and those of them with an eager prefill forward (no captured graph
+            # fits it, or graphs are off); the steps that sampled first tokens and their seconds to them
             "prefill_steps": self.prefill_steps,
-            "prefill_time_s": self.prefill_time,
             "eager_prefills": self.eager_prefills,
+            "first_token_steps": self.first_token_steps,
+            "prefill_time_s": self.prefill_time,
         }

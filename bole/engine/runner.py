@@ -7,8 +7,8 @@ Three kinds of forward per step (DESIGN.md §2), all batched over requests:
 * ``decode(reqs)``: autoregressive mode: one forward over every request's pending root token; on a
   GPU with ``cuda_graph_batch_sizes`` it replays a captured CUDA graph (``bole.engine.graphs.decode``:
   the runner then reserves one extra KV block and one GDN state slot for the graphs' padding rows).
-  Prefills of <= ``prefill_graph_tokens`` tokens (with the padding; 256 by default) replay captured
-  graphs too (``prefill_graph_sizes``: ``bole.engine.graphs.prefill``), in every mode.
+  Prefills that fit the token buckets ``prefill_graph_tokens`` (with the padding; to 256 by default)
+  replay captured graphs too (``prefill_graph_sizes``: ``bole.engine.graphs.prefill``), in every mode.
 * ``draft(reqs)`` + ``verify(reqs, batch)``: speculative modes. The MTP drafter first catches up
   on the committed positions it has not seen, then grows each request's candidate tree
   (``bole.spec.drafter.expand_tree``); the budget (``select_nodes``) keeps at most B_ver nodes for
@@ -38,7 +38,7 @@ from bole.engine.drafting import empty_factors, grow_draft_tree
 from bole.engine.graphs.base import graphs_unsupported
 from bole.engine.graphs.decode import DecodeGraphs
 from bole.engine.graphs.draft import DraftGraphs
-from bole.engine.graphs.prefill import PrefillGraphs, prefill_graphs_unsupported, token_buckets
+from bole.engine.graphs.prefill import DEFAULT_TOKEN_SIZES, PrefillGraphs, prefill_graphs_unsupported
 from bole.engine.graphs.verify import VerifyGraphs
 from bole.engine.sampler import SamplingTensors
 from bole.engine.sequence import Request
@@ -64,7 +64,7 @@ class ModelRunner:
                  max_batch_nodes: int, kv_dtype: torch.dtype, device, snapshot_verify: bool = False,
                  cuda_graph_batch_sizes: Sequence[int] | None = None, verify_graph_spec: dict | None = None,
                  draft_graph_spec: dict | None = None, prefill_graph_sizes: Sequence[int] | None = None,
-                 prefill_graph_tokens: int = 256):
+                 prefill_graph_tokens: Sequence[int] = DEFAULT_TOKEN_SIZES):
         cfg = getattr(model, "local_config", model.config)  # this TP rank's head counts (bole.parallel)
         self.model, self.cfg, self.device = model, cfg, torch.device(device)
         self.block_size = block_size
@@ -103,7 +103,7 @@ class ModelRunner:
             if why:
                 logger.warning("prefill graphs off: %s; prefills run eagerly", why)
             else:
-                self.enable_prefill_graphs(prefill_graph_sizes, token_sizes=token_buckets(prefill_graph_tokens))
+                self.enable_prefill_graphs(prefill_graph_sizes, token_sizes=prefill_graph_tokens)
 
     def enable_cuda_graphs(self, batch_sizes: Sequence[int], capture: bool = True, **kw) -> DecodeGraphs:
         """Route ``decode`` through ``DecodeGraphs``; takes one KV block and one state slot for padding
@@ -163,7 +163,7 @@ class ModelRunner:
     def prefill(self, chunks: list[tuple[Request, int]], keep_hidden: bool,
                 position_logits: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Run each request's next chunk; return {request_id: last logits [V]} for completed prefills.
-        From a captured graph when the runner has prefill graphs and one fits (<= 256 tokens).
+        From a captured graph when the runner has prefill graphs and one fits (its largest token bucket).
         ``position_logits``: when given, the logits of every position of the chunk [n, V] of each
         request that ``needs_prompt_logits`` go there (the lm_head runs on those rows only)."""
         cu = [0]

@@ -155,8 +155,9 @@ class ForwardContext:
                        GDN layers take the backend's ``prefill_sync_free`` and the attention layers their
                        one-launch ``prefill_attention``. ``PrefillGraphs`` sets it at every length;
                        ``build`` sets it for prefills of fewer than ``bole.backend.FLA_MIN_TOKENS``
-                       tokens (the whole forward's: launches and host work decide there). The one
-                       place the layers' prefill routing is decided; longer eager prefills take the
+                       tokens (the whole forward's: launches and host work decide there). The layers
+                       read only this flag (the backend's ``prefill`` keeps its own length test for
+                       direct callers: benchmarks, tests); longer eager prefills take the
                        backend's ``prefill`` (fla's chunk; the recurrence in fp32) and the
                        per-request SDPA.
     """

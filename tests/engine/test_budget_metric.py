@@ -25,7 +25,7 @@ def test_step_accounting():
     # batch 1 well inside its budget: 5 of 16
     m.record_step(StepStats(1.0, 2.0, decode_requests=1, emitted_tokens=2, tree_nodes=1 + 5, b_ver=16))
     # a prefill-only step: its time counts, it is no decode step
-    m.record_step(StepStats(2.0, 2.5, prefill_tokens=7, prefill_time=0.375, eager_prefill=True))
+    m.record_step(StepStats(2.0, 2.5, prefill_tokens=7, prefill_time=0.375, first_tokens=2, eager_prefill=True))
     snap = m.snapshot()
     assert snap["budget_used"] == (8 + 5) / (8 + 16)
     assert snap["floor_excess_nodes"] == 4 / 2
@@ -37,8 +37,11 @@ def test_step_accounting():
     assert (snap["step_time_s"], snap["decode_steps"]) == (3.0, 4)
     assert snap["decode_time_s"] == 0.125   # the decode part of the steps (StepStats.verify_time)
     assert (snap["eager_forwards"], snap["eager_drafts"], snap["eager_tails"]) == (1, 1, 1)
-    # the prefilling steps: one, 0.375 s to its first tokens, eagerly
-    assert (snap["prefill_steps"], snap["prefill_time_s"], snap["eager_prefills"]) == (1, 0.375, 1)
+    # the prefilling steps: one, eagerly, 0.375 s to its two first tokens; a chunk-only step is not timed
+    m.record_step(StepStats(5.0, 5.5, prefill_tokens=16, prefill_time=0.01))
+    snap = m.snapshot()
+    assert (snap["prefill_steps"], snap["eager_prefills"]) == (2, 1)
+    assert (snap["first_token_steps"], snap["prefill_time_s"]) == (1, 0.375)
 
 
 def test_served_engine_budget_used_stays_within_one(tmp_path):
@@ -62,7 +65,8 @@ def test_served_engine_budget_used_stays_within_one(tmp_path):
     assert snap["eager_forwards"] == snap["eager_drafts"] == snap["eager_tails"] == snap["decode_steps"]
     assert eng.stats().eager_drafts == snap["eager_drafts"]
     # and every prefill forward (no prefill graphs on the CPU), within the steps' time
-    assert snap["eager_prefills"] == snap["prefill_steps"] > 0 and 0 < snap["prefill_time_s"] < snap["step_time_s"]
+    assert snap["eager_prefills"] == snap["prefill_steps"] >= snap["first_token_steps"] > 0
+    assert 0 < snap["prefill_time_s"] < snap["step_time_s"]
     assert eng.stats().eager_prefills == snap["eager_prefills"]
     assert snap["floor_excess_nodes"] > 0
     # the old ratio (every verified draft over B_ver) is what exceeded 1

@@ -206,16 +206,21 @@ def test_option_validated_and_off_on_cpu(ckpt):
 
 def test_largest_token_bucket_is_an_option(ckpt, monkeypatch):
     """``cuda_graph_prefill_tokens``: the largest bucket (a power of two in [16, 1024]) reaches the runner,
-    whose graphs then take 512-token buckets: a 300-token prompt runs the static forward (uncaptured here),
+    without the buckets no step can fill (``max_num_batched_tokens`` + the padding rows); graphs with
+    512-token buckets: a 300-token prompt runs the static forward (uncaptured here),
     sync-free (the recurrence's twin as the backend's ``prefill_sync_free``), and equals the eager one."""
     import dataclasses
 
     import bole.engine.engine as engine_mod
     from bole.backend import resolve_backend
-    from bole.engine.graphs.prefill import token_buckets
+    from bole.engine.graphs.prefill import token_buckets, useful_token_buckets
     from bole.ops.gdn import gdn_recurrent_ref
 
     assert token_buckets() == (16, 32, 64, 128, 256) and token_buckets(512)[-1] == 512
+    # a step of <= 256 tokens in <= 4 chunks needs at most 256 + 5: the 512 bucket holds it, 1024 is never used
+    assert useful_token_buckets(1024, 256, 4) == token_buckets(512)
+    assert useful_token_buckets(1024, 251, 4) == token_buckets(256)    # 256 tokens hold 251 + 5
+    assert useful_token_buckets(256, 16, 1) == (16, 32) and useful_token_buckets(256, 10, 2) == (16,)
     for bad in (8, 100, 2048, True, 256.0):
         with pytest.raises(ValueError, match="power of two"):
             token_buckets(bad)
@@ -229,7 +234,9 @@ def test_largest_token_bucket_is_an_option(ckpt, monkeypatch):
             super().__init__(*a, **kw)
     monkeypatch.setattr(engine_mod, "ModelRunner", Spy)
     _engine(ckpt, "ar", cuda_graph_prefill_tokens=512)
-    assert seen == [512]
+    _engine(ckpt, "ar", cuda_graph_prefill_tokens=1024, max_num_batched_tokens=256)
+    _engine(ckpt, "ar")
+    assert seen == [token_buckets(512), token_buckets(512), token_buckets(256)]
     launched = []
 
     def spy(q, *a, **kw):
@@ -286,8 +293,8 @@ def test_graphed_long_prefill_matches_eager_cuda(ckpt):
     run uncaptured; against the eager forward the two algorithms round differently, by prompt either
     one nearer the truth (H100, this checkpoint: 2e-2 to 1.8e-1 max-relative from the float32 forward of
     the same bf16-rounded weights, per output). So each output's error against that float32 forward is
-    bounded (a wrong forward is off by O(1)) and, over a plan's outputs, the graphed path's mean error is
-    within 1.25x of the eager path's."""
+    bounded (a wrong forward is off by O(1)) and, over every output, the graphed path's mean error is
+    within 1.25x of the eager path's (summed over the plans: one plan alone measured up to 1.10x)."""
     plans = [[[(0, 100)]], [[(0, 70), (1, 40)]], [[(1, 30), (0, 90)]]]
     pg = _compare(ckpt, "cuda", "triton", capture=True, tol=1e-4, plans=plans, prompts=LONG_PROMPTS)
     assert pg.num_captured == len(pg.graphs) == 2 and pg.replays == 3
@@ -296,15 +303,17 @@ def test_graphed_long_prefill_matches_eager_cuda(ckpt):
     with torch.no_grad():
         for p in ref_model.parameters():
             p.copy_(p.to(torch.bfloat16).float())
+    err_e, err_g = [], []
     for plan in plans:
         ref = _outputs(ref_model, "cuda", plan, LONG_PROMPTS, graphs=None)
         eager, static, graph = (_outputs(bf16, "cuda", plan, LONG_PROMPTS, graphs=g)
                                 for g in (None, "static", "captured"))
         assert len(ref) == len(eager) == len(static) == len(graph)
         assert max(_rel(g, s) for g, s in zip(graph, static, strict=True)) <= 1e-3, plan
-        err_e, err_g = ([_rel(x, r) for x, r in zip(xs, ref, strict=True)] for xs in (eager, graph))
-        assert max(err_g) < 0.3, (plan, err_g)
-        assert sum(err_g) <= 1.25 * sum(err_e), (plan, err_g, err_e)
+        err_e += [_rel(x, r) for x, r in zip(eager, ref, strict=True)]
+        err_g += [_rel(x, r) for x, r in zip(graph, ref, strict=True)]
+    assert max(err_g) < 0.3, err_g
+    assert sum(err_g) <= 1.25 * sum(err_e), (err_g, err_e)
 
 
 @pytest.mark.gpu
