@@ -234,6 +234,25 @@ DEFAULT_CALIBRATION_TABLE = "calibration_tables/default.yaml"
 PREFILL_GRAPH_MAX_TOKENS = 1024
 
 
+def token_buckets(largest: int = 256) -> tuple[int, ...]:
+    """The prefill graphs' token buckets 16, 32, ... up to ``largest`` (a power of two in
+    [16, PREFILL_GRAPH_MAX_TOKENS])."""
+    if not isinstance(largest, int) or isinstance(largest, bool) or not 16 <= largest <= PREFILL_GRAPH_MAX_TOKENS \
+            or largest & (largest - 1):
+        raise ValueError(f"the largest prefill token bucket must be a power of two in [16, "
+                         f"{PREFILL_GRAPH_MAX_TOKENS}], got {largest!r}")
+    return tuple(16 << i for i in range((largest // 16).bit_length()))
+
+
+def useful_token_buckets(largest: int, max_step_tokens: int, max_rows: int) -> tuple[int, ...]:
+    """``token_buckets(largest)`` without the buckets no step can reach: a step packs at most
+    ``max_step_tokens`` tokens of at most ``max_rows`` chunks, plus the padding rows' (one each past the
+    chunks, and one more in the last), so buckets past the smallest one holding that are never replayed."""
+    most = max_step_tokens + max_rows + 1
+    buckets = token_buckets(largest)
+    return tuple(n for i, n in enumerate(buckets) if i == 0 or buckets[i - 1] < most)
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Draft-tree shape (EAGLE-2 style expansion with the MTP head).
@@ -382,10 +401,10 @@ class EngineConfig:
         for name in ("enable_cuda_graphs", "cuda_graph_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        n = self.cuda_graph_prefill_tokens
-        if not isinstance(n, int) or isinstance(n, bool) or not 16 <= n <= PREFILL_GRAPH_MAX_TOKENS or n & (n - 1):
-            raise ValueError(f"cuda_graph_prefill_tokens must be a power of two in [16, {PREFILL_GRAPH_MAX_TOKENS}], "
-                             f"got {n!r}")
+        try:
+            token_buckets(self.cuda_graph_prefill_tokens)
+        except ValueError as e:
+            raise ValueError(f"cuda_graph_prefill_tokens: {e}") from None
         n = self.cuda_graph_capture_len
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"cuda_graph_capture_len must be None or an int >= 1, got {n!r}")
@@ -395,6 +414,12 @@ class EngineConfig:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} and max_num_batched_tokens="
                              f"{self.max_num_batched_tokens} must be >= 1")
+
+    @property
+    def prefill_graph_tokens(self) -> tuple[int, ...]:
+        """The prefill graphs' token buckets: to ``cuda_graph_prefill_tokens``, without those no step of
+        ``max_num_batched_tokens`` tokens in ``max_num_seqs`` chunks (and the padding rows) can reach."""
+        return useful_token_buckets(self.cuda_graph_prefill_tokens, self.max_num_batched_tokens, self.max_num_seqs)
 
     @property
     def torch_dtype(self):

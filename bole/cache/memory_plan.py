@@ -13,7 +13,8 @@ themselves, ``PagedKVCache`` / ``StatePool`` / ``TreeFactors``, so the figures f
   state        max_num_seqs + 1 GDN state slots (plus a CUDA graph's padding slot)
   factors      the verify factor buffer: max_num_seqs × (1 + tree nodes) nodes (docs/DESIGN.md §4)
   snapshots    serial_tree only: a state per node and GDN layer, same node count (what SGLang keeps)
-  activations  one forward's transients: max_num_batched_tokens × hidden × ACTIVATION_WIDTHS, the
+  activations  one forward's transients: max_num_batched_tokens (or the largest prefill graph's token
+               bucket, if larger, with prefill graphs) × hidden × ACTIVATION_WIDTHS, the
                chunked GDN prefill's per-chunk states, one request's gathered K / V at the model's
                longest position (the per-request prefill attention repeats them to every query head)
   logits       the widest lm_head call: max(max_num_seqs × (1 + tree nodes), max_num_batched_tokens)
@@ -144,16 +145,24 @@ def _units(cfg, config, num_mtp_layers: int) -> _Unit:
                  per_node["snapshots"] if config.mode == "serial_tree" else 0, size(pool.ssm) // cfg.num_gdn_layers)
 
 
+def prefill_graphs_planned(config) -> bool:
+    """Whether ``config`` asks for prefill graphs on a GPU (the backend may still turn them off)."""
+    return config.enable_cuda_graphs and config.cuda_graph_prefill and config.device.startswith("cuda")
+
+
 def _fixed(cfg, config, u: _Unit, seqs: int, lookahead: int, spare: int) -> dict[str, int]:
     """Bytes that do not depend on the KV blocks, for ``seqs`` running requests."""
     T, dt, P = config.max_num_batched_tokens, config.torch_dtype.itemsize, cfg.max_position_embeddings
     nodes = seqs * lookahead
+    # a captured prefill's forward runs over its whole token bucket, padding included (its transients sit
+    # in the graphs' own pool): the largest bucket can exceed the step's token budget
+    A = max(T, config.prefill_graph_tokens[-1]) if prefill_graphs_planned(config) else T
     gather = 2 * P * cfg.num_attention_heads * cfg.head_dim * dt + T * P  # K, V per query head; bool mask
     return {
         "state": (seqs + 1 + spare) * u.slot,
         "factors": nodes * u.node,
         "snapshots": nodes * u.snapshot,
-        "activations": T * cfg.hidden_size * ACTIVATION_WIDTHS * dt + -(-T // GDN_CHUNK) * u.ssm_layer + gather,
+        "activations": A * cfg.hidden_size * ACTIVATION_WIDTHS * dt + -(-A // GDN_CHUNK) * u.ssm_layer + gather,
         "logits": max(nodes, T) * cfg.vocab_size * (LOGITS_NATIVE_COPIES * dt + LOGITS_FP32_COPIES * 4),
         "workspace": WORKSPACE_BYTES,
     }

@@ -46,7 +46,6 @@ from bole.config import EngineConfig
 from bole.engine import sampler
 from bole.engine.core import EngineLimits, EngineStats, RequestTimings, budget_stats
 from bole.engine.detokenizer import IncrementalDetokenizer, skipped_token_ids
-from bole.engine.graphs.prefill import useful_token_buckets
 from bole.engine.graphs.tree import tree_widths
 from bole.engine.metrics import EngineMetrics, StepStats
 from bole.engine.output import RequestOutput, emit
@@ -125,9 +124,7 @@ class LLMEngine:
                                   if spec_graphs else None,
                                   # the same buckets in every mode: a prefill runs at the same padded shapes
                                   prefill_graph_sizes=spec_sizes if graphs and config.cuda_graph_prefill else None,
-                                  prefill_graph_tokens=useful_token_buckets(
-                                      config.cuda_graph_prefill_tokens, config.max_num_batched_tokens,
-                                      config.max_num_seqs))
+                                  prefill_graph_tokens=config.prefill_graph_tokens)
         cc = config.cache
         self.prefix_cache = PrefixCache(self.runner.allocator, self.runner.state_pool, cc.block_size,
                                         cc.checkpoint_interval_blocks, cc.num_checkpoint_slots,

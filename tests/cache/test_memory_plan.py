@@ -177,3 +177,18 @@ def test_engine_reports_its_plan(mode, caplog):
     logged = [r.getMessage() for r in caplog.records]
     assert logged[0].startswith("memory plan on cpu") and len(logged) == 1 + len(CATEGORIES)
     assert all(any(line.split()[0] == c for line in logged[1:]) for c in CATEGORIES)
+
+
+def test_prefill_graph_buckets_past_the_token_budget_are_planned():
+    """A captured prefill runs over its whole token bucket: with graphs, the activations are planned for
+    the largest bucket when it exceeds max_num_batched_tokens (here 300 tokens + padding -> 512)."""
+    cfg, free = shapes("qwen3.5-9b"), TOTAL - 60 * GiB
+    opts = dict(max_num_seqs=8, max_num_batched_tokens=300, cuda_graph_prefill_tokens=1024)
+    eager = plan_memory(cfg, cuda_config("bole", **opts), free, TOTAL)
+    graphed = plan_memory(cfg, cuda_config("bole", enable_cuda_graphs=True, **opts), free, TOTAL)
+    assert cuda_config("bole", **opts).prefill_graph_tokens[-1] == 512
+    per_token = cfg.hidden_size * 24 * 2   # ACTIVATION_WIDTHS bf16 widths
+    assert graphed.activations - eager.activations >= (512 - 300) * per_token
+    within = dict(opts, max_num_batched_tokens=1024, cuda_graph_prefill_tokens=512)   # 512 <= 1024: as eager
+    assert plan_memory(cfg, cuda_config("bole", enable_cuda_graphs=True, **within), free, TOTAL).activations == \
+        plan_memory(cfg, cuda_config("bole", **within), free, TOTAL).activations

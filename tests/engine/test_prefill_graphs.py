@@ -213,7 +213,7 @@ def test_largest_token_bucket_is_an_option(ckpt, monkeypatch):
 
     import bole.engine.engine as engine_mod
     from bole.backend import resolve_backend
-    from bole.engine.graphs.prefill import token_buckets, useful_token_buckets
+    from bole.config import token_buckets, useful_token_buckets
     from bole.ops.gdn import gdn_recurrent_ref
 
     assert token_buckets() == (16, 32, 64, 128, 256) and token_buckets(512)[-1] == 512

@@ -45,28 +45,9 @@ from typing import Sequence
 import torch
 
 from bole.config import PREFILL_GRAPH_MAX_TOKENS as MAX_TOKENS
+from bole.config import token_buckets
 from bole.engine.graphs import base
 from bole.models.context import ForwardContext
-
-
-def token_buckets(largest: int = 256) -> tuple[int, ...]:
-    """The token buckets 16, 32, ... up to ``largest`` (a power of two in [16, MAX_TOKENS]: the recurrence
-    walks a sequence's tokens one by one)."""
-    if not isinstance(largest, int) or isinstance(largest, bool) or not 16 <= largest <= MAX_TOKENS \
-            or largest & (largest - 1):
-        raise ValueError(f"the largest prefill token bucket must be a power of two in [16, {MAX_TOKENS}], "
-                         f"got {largest!r}")
-    return tuple(16 << i for i in range((largest // 16).bit_length()))
-
-
-def useful_token_buckets(largest: int, max_step_tokens: int, max_rows: int) -> tuple[int, ...]:
-    """``token_buckets(largest)`` without the buckets no step can reach: a step packs at most
-    ``max_step_tokens`` tokens of at most ``max_rows`` chunks, plus the padding rows' (one each past the
-    chunks, and one more in the last), so buckets past the smallest one holding that are never replayed."""
-    most = max_step_tokens + max_rows + 1
-    buckets = token_buckets(largest)
-    return tuple(n for i, n in enumerate(buckets) if i == 0 or buckets[i - 1] < most)
-
 
 DEFAULT_TOKEN_SIZES = token_buckets(256)
 _CNT, _POS, _SLOT, _TABLE = 0, 1, 2, 3  # columns of the per-row input buffer
