@@ -48,5 +48,8 @@ def tp_main(rank: int, world_size: int, port: int, cases: list[tuple[str, str]],
     try:
         results = [run_case(path, mode, rank, world_size) for path, mode in cases]
         torch.save(results, f"{out_dir}/rank{rank}.pt")
+        # both ranks past their last collective before either tears gloo down: one fresh-clone run
+        # (2026-12-06) saw a rank abort at teardown ("terminate called without an active exception")
+        torch.distributed.barrier()
     finally:
         destroy_tp_group()
