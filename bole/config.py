@@ -379,6 +379,10 @@ class EngineConfig:
     # many tokens each can need (vLLM's max_seq_len_to_capture), so no step waits on a capture; longer
     # requests' keys are still captured when first needed. None: every graph is captured lazily
     cuda_graph_capture_len: int | None = None
+    # served (``AsyncEngine``), requests that arrive while a step runs are admitted inside it: before its
+    # decode forward and, in the speculative modes, between its draft and verify forward, within the
+    # step's token budget (``LLMEngine.step``'s ``admit``); off: only between steps, as vLLM and SGLang
+    admit_mid_step: bool = True
     spec: SpecConfig = SpecConfig()
     cache: CacheConfig = CacheConfig()
 
@@ -398,7 +402,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
             raise ValueError(f"tp_size must be an int >= 1, got {self.tp_size!r}")
-        for name in ("enable_cuda_graphs", "cuda_graph_prefill"):
+        for name in ("enable_cuda_graphs", "cuda_graph_prefill", "admit_mid_step"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         try:

@@ -46,8 +46,10 @@ TOTALS = (
     ("eager_prefills", "bole_engine_eager_prefills", "Prefilling steps with a prefill forward that ran eagerly (no "
      "captured prefill graph fits it, or graphs are off)"),
     ("first_token_steps", "bole_engine_first_token_steps", "Engine steps that sampled first tokens"),
-    ("prefill_time_s", "bole_engine_prefill_seconds", "Seconds from the start of the steps that sampled first tokens "
-     "to those tokens (prefill forwards and sampling; the step's decode follows)"),
+    ("prefill_time_s", "bole_engine_prefill_seconds", "Seconds from the start of the prefill phases that sampled "
+     "first tokens (a step's start, or an admission inside it) to those tokens (prefill forwards and sampling)"),
+    ("mid_step_admissions", "bole_engine_mid_step_admissions", "Requests admitted inside an engine step under way "
+     "(before its decode forward, or between its draft and verify), not at its end"),
     ("graph_captures", "bole_engine_graph_captures", "CUDA graphs captured (at start, or inside the step that "
      "first needed one)"),
     ("capture_time_s", "bole_engine_capture_seconds", "Seconds spent capturing CUDA graphs, Triton compiles inside "

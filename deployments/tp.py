@@ -210,9 +210,9 @@ class TPEngine:
     def pop_finished(self, request_id: str):
         return None  # workers free finished requests as they finish
 
-    def step(self, emit_early=None) -> list[RequestOutput]:
+    def step(self, emit_early=None, admit=None) -> list[RequestOutput]:
         """Every rank's step; all its outputs returned at the end (the ranks step remotely, so nothing is
-        handed to ``emit_early``)."""
+        handed to ``emit_early``, and requests join between steps only: ``admit`` is not called)."""
         states = ray.get([w.step.remote() for w in self.workers])
         outputs = states[0]["outputs"]
         emitted = [[(o.request_id, o.new_token_ids, o.finished) for o in s["outputs"]] for s in states]

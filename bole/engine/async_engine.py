@@ -166,22 +166,45 @@ class AsyncEngine:
         while self._inbox:
             op, rid, *rest = self._inbox.popleft()
             if op == "add":
-                prompt, params, loop, queue, added = rest
-                if stopping:
-                    loop.call_soon_threadsafe(_settle, added, RuntimeError("the engine is shut down"))
-                    continue
-                try:
-                    eng.add_request(prompt, params, rid)
-                except Exception as e:  # noqa: BLE001 - bad input: the caller raises it
-                    loop.call_soon_threadsafe(_settle, added, e)
-                    continue
-                self._streams[rid] = (loop, queue)
-                loop.call_soon_threadsafe(_settle, added, None)
+                self._add(rid, *rest, stopping=stopping)
             else:  # "abort" (left early) or "release" (finished): forget it either way
                 self._streams.pop(rid, None)
                 if op == "abort":
                     eng.abort(rid)
                 eng.pop_finished(rid)
+
+    def _add(self, rid, prompt, params, loop, queue, added, stopping: bool = False) -> bool:
+        """An "add" from the inbox: the request into the engine (its stream registered), or its error
+        back to the caller; whether it was added."""
+        if stopping:
+            loop.call_soon_threadsafe(_settle, added, RuntimeError("the engine is shut down"))
+            return False
+        try:
+            self.engine.add_request(prompt, params, rid)
+        except Exception as e:  # noqa: BLE001 - bad input: the caller raises it
+            loop.call_soon_threadsafe(_settle, added, e)
+            return False
+        self._streams[rid] = (loop, queue)
+        loop.call_soon_threadsafe(_settle, added, None)
+        return True
+
+    def _admit_arrivals(self) -> int:
+        """Inside a step (``EngineCore.step``'s ``admit``): apply the inbox's adds, the requests that arrived
+        since the step began; the others (aborts, releases) wait for the step's end, in their order, and so
+        does an add behind one of them for the same id. Returns how many were added."""
+        added, deferred, later = 0, [], set()
+        while True:
+            try:
+                op = self._inbox.popleft()
+            except IndexError:
+                break
+            if op[0] == "add" and op[1] not in later:
+                added += self._add(*op[1:])
+            else:
+                deferred.append(op)
+                later.add(op[1])
+        self._inbox.extendleft(reversed(deferred))   # before anything sent meanwhile
+        return added
 
     def _publish(self) -> None:
         """Publish the engine's stats with this loop's batch sizes (under the lock, between steps)."""
@@ -200,8 +223,9 @@ class AsyncEngine:
                 outputs, early = [], []
                 if busy:
                     try:
-                        # first tokens stream out mid-step (``EngineCore.step``'s emit_early)
-                        outputs = self.engine.step(emit_early=functools.partial(self._deliver_all, delivered=early))
+                        # first tokens stream out mid-step; requests sent meanwhile join inside it (``admit``)
+                        outputs = self.engine.step(emit_early=functools.partial(self._deliver_all, delivered=early),
+                                                   admit=self._admit_arrivals)
                         stats = self.engine.stats()
                         # the step's batch: what still runs plus what finished in it
                         self._batch = stats.running + sum(o.finished for o in outputs + early)

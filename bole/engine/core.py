@@ -82,6 +82,7 @@ class EngineStats:
     eager_prefills: int = 0
     first_token_steps: int = 0
     prefill_time_s: float = 0.0
+    mid_step_admissions: int = 0   # requests admitted inside a step under way (EngineConfig.admit_mid_step)
     graph_captures: int = 0        # CUDA graphs captured since start (ModelRunner.graph_captures)
     capture_time_s: float = 0.0    # host seconds in those captures, at start or inside steps
     running: int = 0
@@ -128,10 +129,13 @@ class EngineCore(Protocol):
 
     def has_unfinished(self) -> bool: ...
 
-    def step(self, emit_early: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
+    def step(self, emit_early: Callable[[list[RequestOutput]], None] | None = None,
+             admit: Callable[[], int] | None = None) -> list[RequestOutput]:
         """One step's outputs. An engine may hand some to ``emit_early`` before the step ends (then it does
         not return them): ``LLMEngine`` hands its prefills' first tokens as soon as they are sampled, before
-        the step's decode or speculative forwards, so a new request's TTFT does not include them."""
+        the step's decode or speculative forwards, so a new request's TTFT does not include them. An engine
+        may call ``admit`` inside the step to take requests sent since it began (it adds them through
+        ``add_request`` and returns how many); one that does not takes them at the next step."""
         ...
 
     def pop_finished(self, request_id: str) -> Any: ...

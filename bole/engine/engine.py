@@ -242,53 +242,35 @@ class LLMEngine:
         return n
 
     # -- the step --------------------------------------------------------------------------------
-    def step(self, emit_early: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
+    def step(self, emit_early: Callable[[list[RequestOutput]], None] | None = None,
+             admit: Callable[[], int] | None = None) -> list[RequestOutput]:
         """Run one step; its outputs. With ``emit_early``, the prefills' first tokens of requests that go on
         go there as soon as they are sampled, before the decode / speculative forwards, and are not
         returned (``AsyncEngine`` streams them at once: a bole step's draft and verify then add nothing to
-        TTFT); an output that finishes its request is returned at the end, after the request's release."""
+        TTFT); an output that finishes its request is returned at the end, after the request's release.
+
+        ``admit`` (with ``emit_early`` and ``EngineConfig.admit_mid_step``) adds the requests that arrived
+        since the step began and returns how many (``AsyncEngine`` applies its inbox's adds): it is called
+        before the decode forward and, in the speculative modes, between the draft and the verify forward.
+        The arrivals are prefilled there, within what is left of the step's token budget, and their first
+        tokens emitted early; the step's decode batch is not changed (``Scheduler.admit_arrivals``). An
+        arrival then waits for the step's next admission point, not its end."""
         self._finish()  # requests a failed step left finishing
         sched = self.scheduler.schedule(self.lookahead)
         outputs: list[RequestOutput] = []
         stats = StepStats(time.perf_counter())
-        spec, V = self.mode != "ar", self.model.config.vocab_size
+        V = self.model.config.vocab_size
         if sched.prefill:
-            last = {}
-            # the chunks, then the prompts' tails past the checkpoint boundary their chunks ended at
-            # (publish_committed has checkpointed it by then)
-            for chunks in (sched.prefill, sched.prefill_tails):
-                if not chunks:
-                    continue
-                starts = {r.request_id: r.num_computed for r, _ in chunks}
-                scored = {} if any(r.needs_prompt_logits for r, _ in chunks) else None
-                last.update(self.runner.prefill(chunks, keep_hidden=spec, position_logits=scored))
-                stats.eager_prefill |= not self.runner.prefill_graphed
-                for rid, lg in (scored or {}).items():
-                    sampler.score_prompt(self.requests[rid], starts[rid], lg)
-                publish_committed(self.prefix_cache, [r for r, _ in chunks])
-            done = [r for r, _ in sched.prefill if r.request_id in last]
-            for r in done:
-                r.prefilled = True
-                if r.params.max_tokens == 0:  # prompt scoring only (echo with max_tokens 0)
-                    outputs.append(self._emit(r, []))
-            done = [r for r in done if r.params.max_tokens > 0]
-            if done:
-                toks, lps = sampler.sample_next(done, torch.stack([last[r.request_id] for r in done]),
-                                                sampler.penalties(done, V, self.runner.device))
-                for i, (r, t) in enumerate(zip(done, toks)):
-                    outputs.append(self._emit(r, [t], lps and lps[i]))
-                # toks are host ints: the clock includes the prefill's GPU work
-                stats.first_tokens, stats.prefill_time = len(done), time.perf_counter() - stats.start
-            stats.prefill_tokens = sum(n for _, n in sched.prefill + sched.prefill_tails)
-            # a request that ended on its first token is handed back at the end, once it is released
-            early = [o for o in outputs if not o.finished] if emit_early is not None else []
-            if early:
-                emit_early(early)
-                outputs = [o for o in outputs if o.finished]
+            outputs += self._prefill(sched.prefill, sched.prefill_tails, stats, emit_early, stats.start)
         ending = {id(r) for r, _ in self._finishing}  # finished by this step's prefill sampling
         decode = [r for r in sched.decode if not r.is_finished and id(r) not in ending]
+        between = None
+        if admit is not None and emit_early is not None and self.config.admit_mid_step:
+            def between() -> None:   # requests sent since the step began: prefilled here, not after it
+                outputs.extend(self._admit(admit, len(decode), stats, emit_early))
+            between()
         if decode:
-            t0 = time.perf_counter()
+            t0, admitting = time.perf_counter(), stats.admission_time
             if self.mode == "ar":
                 logits = self.runner.decode(decode, keep_hidden=False)
                 publish_committed(self.prefix_cache, decode)
@@ -297,8 +279,9 @@ class LLMEngine:
                 stats.tree_nodes = len(decode)
                 stats.eager_forward = not self.runner.decode_graphed
             else:
-                emitted, lps = self.spec_step.run(decode, stats, self.calibration)
-            stats.verify_time = time.perf_counter() - t0
+                emitted, lps = self.spec_step.run(decode, stats, self.calibration, between=between)
+            # less the admissions between the draft and the verify
+            stats.verify_time = time.perf_counter() - t0 - (stats.admission_time - admitting)
             for i, (r, toks) in enumerate(zip(decode, emitted)):
                 r.metrics.num_steps += 1
                 r.metrics.num_accepted_drafts += len(toks) - 1
@@ -309,6 +292,61 @@ class LLMEngine:
         stats.preempted = len(sched.preempted)
         stats.end = time.perf_counter()
         self.metrics.record_step(stats)
+        return outputs
+
+    def _admit(self, admit: Callable[[], int], num_decode: int, stats: StepStats,
+               emit_early: Callable[[list[RequestOutput]], None]) -> list[RequestOutput]:
+        """An admission point inside a step: ``admit()`` adds the requests sent since the step began; the
+        scheduler admits those that fit what is left of the step's token budget without touching the
+        step's batch (``Scheduler.admit_arrivals``); they are prefilled now (``_prefill``)."""
+        if not admit():
+            return []
+        t0 = time.perf_counter()
+        late = self.scheduler.admit_arrivals(self.config.max_num_batched_tokens - num_decode - stats.prefill_tokens)
+        stats.admitted_mid_step += len(late.prefill)   # one chunk per admitted request
+        outputs = self._prefill(late.prefill, late.prefill_tails, stats, emit_early, t0) if late.prefill else []
+        stats.admission_time += time.perf_counter() - t0
+        return outputs
+
+    def _prefill(self, chunks: list[tuple[Request, int]], tails: list[tuple[Request, int]], stats: StepStats,
+                 emit_early: Callable[[list[RequestOutput]], None] | None, t0: float) -> list[RequestOutput]:
+        """Prefill ``chunks``, then ``tails`` (the prompts' rest past the checkpoint boundary their chunks
+        ended at: publish_committed has checkpointed it by then); sample the first tokens of the prompts
+        that completed (``StepStats.prefill_time`` counts the seconds from ``t0`` to them). Their outputs:
+        those that go on go to ``emit_early`` when given (and are not returned); a request that ended on
+        its first token is handed back at the end of the step, once released."""
+        spec, V = self.mode != "ar", self.model.config.vocab_size
+        outputs: list[RequestOutput] = []
+        last = {}
+        for part in (chunks, tails):
+            if not part:
+                continue
+            starts = {r.request_id: r.num_computed for r, _ in part}
+            scored = {} if any(r.needs_prompt_logits for r, _ in part) else None
+            last.update(self.runner.prefill(part, keep_hidden=spec, position_logits=scored))
+            stats.eager_prefill |= not self.runner.prefill_graphed
+            for rid, lg in (scored or {}).items():
+                sampler.score_prompt(self.requests[rid], starts[rid], lg)
+            publish_committed(self.prefix_cache, [r for r, _ in part])
+        done = [r for r, _ in chunks if r.request_id in last]
+        for r in done:
+            r.prefilled = True
+            if r.params.max_tokens == 0:  # prompt scoring only (echo with max_tokens 0)
+                outputs.append(self._emit(r, []))
+        done = [r for r in done if r.params.max_tokens > 0]
+        if done:
+            toks, lps = sampler.sample_next(done, torch.stack([last[r.request_id] for r in done]),
+                                            sampler.penalties(done, V, self.runner.device))
+            for i, (r, t) in enumerate(zip(done, toks)):
+                outputs.append(self._emit(r, [t], lps and lps[i]))
+            # toks are host ints: the clock includes the prefill's GPU work
+            stats.first_tokens += len(done)
+            stats.prefill_time += time.perf_counter() - t0
+        stats.prefill_tokens += sum(n for _, n in chunks + tails)
+        early = [o for o in outputs if not o.finished] if emit_early is not None else []
+        if early:
+            emit_early(early)
+            outputs = [o for o in outputs if o.finished]
         return outputs
 
     def _finish(self) -> None:

@@ -16,10 +16,13 @@ class StepStats:
     tree_nodes: int = 0            # tokens run through the target in the decode / verify forward
     b_ver: int = 0                 # the bucket's capacity (speculative modes)
     verify_time: float = 0.0       # seconds in draft + verify + sample + commit (or decode)
-    # seconds from the step's start to its first tokens, sampled on the host (so the prefill's GPU work is
-    # in it), when it sampled ``first_tokens`` of them
+    # seconds from the start of each prefill phase that sampled first tokens (the step's start, or a
+    # mid-step admission) to those tokens, sampled on the host (so the prefill's GPU work is in it); the
+    # step sampled ``first_tokens`` of them, for ``admitted_mid_step`` requests admitted inside the step
     prefill_time: float = 0.0
     first_tokens: int = 0
+    admitted_mid_step: int = 0
+    admission_time: float = 0.0    # seconds in those admissions (their prefills; not in verify_time)
     eager_prefill: bool = False    # a prefill forward of the step ran eagerly (no captured graph fits it)
     preempted: int = 0
     # which parts of the decode step ran eagerly, not from a captured CUDA graph (always, without graphs)
@@ -46,6 +49,7 @@ class EngineMetrics:
     eager_prefills: int = 0        # of those, steps with an eager prefill forward
     first_token_steps: int = 0     # steps that sampled first tokens
     prefill_time: float = 0.0      # StepStats.prefill_time over them
+    mid_step_admissions: int = 0   # requests admitted inside a step under way (EngineConfig.admit_mid_step)
     preemptions: int = 0
     eager_forwards: int = 0        # decode steps whose forward ran eagerly (StepStats.eager_*)
     eager_drafts: int = 0
@@ -69,6 +73,7 @@ class EngineMetrics:
         if s.first_tokens:
             self.first_token_steps += 1
             self.prefill_time += s.prefill_time
+        self.mid_step_admissions += s.admitted_mid_step
         self.preemptions += s.preempted
         if s.decode_requests:
             self.decode_steps += 1
@@ -140,9 +145,11 @@ class EngineMetrics:
             "eager_drafts": self.eager_drafts,
             "eager_tails": self.eager_tails,
             # the steps that prefilled and those of them with an eager prefill forward (no captured graph
-            # fits it, or graphs are off); the steps that sampled first tokens and their seconds to them
+            # fits it, or graphs are off); the steps that sampled first tokens and their seconds to them;
+            # the requests admitted inside a step under way
             "prefill_steps": self.prefill_steps,
             "eager_prefills": self.eager_prefills,
             "first_token_steps": self.first_token_steps,
             "prefill_time_s": self.prefill_time,
+            "mid_step_admissions": self.mid_step_admissions,
         }

@@ -12,6 +12,11 @@ Each engine step asks ``schedule(lookahead)`` for a ``SchedulerOutput``:
    blocks of their chunk and a seat in ``max_num_seqs`` are free. Prompts longer than the budget are
    split into chunks over several steps.
 
+Inside a step under way, ``admit_arrivals(budget)`` admits waiting requests the same way (step 2 for
+new requests only, with what is left of the step's token budget) but touches nothing running and never
+preempts: the engine prefills them before the step's decode forward or between its draft and verify
+(``EngineConfig.admit_mid_step``), so an arrival does not wait for the whole step in flight.
+
 No starvation: admission is strictly FIFO (a request that does not fit blocks those behind it), and
 preempted requests are re-admitted before new ones. No deadlock: when requests in the middle of chunked
 prefills hold every free block and none can take its next chunk, the newest is preempted.
@@ -143,28 +148,44 @@ class Scheduler:
                 out.decode.append(req)
                 budget -= 1
 
-        def take_chunk(req: Request) -> bool:
-            nonlocal budget
-            remaining = req.num_tokens - req.num_computed
-            chunk = min(remaining, budget)
-            tail = 0
-            if chunk > 0 and self.prefix_cache is not None:
-                whole, chunk = chunk, self.prefix_cache.align_chunk(req.num_computed, chunk)
-                # prompt logprobs are scored per chunk: one chunk per step for those
-                tail = whole - chunk if whole == remaining and not req.needs_prompt_logits else 0
-            if tail and not self._grow(req, req.num_computed + chunk + tail):
-                tail = 0   # no blocks for the tail: it runs in a later step
-            if chunk <= 0 or not self._grow(req, req.num_computed + chunk):
-                return False
-            out.prefill.append((req, chunk))
-            if tail:
-                out.prefill_tails.append((req, tail))
-            budget -= chunk + tail
-            return True
-
         for req in self.running:
             if req.is_prefilling and budget > 0:
-                take_chunk(req)
+                budget -= self._take_chunk(req, out, budget)
+        self._admit(out, budget)
+        return out
+
+    def admit_arrivals(self, budget: int) -> SchedulerOutput:
+        """Admit waiting requests (FIFO, as ``schedule``) into a step already under way, within
+        ``budget`` prefill tokens: the engine runs their prefill before the step's decode forward, or
+        between its draft and verify (``EngineConfig.admit_mid_step``). Nothing running is touched: no
+        decode request, no continuing chunked prefill, and nothing is preempted (only free or evictable
+        blocks are taken), so the step's decode batch keeps everything the scheduler gave it."""
+        out = SchedulerOutput()
+        if budget > 0:
+            self._admit(out, budget)
+        return out
+
+    def _take_chunk(self, req: Request, out: SchedulerOutput, budget: int) -> int:
+        """Schedule ``req``'s next prefill chunk (and tail) within ``budget``; the tokens taken (0: none)."""
+        remaining = req.num_tokens - req.num_computed
+        chunk = min(remaining, budget)
+        tail = 0
+        if chunk > 0 and self.prefix_cache is not None:
+            whole, chunk = chunk, self.prefix_cache.align_chunk(req.num_computed, chunk)
+            # prompt logprobs are scored per chunk: one chunk per step for those
+            tail = whole - chunk if whole == remaining and not req.needs_prompt_logits else 0
+        if tail and not self._grow(req, req.num_computed + chunk + tail):
+            tail = 0   # no blocks for the tail: it runs in a later step
+        if chunk <= 0 or not self._grow(req, req.num_computed + chunk):
+            return 0
+        out.prefill.append((req, chunk))
+        if tail:
+            out.prefill_tails.append((req, tail))
+        return chunk + tail
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in FIFO order while a state slot, the KV blocks of their first chunk
+        and a seat in ``max_num_seqs`` are free; their chunks go to ``out``."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if not self.state_pool.can_allocate(1):
@@ -172,11 +193,13 @@ class Scheduler:
             cache = self.prefix_cache
             if cache is not None and not req.needs_prompt_logits:  # prompt logprobs need every position run
                 cache.share(req, cache.match(req.all_token_ids))
-            if not take_chunk(req):
+            took = self._take_chunk(req, out, budget)
+            if not took:
                 if cache is not None:
                     cache.release(req)
                     req.num_computed = req.mtp_computed = 0
                 break
+            budget -= took
             self.waiting.popleft()
             req.state_slot = self.state_pool.allocate(zero=not req.prefix_nodes)
             if cache is not None:
@@ -186,4 +209,3 @@ class Scheduler:
                 req.metrics.scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-        return out

@@ -10,6 +10,8 @@ settled by ``bole.cache.checkpoints`` around it on both paths.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from bole.cache.checkpoints import CheckpointPlanner, TailPlan, publish_committed
@@ -36,10 +38,13 @@ class SpeculativeStep:
         self.checkpoints = CheckpointPlanner(prefix_cache) if prefix_cache is not None else None
         self.widths = tree_widths(1 + max_draft_nodes)  # the verify graphs' tree widths (root included)
 
-    def run(self, reqs: list[Request], stats: StepStats, calibration: CalibrationTable
+    def run(self, reqs: list[Request], stats: StepStats, calibration: CalibrationTable,
+            between: Callable[[], None] | None = None
             ) -> tuple[list[list[int]], list[list[TokenLogprob] | None] | None]:
         """Draft, verify, accept, commit, with ``calibration``'s budget; per request the emitted tokens,
-        and their logprobs (None overall when no request asked)."""
+        and their logprobs (None overall when no request asked). ``between`` runs after the draft, before
+        the verify forward (the engine's mid-step admission: other requests' prefills, which touch
+        neither these requests' memory nor the drafted trees)."""
         spec = self.spec
         kv_len = max(r.num_computed for r in reqs)
         B = len(reqs)
@@ -65,6 +70,8 @@ class SpeculativeStep:
         batch = self.runner.draft_batch(reqs, spec.depth, spec.topk, spec.beam, b_ver, max_per_request=cap,
                                         floor=spec.budget_floor)
         batch = batch.trimmed(bound + 1 if no_sync else None)
+        if between is not None:
+            between()
         res = self.runner.verify(reqs, batch)
         stats.eager_draft, stats.eager_forward = not self.runner.draft_graphed, res.graph is None
         if plain and self.runner.can_accept_in_graph(res, sampled=not greedy):

@@ -1,0 +1,238 @@
+"""Requests admitted inside a step under way (``EngineConfig.admit_mid_step``): before its decode forward
+and, in the speculative modes, between its draft and its verify forward. The arrivals' first tokens come
+out in that step, every request's greedy tokens stay those of a plain run, the step's decode batch is
+never preempted for an arrival, and everything is given back at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from checkpoints import make_checkpoint
+from engine_helpers import default_table
+
+from bole.config import EngineConfig
+from bole.engine.async_engine import AsyncEngine
+from bole.engine.engine import LLMEngine
+from bole.models.loader import load_model
+from bole.sampling_params import SamplingParams
+
+MODES = ("ar", "serial_tree", "bole")
+PARAMS = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+PROMPTS = {"old": [1, 2, 3, 4, 5], "mid": [7, 8, 9], "late": [2, 9, 4, 4, 6, 1], "one": [5, 1],
+           "again": [3, 3, 3]}
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    p = tmp_path_factory.mktemp("mid_step")
+    make_checkpoint(p, "dense", 16)
+    return str(p)
+
+
+def engine(path, mode, **opts):
+    opts = {"num_blocks": 96, "block_size": 4, "depth": 3, "topk": 3, "beam": 3, "max_num_seqs": 4,
+            "max_num_batched_tokens": 16, **opts}
+    cfg = EngineConfig.from_options(mode=mode, calibration_table=default_table(), **opts)
+    return LLMEngine(load_model(path, dtype="float32", device=cfg.device), cfg)
+
+
+def plain_outputs(path, **opts) -> dict[str, list[int]]:
+    """Every prompt's greedy tokens from an ar engine stepping without admissions."""
+    eng = engine(path, "ar", **opts)
+    for rid, p in PROMPTS.items():
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=1 if rid == "one" else 7, ignore_eos=True),
+                        request_id=rid)
+    while eng.has_unfinished():
+        eng.step()
+    return {rid: eng.pop_finished(rid).output_token_ids for rid in PROMPTS}
+
+
+def trace(eng, log: list) -> None:
+    """Log the runner's forwards in order: (kind, request ids)."""
+    r = eng.runner
+    for name in ("prefill", "decode", "draft_batch", "verify"):
+        fn = getattr(r, name)
+
+        def logged(reqs, *a, _fn=fn, _name=name, **kw):
+            log.append((_name, tuple(x.request_id if hasattr(x, "request_id") else x[0].request_id for x in reqs)))
+            return _fn(reqs, *a, **kw)
+        setattr(r, name, logged)
+
+
+def drive(eng, arrivals: dict[tuple[int, int], list[str]]):
+    """Step ``eng`` to the end; ``arrivals[(step, point)]`` are added at that admission point of that step
+    (point 0: before the decode forward, 1: between draft and verify). Returns per step the request ids
+    whose outputs came early, and per request its tokens."""
+    step, point, early_ids, tokens = 0, [0], [], {}
+
+    def admit():
+        ids = arrivals.pop((step, point[0]), [])
+        point[0] += 1
+        for rid in ids:
+            eng.add_request(PROMPTS[rid], SamplingParams(temperature=0, max_tokens=1 if rid == "one" else 7,
+                                                         ignore_eos=True), request_id=rid)
+        return len(ids)
+
+    while arrivals or eng.has_unfinished():
+        point[0], early = 0, []
+        outs = eng.step(emit_early=early.extend, admit=admit)
+        early_ids.append([o.request_id for o in early])
+        for o in early + outs:
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        step += 1
+    return early_ids, tokens
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("mode", MODES)
+def test_arrivals_prefilled_inside_the_step_keep_every_output(path, mode, device):
+    """On the GPU every forward replays a CUDA graph: a prefill graph runs between the draft graph and
+    the verify graph, which reads the draft graph's static outputs."""
+    opts = dict(device=device, enable_cuda_graphs=device == "cuda")
+    eng, log = engine(path, mode, max_num_seqs=6, **opts), []
+    trace(eng, log)
+    eng.add_request(PROMPTS["old"], PARAMS, request_id="old")
+    eng.step()                                  # "old" prefilled: it decodes from the next step on
+    spec = mode != "ar"
+    # step 0: "mid" before the decode forward; step 1: "late" between the draft and the verify (speculative
+    # modes; ar has one admission point), and "one" (ends on its first token) with "again"
+    late_point = 1 if spec else 0
+    arrivals = {(0, 0): ["mid"], (1, late_point): ["late"], (2, 0): ["one", "again"]}
+    log.clear()
+    early, tokens = drive(eng, arrivals)
+    assert not arrivals
+    assert early[0] == ["mid"] and early[1] == ["late"] and early[2] == ["again"]  # "one" finished: returned
+    assert eng.metrics.mid_step_admissions == 4 and eng.metrics.preemptions == 0
+    if device == "cuda":   # every forward of the step from a graph: decode / draft / verify and prefill
+        assert eng.metrics.eager_forwards == eng.metrics.eager_drafts == eng.metrics.eager_prefills == 0
+    ref = plain_outputs(path, **opts)
+    assert {rid: tokens[rid] for rid in PROMPTS if rid != "old"} == {r: ref[r] for r in PROMPTS if r != "old"}
+    assert tokens["old"] == ref["old"][1:]      # its first token came from the step before ``drive``
+    # where they ran: "mid" before step 0's decode, "late" after step 1's draft and before its verify
+    forward = "verify" if spec else "decode"
+    steps, cur = [], []
+    for kind, ids in log:
+        cur.append((kind, ids))
+        if kind == forward:
+            steps.append(cur)
+            cur = []
+    assert steps[0][0] == ("prefill", ("mid",)) and steps[0][-1] == (forward, ("old",))
+    before = [("draft_batch", ("old", "mid"))] if spec else []   # a chunk and its tail: one or two prefills
+    late = steps[1][len(before):-1]
+    assert steps[1][:len(before)] == before and steps[1][-1] == (forward, ("old", "mid"))
+    assert late and set(late) == {("prefill", ("late",))}
+    assert eng.stats().mid_step_admissions == 4
+    eng.prefix_cache.clear()
+    assert eng.runner.allocator.num_free == eng.config.cache.num_blocks
+
+
+@pytest.mark.parametrize("mode", ["ar", "bole"])
+def test_an_arrival_that_does_not_fit_waits_without_preempting(path, mode):
+    """No KV block is free when a request arrives inside a step (the running requests have theirs): it is
+    not admitted there, nothing is preempted for it, and the next step admits it once the blocks are back;
+    every request's tokens are a plain run's."""
+    eng = engine(path, mode, enable_prefix_cache=False)
+    alloc = eng.runner.allocator
+    for rid in ("old", "mid"):
+        eng.add_request(PROMPTS[rid], PARAMS, request_id=rid)
+    eng.step()
+    held, step, tokens, early_ids = [], 0, {}, []
+
+    def admit():
+        if (step, len(calls)) == (0, 0):     # the step's batch has its blocks: take the rest, then arrive
+            held.extend(alloc.allocate(alloc.num_free))
+            eng.add_request(PROMPTS["late"], PARAMS, request_id="late")
+            calls.append(1)
+            return 1
+        calls.append(1)
+        return 0
+
+    while eng.has_unfinished():
+        calls, early = [], []
+        outs = eng.step(emit_early=early.extend, admit=admit)
+        early_ids.append([o.request_id for o in early])
+        for o in early + outs:
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if step == 0:
+            assert eng.requests["late"].num_computed == 0 and len(eng.scheduler.running) == 2
+            alloc.free(held)                 # the blocks are back before the next step
+        step += 1
+    assert early_ids[0] == [] and early_ids[1] == ["late"]
+    assert eng.metrics.mid_step_admissions == 0 and eng.metrics.preemptions == 0
+    ref = plain_outputs(path)
+    assert tokens["late"] == ref["late"] and tokens["mid"] == ref["mid"][1:]
+    assert alloc.num_free == eng.config.cache.num_blocks
+
+
+def test_option_off_never_admits_inside_a_step(path):
+    eng = engine(path, "bole", admit_mid_step=False)
+    calls = []
+    eng.add_request(PROMPTS["old"], PARAMS)
+    while eng.has_unfinished():
+        eng.step(emit_early=lambda outs: None, admit=lambda: calls.append(1) or 0)
+    assert calls == [] and eng.metrics.mid_step_admissions == 0
+    with pytest.raises(ValueError, match="admit_mid_step"):
+        EngineConfig(admit_mid_step=1)
+
+
+def test_async_engine_admits_a_request_sent_during_the_draft(path):
+    """Through ``AsyncEngine``: a request sent while a bole step drafts is prefilled inside that step
+    (between its draft and verify), and its tokens are a plain run's."""
+    eng = engine(path, "bole")
+    in_draft, go, gated = threading.Event(), threading.Event(), []
+    draft = eng.runner.draft_batch
+
+    def gated_draft(reqs, *a, **kw):
+        out = draft(reqs, *a, **kw)
+        if not gated and [r.request_id for r in reqs] == ["old"] and reqs[0].num_output_tokens >= 2:
+            gated.append(1)
+            in_draft.set()
+            assert go.wait(20)
+        return out
+
+    eng.runner.draft_batch = gated_draft
+    aeng = AsyncEngine(eng)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        old = asyncio.create_task(collect(aeng, "old"))
+        assert await loop.run_in_executor(None, in_draft.wait, 20)
+        new = asyncio.create_task(collect(aeng, "late"))
+        while not aeng._inbox:                # the add is sent (the engine thread waits in the draft)
+            await asyncio.sleep(0.001)
+        go.set()
+        return await old, await new
+
+    try:
+        old, new = asyncio.run(main())
+    finally:
+        aeng.shutdown()
+    ref = plain_outputs(path)
+    assert (old, new) == (ref["old"], ref["late"])
+    assert eng.metrics.mid_step_admissions == 1
+
+
+async def collect(aeng, rid):
+    return [t async for o in aeng.generate(PROMPTS[rid], PARAMS, request_id=rid) for t in o.new_token_ids]
+
+
+def test_async_engine_defers_an_add_behind_a_release_of_its_id(path):
+    """Mid-step, the inbox's adds apply and the rest wait, in order; an add behind a release or an abort
+    of the same id waits too (the id is still taken until the release)."""
+    aeng = AsyncEngine(engine(path, "ar"))
+    loop = asyncio.new_event_loop()
+    try:
+        add = lambda rid: ("add", rid, PROMPTS["mid"], PARAMS, loop, asyncio.Queue(), loop.create_future())
+        with aeng._lock:   # the engine thread is idle (nothing woke it): apply as a step would
+            aeng._inbox.extend([add("a"), ("release", "b"), add("b"), ("abort", "c"), add("d")])
+            assert aeng._admit_arrivals() == 2
+            assert [op[:2] for op in aeng._inbox] == [("release", "b"), ("add", "b"), ("abort", "c")]
+            assert set(aeng.engine.requests) == {"a", "d"}
+            aeng._inbox.clear()
+            for rid in ("a", "d"):
+                aeng.engine.abort(rid)
+    finally:
+        aeng.shutdown()
+        loop.close()
