@@ -199,7 +199,7 @@ class AsyncEngine:
             except IndexError:
                 break
             if op[0] == "add" and op[1] not in later:
-                added += self._add(*op[1:])
+                added += self._add(*op[1:], stopping=self._stopped)
             else:
                 deferred.append(op)
                 later.add(op[1])
