@@ -375,6 +375,9 @@ class EngineConfig:
     # max_num_batched_tokens + max_num_seqs + 1 with the padding rows); off: prefills run eagerly
     cuda_graph_prefill: bool = True
     cuda_graph_prefill_tokens: int = 256
+    # with prefill graphs, a step whose prefill fits no graph whole runs as several graphed forwards of up
+    # to cuda_graph_prefill_tokens each (``ModelRunner.prefill_waves``) rather than one eager forward
+    cuda_graph_prefill_split: bool = False
     # with enable_cuda_graphs, capture at start every graph a step of <= max_num_seqs requests of <= this
     # many tokens each can need (vLLM's max_seq_len_to_capture), so no step waits on a capture; longer
     # requests' keys are still captured when first needed. None: every graph is captured lazily
@@ -402,7 +405,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
             raise ValueError(f"tp_size must be an int >= 1, got {self.tp_size!r}")
-        for name in ("enable_cuda_graphs", "cuda_graph_prefill", "admit_mid_step"):
+        for name in ("enable_cuda_graphs", "cuda_graph_prefill", "cuda_graph_prefill_split", "admit_mid_step"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         try:

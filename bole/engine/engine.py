@@ -311,7 +311,8 @@ class LLMEngine:
     def _prefill(self, chunks: list[tuple[Request, int]], tails: list[tuple[Request, int]], stats: StepStats,
                  emit_early: Callable[[list[RequestOutput]], None] | None, t0: float) -> list[RequestOutput]:
         """Prefill ``chunks``, then ``tails`` (the prompts' rest past the checkpoint boundary their chunks
-        ended at: publish_committed has checkpointed it by then); sample the first tokens of the prompts
+        ended at: publish_committed has checkpointed it by then), each as one forward or, with
+        ``cuda_graph_prefill_split``, as the runner's graphed waves; sample the first tokens of the prompts
         that completed (``StepStats.prefill_time`` counts the seconds from ``t0`` to them). Their outputs:
         those that go on go to ``emit_early`` when given (and are not returned); a request that ended on
         its first token is handed back at the end of the step, once released."""
@@ -321,13 +322,15 @@ class LLMEngine:
         for part in (chunks, tails):
             if not part:
                 continue
-            starts = {r.request_id: r.num_computed for r, _ in part}
-            scored = {} if any(r.needs_prompt_logits for r, _ in part) else None
-            last.update(self.runner.prefill(part, keep_hidden=spec, position_logits=scored))
-            stats.eager_prefill |= not self.runner.prefill_graphed
-            for rid, lg in (scored or {}).items():
-                sampler.score_prompt(self.requests[rid], starts[rid], lg)
-            publish_committed(self.prefix_cache, [r for r, _ in part])
+            # several graphed forwards rather than one eager one (cuda_graph_prefill_split)
+            for wave in self.runner.prefill_waves(part) if self.config.cuda_graph_prefill_split else [part]:
+                starts = {r.request_id: r.num_computed for r, _ in wave}
+                scored = {} if any(r.needs_prompt_logits for r, _ in wave) else None
+                last.update(self.runner.prefill(wave, keep_hidden=spec, position_logits=scored))
+                stats.eager_prefill |= not self.runner.prefill_graphed
+                for rid, lg in (scored or {}).items():
+                    sampler.score_prompt(self.requests[rid], starts[rid], lg)
+                publish_committed(self.prefix_cache, [r for r, _ in wave])
         done = [r for r, _ in chunks if r.request_id in last]
         for r in done:
             r.prefilled = True

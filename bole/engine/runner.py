@@ -192,6 +192,40 @@ class ModelRunner:
                 out[req.request_id] = logits_of(b)
         return out
 
+    def prefill_waves(self, chunks: list[tuple[Request, int]]) -> list[list[tuple[Request, int]]]:
+        """``chunks`` as consecutive forwards that each replay a captured prefill graph, for a step whose
+        prefill fits none whole (``EngineConfig.cuda_graph_prefill_split``): waves filled in order up to
+        the largest token bucket with its padding rows, a chunk that overflows a wave cut there and
+        continued in the next (a request's part in a later wave starts where its earlier one ended, as a
+        chunked prefill does across steps). ``[chunks]`` (one eager forward, as before) without prefill
+        graphs, when they fit one graph already, or when a wave would not fit one (keys past the graphs'
+        KV lengths)."""
+        pg = self.prefill_graphs
+        if pg is None or not chunks or pg.supports(chunks):
+            return [chunks]
+        tokens, sizes = pg.token_sizes[-1], pg.batch_sizes
+        waves, wave, used, todo = [], [], 0, list(chunks)
+        while todo:
+            req, n = todo.pop(0)
+            b = len(wave) + 1
+            Bc = next((s for s in sizes if s >= b), None)
+            room = 0 if Bc is None else tokens - (Bc - b + 1) - used   # less the padding rows' tokens
+            if room <= 0:           # this wave is full (b > 1 here: one chunk alone always has room)
+                waves.append(wave)
+                wave, used = [], 0
+                todo.insert(0, (req, n))
+                continue
+            k = min(n, room)
+            wave.append((req, k))
+            used += k
+            if k < n:               # the rest goes on in the next wave
+                todo.insert(0, (req, n - k))
+                waves.append(wave)
+                wave, used = [], 0
+        if wave:
+            waves.append(wave)
+        return waves if all(pg.supports(w) for w in waves) else [chunks]
+
     @torch.inference_mode()
     def warm_up(self, row_lengths: Sequence[Sequence[int]], drafter: bool = True) -> None:
         """Run one eager prefill forward per entry of ``row_lengths`` (the token count of each row), the

@@ -257,6 +257,67 @@ def test_largest_token_bucket_is_an_option(ckpt, monkeypatch):
         assert _rel(y, x) <= 5e-5
 
 
+def test_prefill_waves_fit_the_graphs_and_keep_each_requests_tokens_in_order(ckpt):
+    """``ModelRunner.prefill_waves``: every wave fits a graph (its padding rows counted), a request's
+    tokens are all there, in order, at most one part per wave and a cut part goes on in the very next
+    wave; a step that fits one graph, or a runner without prefill graphs, is one wave as given."""
+    import random
+
+    model = load_model(ckpt, dtype="float32")
+    plain, runner = _runner(model, "cpu"), _runner(model, "cpu")
+    pg = runner.enable_prefill_graphs((1, 2, 4), capture=False, min_kv=8, token_sizes=(16, 32))
+    rng = random.Random(0)
+    for _ in range(200):
+        reqs = [Request(f"q{i}", [1] * 64, SamplingParams(), seed=0) for i in range(rng.randint(1, 7))]
+        chunks = [(r, rng.randint(1, 40)) for r in reqs]
+        assert plain.prefill_waves(chunks) == [chunks]
+        waves = runner.prefill_waves(chunks)
+        if pg.supports(chunks):
+            assert waves == [chunks]
+            continue
+        assert len(waves) > 1 and all(pg.supports(w) for w in waves)
+        flat = [r.request_id for w in waves for r, _ in w]
+        assert [x for i, x in enumerate(flat) if i == 0 or flat[i - 1] != x] == [r.request_id for r, _ in chunks]
+        for w in waves:
+            assert len({id(r) for r, _ in w}) == len(w)
+        for r, n in chunks:
+            parts = [(i, k) for i, w in enumerate(waves) for q, k in w if q is r]
+            assert sum(k for _, k in parts) == n
+            assert [i for i, _ in parts] == list(range(parts[0][0], parts[0][0] + len(parts)))
+
+
+@pytest.mark.parametrize("mode", ["ar", "bole"])
+def test_engine_split_prefill_runs_every_wave_graphed_and_keeps_the_tokens(ckpt, mode):
+    """``cuda_graph_prefill_split``: steps whose prefill exceeds the largest bucket (32 tokens here) run
+    as several graphed forwards (uncaptured here), none eagerly, and the greedy tokens equal an engine
+    without graphs; prompt logprobs (scored per wave) equal too."""
+    prompts = [[(7 * i + j) % 61 + 1 for i in range(n)] for j, n in enumerate((45, 20, 70, 9))]
+    max_tokens = [6, 9, 4, 7]
+    ref_eng = _engine(ckpt, mode, max_num_batched_tokens=96)
+    ref = run_arrivals(ref_eng, prompts, max_tokens)
+    eng = _engine(ckpt, mode, max_num_batched_tokens=96, cuda_graph_prefill_split=True)
+    pg = eng.runner.enable_prefill_graphs((1, 2, 4), capture=False, min_kv=8, token_sizes=(16, 32))
+    assert run_arrivals(eng, prompts, max_tokens) == ref
+    m = eng.metrics
+    assert m.eager_prefills == 0 and pg.replays > m.prefill_steps
+    lp = dict(temperature=0, max_tokens=2, prompt_logprobs=2)
+    a = _engine(ckpt, mode, max_num_batched_tokens=96)
+    b = _engine(ckpt, mode, max_num_batched_tokens=96, cuda_graph_prefill_split=True)
+    b.runner.enable_prefill_graphs((1, 2, 4), capture=False, min_kv=8, token_sizes=(16, 32))
+    outs = []
+    for e in (a, b):
+        rid = e.add_request(prompts[2], SamplingParams(**lp))
+        while e.has_unfinished():
+            e.step()
+        outs.append(e.pop_finished(rid))
+    assert outs[0].output_token_ids == outs[1].output_token_ids
+    pa, pb = outs[0].prompt_logprobs, outs[1].prompt_logprobs
+    assert len(pa) == len(pb) == len(prompts[2]) - 1 and b.metrics.eager_prefills == 0   # every position scored
+    for x, y in zip(pa, pb, strict=True):
+        assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
+        assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
 # ------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 def test_graphed_prefill_matches_eager_cuda(ckpt):
@@ -326,3 +387,17 @@ def test_engine_graphed_prefill_tokens_cuda(ckpt, mode):
     assert eng.runner.prefill_graphs is not None
     assert run_arrivals(eng, PROMPTS, max_tokens) == ref
     assert eng.runner.prefill_graphs.replays > 0 and eng.runner.prefill_graphs.num_captured > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["ar", "bole"])
+def test_engine_split_prefill_cuda(ckpt, mode):
+    """``cuda_graph_prefill_split`` with captured 16-token graphs: prompts of up to 70 tokens prefill in
+    graphed waves only, and the greedy tokens equal those of eager prefills."""
+    prompts = [[(7 * i + j) % 61 + 1 for i in range(n)] for j, n in enumerate((45, 20, 70, 9))]
+    max_tokens = [6, 9, 4, 7]
+    opts = dict(device="cuda", enable_cuda_graphs=True, max_num_batched_tokens=96)
+    ref = run_arrivals(_engine(ckpt, mode, cuda_graph_prefill=False, **opts), prompts, max_tokens)
+    eng = _engine(ckpt, mode, cuda_graph_prefill_tokens=16, cuda_graph_prefill_split=True, **opts)
+    assert run_arrivals(eng, prompts, max_tokens) == ref
+    assert eng.metrics.eager_prefills == 0 and eng.runner.prefill_graphs.replays > eng.metrics.prefill_steps

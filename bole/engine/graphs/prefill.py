@@ -23,7 +23,8 @@ and more take fla's chunked kernels, which plan on the host (a device read per f
 several kernels per layer from Python: a 9B-cost prefill of 65-200 tokens took 80-90 ms eagerly, against
 ~10 ms for a captured one of up to 64 tokens (H100, 2026-12-05 served trace). The recurrence is serial in
 a sequence's tokens, so the buckets stop at 256 by default (``EngineConfig.cuda_graph_prefill_tokens``,
-at most ``MAX_TOKENS``); longer steps run eagerly, through fla. Per GDN layer at the 9B shape (bf16, one
+at most ``MAX_TOKENS``); longer steps run eagerly, through fla, or (``cuda_graph_prefill_split``) as
+several graphed forwards (``ModelRunner.prefill_waves``). Per GDN layer at the 9B shape (bf16, one
 sequence, H100, ``prefill_fp32.py --shape qwen3.5-9b --dtype bfloat16 --op-only``) the recurrence took
 104 / 203 / 407 / 787 / 1608 us at 64 / 128 / 256 / 512 / 1024 tokens and fla's eager call ~1250-1490 us
 at each: a 512-token bucket would beat fla's call per layer, 1024 would not; whether 512 pays served
