@@ -423,6 +423,12 @@ class EngineConfig:
                              f"{self.max_num_batched_tokens} must be >= 1")
 
     @property
+    def prefill_graphs(self) -> bool:
+        """Whether prefills replay captured graphs: asked for, on a GPU (the model's backend may still
+        turn them off: ``bole.engine.graphs.prefill.prefill_graphs_unsupported``)."""
+        return self.enable_cuda_graphs and self.cuda_graph_prefill and self.device.startswith("cuda")
+
+    @property
     def prefill_graph_tokens(self) -> tuple[int, ...]:
         """The prefill graphs' token buckets: to ``cuda_graph_prefill_tokens``, without those no step of
         ``max_num_batched_tokens`` tokens in ``max_num_seqs`` chunks (and the padding rows) can reach."""

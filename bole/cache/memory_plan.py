@@ -145,18 +145,13 @@ def _units(cfg, config, num_mtp_layers: int) -> _Unit:
                  per_node["snapshots"] if config.mode == "serial_tree" else 0, size(pool.ssm) // cfg.num_gdn_layers)
 
 
-def prefill_graphs_planned(config) -> bool:
-    """Whether ``config`` asks for prefill graphs on a GPU (the backend may still turn them off)."""
-    return config.enable_cuda_graphs and config.cuda_graph_prefill and config.device.startswith("cuda")
-
-
 def _fixed(cfg, config, u: _Unit, seqs: int, lookahead: int, spare: int) -> dict[str, int]:
     """Bytes that do not depend on the KV blocks, for ``seqs`` running requests."""
     T, dt, P = config.max_num_batched_tokens, config.torch_dtype.itemsize, cfg.max_position_embeddings
     nodes = seqs * lookahead
     # a captured prefill's forward runs over its whole token bucket, padding included (its transients sit
     # in the graphs' own pool): the largest bucket can exceed the step's token budget
-    A = max(T, config.prefill_graph_tokens[-1]) if prefill_graphs_planned(config) else T
+    A = max(T, config.prefill_graph_tokens[-1]) if config.prefill_graphs else T
     gather = 2 * P * cfg.num_attention_heads * cfg.head_dim * dt + T * P  # K, V per query head; bool mask
     return {
         "state": (seqs + 1 + spare) * u.slot,

@@ -123,7 +123,7 @@ class LLMEngine:
                                                         floor=spec.budget_floor)
                                   if spec_graphs else None,
                                   # the same buckets in every mode: a prefill runs at the same padded shapes
-                                  prefill_graph_sizes=spec_sizes if graphs and config.cuda_graph_prefill else None,
+                                  prefill_graph_sizes=spec_sizes if config.prefill_graphs else None,
                                   prefill_graph_tokens=config.prefill_graph_tokens)
         cc = config.cache
         self.prefix_cache = PrefixCache(self.runner.allocator, self.runner.state_pool, cc.block_size,
