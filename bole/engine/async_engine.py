@@ -175,35 +175,42 @@ class AsyncEngine:
 
     def _add(self, rid, prompt, params, loop, queue, added, stopping: bool = False) -> bool:
         """An "add" from the inbox: the request into the engine (its stream registered), or its error
-        back to the caller; whether it was added."""
-        if stopping:
-            loop.call_soon_threadsafe(_settle, added, RuntimeError("the engine is shut down"))
-            return False
+        back to the caller; whether it was added. A caller whose event loop has closed meanwhile gets
+        nothing: its request, still waiting (it holds no memory), is aborted at once."""
+        error = RuntimeError("the engine is shut down") if stopping else None
+        if error is None:
+            try:
+                self.engine.add_request(prompt, params, rid)
+            except Exception as e:  # noqa: BLE001 - bad input: the caller raises it
+                error = e
         try:
-            self.engine.add_request(prompt, params, rid)
-        except Exception as e:  # noqa: BLE001 - bad input: the caller raises it
-            loop.call_soon_threadsafe(_settle, added, e)
+            loop.call_soon_threadsafe(_settle, added, error)
+        except RuntimeError:  # that event loop is closed: nobody waits for this request
+            if error is None:
+                self.engine.abort(rid)
             return False
-        self._streams[rid] = (loop, queue)
-        loop.call_soon_threadsafe(_settle, added, None)
-        return True
+        if error is None:
+            self._streams[rid] = (loop, queue)
+        return error is None
 
     def _admit_arrivals(self) -> int:
         """Inside a step (``EngineCore.step``'s ``admit``): apply the inbox's adds, the requests that arrived
         since the step began; the others (aborts, releases) wait for the step's end, in their order, and so
         does an add behind one of them for the same id. Returns how many were added."""
         added, deferred, later = 0, [], set()
-        while True:
-            try:
-                op = self._inbox.popleft()
-            except IndexError:
-                break
-            if op[0] == "add" and op[1] not in later:
-                added += self._add(*op[1:], stopping=self._stopped)
-            else:
-                deferred.append(op)
-                later.add(op[1])
-        self._inbox.extendleft(reversed(deferred))   # before anything sent meanwhile
+        try:
+            while True:
+                try:
+                    op = self._inbox.popleft()
+                except IndexError:
+                    break
+                if op[0] == "add" and op[1] not in later:
+                    added += self._add(*op[1:], stopping=self._stopped)
+                else:
+                    deferred.append(op)
+                    later.add(op[1])
+        finally:
+            self._inbox.extendleft(reversed(deferred))   # before anything sent meanwhile
         return added
 
     def _publish(self) -> None:

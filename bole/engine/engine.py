@@ -270,7 +270,7 @@ class LLMEngine:
                 outputs.extend(self._admit(admit, len(decode), stats, emit_early))
             between()
         if decode:
-            t0, admitting = time.perf_counter(), stats.admission_time
+            t0 = time.perf_counter()
             if self.mode == "ar":
                 logits = self.runner.decode(decode, keep_hidden=False)
                 publish_committed(self.prefix_cache, decode)
@@ -280,8 +280,7 @@ class LLMEngine:
                 stats.eager_forward = not self.runner.decode_graphed
             else:
                 emitted, lps = self.spec_step.run(decode, stats, self.calibration, between=between)
-            # less the admissions between the draft and the verify
-            stats.verify_time = time.perf_counter() - t0 - (stats.admission_time - admitting)
+            stats.verify_time = time.perf_counter() - t0   # admissions between draft and verify included
             for i, (r, toks) in enumerate(zip(decode, emitted)):
                 r.metrics.num_steps += 1
                 r.metrics.num_accepted_drafts += len(toks) - 1
@@ -304,9 +303,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         late = self.scheduler.admit_arrivals(self.config.max_num_batched_tokens - num_decode - stats.prefill_tokens)
         stats.admitted_mid_step += len(late.prefill)   # one chunk per admitted request
-        outputs = self._prefill(late.prefill, late.prefill_tails, stats, emit_early, t0) if late.prefill else []
-        stats.admission_time += time.perf_counter() - t0
-        return outputs
+        return self._prefill(late.prefill, late.prefill_tails, stats, emit_early, t0) if late.prefill else []
 
     def _prefill(self, chunks: list[tuple[Request, int]], tails: list[tuple[Request, int]], stats: StepStats,
                  emit_early: Callable[[list[RequestOutput]], None] | None, t0: float) -> list[RequestOutput]:

@@ -15,14 +15,16 @@ class StepStats:
     emitted_tokens: int = 0        # tokens emitted by decode / verify steps
     tree_nodes: int = 0            # tokens run through the target in the decode / verify forward
     b_ver: int = 0                 # the bucket's capacity (speculative modes)
-    verify_time: float = 0.0       # seconds in draft + verify + sample + commit (or decode)
+    # seconds in draft + verify + sample + commit (or decode), with the prefills of requests admitted
+    # between the draft and the verify (they wait for the draft's GPU work, which is not synchronised)
+    verify_time: float = 0.0
     # seconds from the start of each prefill phase that sampled first tokens (the step's start, or a
-    # mid-step admission) to those tokens, sampled on the host (so the prefill's GPU work is in it); the
-    # step sampled ``first_tokens`` of them, for ``admitted_mid_step`` requests admitted inside the step
+    # mid-step admission) to those tokens, summed, sampled on the host (so the prefill's GPU work is in
+    # it, and for an admission between draft and verify the draft's GPU work still queued); the step
+    # sampled ``first_tokens`` of them, for ``admitted_mid_step`` requests admitted inside the step
     prefill_time: float = 0.0
     first_tokens: int = 0
     admitted_mid_step: int = 0
-    admission_time: float = 0.0    # seconds in those admissions (their prefills; not in verify_time)
     eager_prefill: bool = False    # a prefill forward of the step ran eagerly (no captured graph fits it)
     preempted: int = 0
     # which parts of the decode step ran eagerly, not from a captured CUDA graph (always, without graphs)

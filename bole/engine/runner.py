@@ -198,10 +198,11 @@ class ModelRunner:
         the largest token bucket with its padding rows, a chunk that overflows a wave cut there and
         continued in the next (a request's part in a later wave starts where its earlier one ended, as a
         chunked prefill does across steps). ``[chunks]`` (one eager forward, as before) without prefill
-        graphs, when they fit one graph already, or when a wave would not fit one (keys past the graphs'
-        KV lengths)."""
+        graphs, when they fit one graph already, or when a chunk's keys reach past the graphs' KV lengths
+        (checked at each chunk's end: a later part's start is past the request's ``num_computed``)."""
         pg = self.prefill_graphs
-        if pg is None or not chunks or pg.supports(chunks):
+        if pg is None or not chunks or pg.supports(chunks) \
+                or max(r.num_computed + n for r, n in chunks) > pg.kv_lengths[-1]:   # a later part's keys
             return [chunks]
         tokens, sizes = pg.token_sizes[-1], pg.batch_sizes
         waves, wave, used, todo = [], [], 0, list(chunks)
@@ -224,7 +225,7 @@ class ModelRunner:
                 wave, used = [], 0
         if wave:
             waves.append(wave)
-        return waves if all(pg.supports(w) for w in waves) else [chunks]
+        return waves if all(pg.supports(w) for w in waves) else [chunks]   # (token buckets: always)
 
     @torch.inference_mode()
     def warm_up(self, row_lengths: Sequence[Sequence[int]], drafter: bool = True) -> None:

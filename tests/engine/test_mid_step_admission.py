@@ -126,6 +126,15 @@ def test_arrivals_prefilled_inside_the_step_keep_every_output(path, mode, device
     assert eng.stats().mid_step_admissions == 4
     eng.prefix_cache.clear()
     assert eng.runner.allocator.num_free == eng.config.cache.num_blocks
+    if spec:
+        # verification hides a corrupted draft from the tokens, not from the acceptance: the same run with
+        # "late" admitted before step 1's draft (the decode batch drafts the same) accepts the same drafts
+        again = engine(path, mode, max_num_seqs=6, **opts)
+        again.add_request(PROMPTS["old"], PARAMS, request_id="old")
+        again.step()
+        drive(again, {(0, 0): ["mid"], (1, 0): ["late"], (2, 0): ["one", "again"]})
+        accepted = lambda e: {rid: e.requests[rid].metrics.num_accepted_drafts for rid in ("old", "mid", "late")}
+        assert accepted(eng) == accepted(again) and sum(accepted(eng).values()) > 0
 
 
 @pytest.mark.parametrize("mode", ["ar", "bole"])
@@ -134,7 +143,14 @@ def test_an_arrival_that_does_not_fit_waits_without_preempting(path, mode):
     not admitted there, nothing is preempted for it, and the next step admits it once the blocks are back;
     every request's tokens are a plain run's."""
     eng = engine(path, mode, enable_prefix_cache=False)
-    alloc = eng.runner.allocator
+    alloc, refused = eng.runner.allocator, []
+    admit_arrivals = eng.scheduler.admit_arrivals
+
+    def spied(budget):
+        out = admit_arrivals(budget)
+        refused.append(not out.prefill and budget > 0)
+        return out
+    eng.scheduler.admit_arrivals = spied
     for rid in ("old", "mid"):
         eng.add_request(PROMPTS[rid], PARAMS, request_id=rid)
     eng.step()
@@ -159,6 +175,7 @@ def test_an_arrival_that_does_not_fit_waits_without_preempting(path, mode):
             assert eng.requests["late"].num_computed == 0 and len(eng.scheduler.running) == 2
             alloc.free(held)                 # the blocks are back before the next step
         step += 1
+    assert refused == [True]     # asked inside step 0, with token budget left, and refused for memory
     assert early_ids[0] == [] and early_ids[1] == ["late"]
     assert eng.metrics.mid_step_admissions == 0 and eng.metrics.preemptions == 0
     ref = plain_outputs(path)
@@ -220,16 +237,20 @@ async def collect(aeng, rid):
 
 def test_async_engine_defers_an_add_behind_a_release_of_its_id(path):
     """Mid-step, the inbox's adds apply and the rest wait, in order; an add behind a release or an abort
-    of the same id waits too (the id is still taken until the release)."""
+    of the same id waits too (the id is still taken until the release); an add whose caller's event loop
+    has closed is dropped (its request aborted) and loses nothing else."""
     aeng = AsyncEngine(engine(path, "ar"))
     loop = asyncio.new_event_loop()
     try:
-        add = lambda rid: ("add", rid, PROMPTS["mid"], PARAMS, loop, asyncio.Queue(), loop.create_future())
+        closed = asyncio.new_event_loop()
+        closed.close()          # a caller gone with its event loop: its add is dropped, nothing else
+        add = lambda rid, lp=loop: ("add", rid, PROMPTS["mid"], PARAMS, lp, asyncio.Queue(), lp.create_future())
         with aeng._lock:   # the engine thread is idle (nothing woke it): apply as a step would
-            aeng._inbox.extend([add("a"), ("release", "b"), add("b"), ("abort", "c"), add("d")])
+            aeng._inbox.extend([add("a"), ("release", "b"), add("b"), ("abort", "c"), add("z", closed), add("d")])
             assert aeng._admit_arrivals() == 2
             assert [op[:2] for op in aeng._inbox] == [("release", "b"), ("add", "b"), ("abort", "c")]
             assert set(aeng.engine.requests) == {"a", "d"}
+            assert [r.request_id for r in aeng.engine.scheduler.waiting] == ["a", "d"]
             aeng._inbox.clear()
             for rid in ("a", "d"):
                 aeng.engine.abort(rid)

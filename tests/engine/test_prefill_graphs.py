@@ -266,6 +266,12 @@ def test_prefill_waves_fit_the_graphs_and_keep_each_requests_tokens_in_order(ckp
     model = load_model(ckpt, dtype="float32")
     plain, runner = _runner(model, "cpu"), _runner(model, "cpu")
     pg = runner.enable_prefill_graphs((1, 2, 4), capture=False, min_kv=8, token_sizes=(16, 32))
+    # a chunk ending past the graphs' keys: its first wave would fit, its second (checked from the
+    # request's num_computed) would seem to
+    far = Request("far", [1] * 400, SamplingParams(), seed=0)
+    far.num_computed = pg.kv_lengths[-1] - 32
+    assert pg.supports([(far, 31)]) and pg.supports([(far, 9)])
+    assert runner.prefill_waves([(far, 40)]) == [[(far, 40)]]
     rng = random.Random(0)
     for _ in range(200):
         reqs = [Request(f"q{i}", [1] * 64, SamplingParams(), seed=0) for i in range(rng.randint(1, 7))]
