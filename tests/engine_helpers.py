@@ -11,6 +11,19 @@ def default_table() -> str:
     return resolve_repo_path("calibration_tables/default.yaml")
 
 
+def tiny_engine(path, mode, **opts):
+    """An engine over the checkpoint at ``path`` with the engine tests' small cache and tree (options
+    override them), the model loaded on the config's device."""
+    from bole.config import EngineConfig
+    from bole.engine.engine import LLMEngine
+    from bole.models.loader import load_model
+
+    opts = {"num_blocks": 96, "block_size": 4, "depth": 3, "topk": 3, "beam": 3, "max_num_seqs": 4,
+            "max_num_batched_tokens": 16, **opts}
+    cfg = EngineConfig.from_options(mode=mode, calibration_table=default_table(), **opts)
+    return LLMEngine(load_model(path, dtype="float32", device=cfg.device), cfg)
+
+
 def run_arrivals(eng, prompts, max_tokens) -> list[list[int]]:
     """Greedy requests arriving one per step (batch sizes vary); each request's output tokens."""
     ids, outs = [], {}

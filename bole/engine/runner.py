@@ -225,7 +225,7 @@ class ModelRunner:
                 wave, used = [], 0
         if wave:
             waves.append(wave)
-        return waves if all(pg.supports(w) for w in waves) else [chunks]   # (token buckets: always)
+        return waves if all(pg.supports(w) for w in waves) else [chunks]   # (holds by construction: a guard)
 
     @torch.inference_mode()
     def warm_up(self, row_lengths: Sequence[Sequence[int]], drafter: bool = True) -> None:

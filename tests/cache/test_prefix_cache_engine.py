@@ -8,13 +8,12 @@ import random
 import pytest
 import torch
 from checkpoints import make_checkpoint
+from engine_helpers import tiny_engine
 
 from bole.cache.block_hash import prefix_block_hashes
 from bole.cache.kv_cache import blocks_needed
-from bole.config import EngineConfig
 from bole.engine.engine import LLMEngine
 from bole.engine.sequence import Request
-from bole.models.loader import load_model
 from bole.sampling_params import SamplingParams
 from deployments.routing_policy import matched_blocks
 
@@ -30,13 +29,7 @@ def path(tmp_path_factory):
 
 
 def engine(path, mode, **opts):
-    from bole.llm import resolve_repo_path
-
-    opts = {"num_blocks": 96, "block_size": 4, "depth": 3, "topk": 3, "beam": 3, "max_num_seqs": 4,
-            "max_num_batched_tokens": 16, "num_checkpoint_slots": 24, **opts}
-    table = resolve_repo_path("calibration_tables/default.yaml")
-    cfg = EngineConfig.from_options(mode=mode, calibration_table=table, **opts)
-    return LLMEngine(load_model(path, dtype="float32"), cfg)
+    return tiny_engine(path, mode, **{"num_checkpoint_slots": 24, **opts})
 
 
 def agent_workload(eng: LLMEngine, convs=2, turns=4, system_len=22, user_len=5, out_len=7, seed=0):

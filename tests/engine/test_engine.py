@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from checkpoints import make_checkpoint, write_token_frequencies
-from engine_helpers import default_table
+from engine_helpers import default_table, tiny_engine
 
 from bole.config import EngineConfig
 from bole.engine.async_engine import AsyncEngine
@@ -34,11 +34,7 @@ def ckpt(tmp_path_factory):
     return get
 
 
-def engine(path, mode, **opts):
-    opts = {"num_blocks": 96, "block_size": 4, "depth": 3, "topk": 3, "beam": 3, "max_num_seqs": 4,
-            "max_num_batched_tokens": 16, **opts}
-    cfg = EngineConfig.from_options(mode=mode, calibration_table=default_table(), **opts)
-    return LLMEngine(load_model(path, dtype="float32"), cfg)
+engine = tiny_engine
 
 
 
@@ -290,7 +286,8 @@ def test_bad_requests_raise_and_lose_nothing(ckpt):
         EngineConfig.from_options(mode="fast")
     # a model loaded elsewhere than the engine's device: refused before anything runs on either
     with pytest.raises(ValueError, match=r"model is on cpu but the engine's device is 'cuda'"):
-        engine(path, "bole", device="cuda")
+        LLMEngine(load_model(path, dtype="float32"), EngineConfig.from_options(
+            mode="bole", device="cuda", calibration_table=default_table()))
 
 
 def test_async_engine_streams_and_aborts(ckpt):

@@ -10,12 +10,10 @@ import threading
 
 import pytest
 from checkpoints import make_checkpoint
-from engine_helpers import default_table
+from engine_helpers import tiny_engine
 
 from bole.config import EngineConfig
 from bole.engine.async_engine import AsyncEngine
-from bole.engine.engine import LLMEngine
-from bole.models.loader import load_model
 from bole.sampling_params import SamplingParams
 
 MODES = ("ar", "serial_tree", "bole")
@@ -31,11 +29,7 @@ def path(tmp_path_factory):
     return str(p)
 
 
-def engine(path, mode, **opts):
-    opts = {"num_blocks": 96, "block_size": 4, "depth": 3, "topk": 3, "beam": 3, "max_num_seqs": 4,
-            "max_num_batched_tokens": 16, **opts}
-    cfg = EngineConfig.from_options(mode=mode, calibration_table=default_table(), **opts)
-    return LLMEngine(load_model(path, dtype="float32", device=cfg.device), cfg)
+engine = tiny_engine
 
 
 def plain_outputs(path, **opts) -> dict[str, list[int]]:
