@@ -352,7 +352,7 @@ def load_model(path: str, dtype="auto", device="cpu", tp_rank: int = 0, tp_size:
     if cfg.tie_word_embeddings:  # to_empty materialises tied parameters separately: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
     params = dict(model.named_parameters())
-    mismatches = []
+    mismatches, p, t = [], None, None
     with CheckpointReader(files) as reader, torch.no_grad():
         for name, produce in producers.items():
             t = tp_slice(name, produce(reader), cfg, tp_rank, tp_size)
@@ -375,4 +375,7 @@ def load_model(path: str, dtype="auto", device="cpu", tp_rank: int = 0, tp_size:
     logger.info("loaded %s (%s, %d MTP layers, tp %d/%d) from %s", cfg.model_type, dt, num_mtp,
                 tp_rank, tp_size, path)
     model.source_path = path  # the folder: files beside the weights (token_frequencies.json, bole.spec.draft_vocab)
+    # fuse_projections concatenates each group and frees its originals: nothing here may still hold them, or
+    # the fused copies double those weights for a moment (a 27B-shape checkpoint then overflows an 80 GB GPU)
+    del params, p, t
     return model.eval().fuse_projections()

@@ -209,3 +209,28 @@ def test_tp_slice_replicates_norms(dense):
     _, cfg = read_config(ck.path)
     w = torch.randn(64)
     assert tp_slice("model.layers.0.input_layernorm.weight", w, cfg, 1, 2) is w
+
+
+def test_fusing_frees_the_original_projections(checkpoints, monkeypatch):
+    """load_model fuses each group of projections (bole.layers.linear) with nothing of its own still holding
+    the originals: otherwise every fused weight exists twice for a moment, and a 27B-shape checkpoint (55 GB)
+    overflowed an 80 GB GPU while loading. Checked by weak references: right after a group is fused (before
+    the next one is) its original weights must already be freed."""
+    import gc
+    import weakref
+
+    from bole.layers import linear
+
+    real_init, alive = linear.FusedLinear.__init__, []
+
+    def init(self, linears):
+        refs = [weakref.ref(lin.weight) for lin in linears]
+        real_init(self, linears)
+        gc.collect()
+        alive.append(sum(r() is not None for r in refs))
+
+    monkeypatch.setattr(linear.FusedLinear, "__init__", init)
+    for kind in ("dense", "moe"):
+        alive.clear()
+        load_model(checkpoints(kind).path, dtype="float32", backend="torch")
+        assert alive and not any(alive), f"{kind}: originals still held after fusing: {alive}"
