@@ -26,12 +26,15 @@ def plot(doc: dict, path: Path) -> str | None:
         for mode in dict.fromkeys(r["mode"] for r in rows):
             pts = sorted((r["batch"], r["tokens_per_s"], r["mat"]) for r in rows if r["mode"] == mode
                          and r["status"] == "ok")
-            failed = sorted(f"{r['status']}@{r['batch']}" for r in rows if r["mode"] == mode
-                            and r["status"] in ("oom", "refused", "timeout"))
+            bad = sorted((r["status"], r["batch"]) for r in rows if r["mode"] == mode
+                         and r["status"] in ("oom", "refused", "timeout"))
+            failed = [f"{st}@{','.join(str(b) for s, b in bad if s == st)}" for st in dict.fromkeys(s for s, _ in bad)]
             if pts:
                 mat = f", MAT {pts[0][2]:.2f} @b={pts[0][0]}" if mode != "ar" else ""
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
                         label=mode + mat + (f" ({', '.join(failed)})" if failed else ""))
+            elif failed:  # no cell of the mode ran (serial_tree refused at every batch): said in the legend
+                ax.plot([], [], marker="x", ls="none", label=f"{mode}: no cell ran ({', '.join(failed)})")
         batches = sorted({r["batch"] for r in rows})
         ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="tokens/s (greedy, prefill included)",
                title=model)
@@ -39,7 +42,7 @@ def plot(doc: dict, path: Path) -> str | None:
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
