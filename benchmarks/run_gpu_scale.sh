@@ -2,21 +2,19 @@
 # The scale benchmark (benchmarks/e2e.py --scale, benchmarks/e2e_scale.py) on one GPU, in ONE device call
 # of < 10 minutes, from the repository root:
 #     OUT=$OUT bash benchmarks/run_gpu_scale.sh [--models qwen3.5-9b] [extra e2e_scale.py flags]
-# Default: the qwen3.5-9b-cost model only. qwen3.5-27b (25 B parameters with the embedded vocabulary,
-# ~50 GB bf16) needs a call of its own with SCALE_BUDGET_S / SCALE_KILL_S raised, and the disk for it: the
-# 64 GiB GPU machine holds one of the two checkpoints at a time (WIDEN_DIR=... rm -rf the other first).
+# Default: the qwen3.5-9b-cost model only; one model per call (--models qwen3.5-4b / qwen3.5-27b), each with
+# its own --calibration-table (calibration_tables/<hw>-qwen3.5-<size>.yaml). The 64 GiB GPU machine's disk
+# holds one widened checkpoint of 27B size at a time: WIDEN_DIR=... rm -rf the other first.
 #
-# Wall time, estimated from the sizes (not yet measured on a GPU):
-#   widening: qwen3.5-9b with the embedded model's 8192-token vocabulary is 7.2 B parameters, 14.5 GB in
-#     bf16 to compute and write (not the real 9B's ~18 GB: its 248k vocabulary is not there); the CPU
-#     widening ran at 0.11 GB/s on one thread here (2.35 GB in 22 s), so <= ~130 s; skipped when
-#     $WIDEN_DIR already holds it (a second call on a machine still warm).
-#   cells: 6 batches x 3 modes, each a fresh engine: 14.5 GB from the page cache onto the GPU (~5-10 s),
-#     its CUDA graphs captured (~5-15 s), a warm-up and 3 runs of 128 tokens per request (a 9B-cost decode
-#     step reads 14.5 GB, >= 3 ms at 4.8 TB/s: ~1-3 s a run): ~15-30 s a cell, ~5-9 min for 18.
-#   So the last (largest-batch) cells may not fit: no cell starts after --budget-s (470 s from the start,
-#   widening included), a worker still running 40 s later is killed, `timeout` ends everything at 540 s.
-#   The JSON, rewritten after every cell, keeps what ran and marks the rest (skipped_budget / not_run).
+# Wall time measured (H100 80GB, 2026-12-06; benchmarks/README.md "At scale on the H100"):
+#   widening: 4B-cost 9.9 GB in 28 s, 9B-cost 18.4 GB in 53 s (88 s on the H200), 27B-cost 54.6 GB in
+#     123 s; skipped when $WIDEN_DIR already holds it (a second call on a machine still warm: ~7 s).
+#   cells (batches 1-16 x ar / bole / serial_tree, a fresh engine each): the first cell pays the Triton
+#     compiles (74-90 s), the others 3-50 s (27B: 5-34 s). Whole grids: 4B 268 s, 27B 249 s (reused
+#     checkpoint); the 9B grid after a 119 s calibration in the same call reached batch 4 in ~300 s.
+#   No cell starts after --budget-s (470 s from the start, widening included), a worker still running 40 s
+#   later is killed, `timeout` ends everything at 540 s. The JSON, rewritten after every cell, keeps what
+#   ran and marks the rest (skipped_budget / not_run).
 #
 # Files written to $OUT (3): e2e_scale_<hw>.json, e2e_scale_<hw>.png, e2e_scale_<hw>.log
 set -uo pipefail
