@@ -8,7 +8,8 @@ so its ``--widen-dir`` must have the room, e.g. /dev/shm, which is checked befor
 costs what its shape costs (layers, GEMMs, GDN states, KV cache, the 248,320-row vocabulary: embedding and
 lm_head) and predicts what the embedded model predicts, so MAT is the trained drafter's: every row is
 labelled "<shape>-cost, embedded model's predictions". Checkpoints are written once under ``--widen-dir``
-(bf16) and reused while their ``widen.json`` (source files, shape, dtype) matches.
+(bf16) and reused while their ``widen.json`` (source files, shape, dtype) matches; with
+``--widen-in-memory`` each model's worker widens into host memory instead (no disk holds the weights).
 
 Per model a worker subprocess runs the cells batch x mode (ar first at each batch), each on a fresh
 ``bole.LLM`` over the worker's one loaded model (``build_engine(model=...)``: the weights load once per
@@ -178,6 +179,9 @@ def parse_args(argv=None):
     ap.add_argument("--budget-s", type=float, default=None, help="whole run, widening included (480; smoke 150)")
     ap.add_argument("--cell-budget-s", type=float, default=None, help="per cell (60; smoke 40)")
     ap.add_argument("--grace-s", type=float, default=60.0, help="a late worker is killed this much after a budget")
+    ap.add_argument("--widen-in-memory", action="store_true",
+                    help="each model's worker widens into host memory and loads from there: no disk holds the "
+                         "weights (--widen-dir gets the config and tokenizer files only)")
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny widening of the embedded model")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/e2e_scale_<tag>.json)")
     ap.add_argument("--tag", default=None, help="name suffix (default: the hardware class, 'smoke')")
@@ -257,6 +261,35 @@ def widened(source: str, shape: str, widen_dir: str) -> tuple[str, dict]:
     return str(dst), dict(done, reused=False)
 
 
+def widened_in_memory(source: str, shape: str, widen_dir: str) -> tuple[str, dict]:
+    """``--widen-in-memory``: only the config.json and tokenizer files of ``shape``'s widening, in
+    ``widen_dir``/<shape>.config; the model's worker widens the weights into host memory and loads them
+    from there (``load_model(tensors=...)``), so no disk need hold them (the 71 GB MoE shape on a 64 GiB
+    disk). Refused before anything is written when the host's available memory cannot hold them."""
+    cfg = shape_config(shape)
+    need, free = widened_bytes(cfg), available_memory()
+    if need * 1.1 > free:
+        raise NoRoom(f"widening {shape} into memory holds {need / 2**30:.1f} GiB, the host has "
+                     f"{free / 2**30:.1f} GiB available")
+    dst = Path(widen_dir) / (shape + ".config")
+    shutil.rmtree(dst, ignore_errors=True)
+    from bole.models.widen import write_widened_config
+
+    report = write_widened_config(source, str(dst), cfg)
+    copy_tokenizer_files(source, str(dst))
+    return str(dst), dict(copies=report.copies, eps=report.eps, exact_norms=not any(report.eps_bounds.values()),
+                          weight_bytes=need, in_memory=True, reused=False)
+
+
+def available_memory() -> int:
+    """Bytes of host memory available (``MemAvailable`` of /proc/meminfo; the physical pages elsewhere)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
 class NoRoom(OSError):
     """The widening does not fit where it would be written (checked before writing)."""
 
@@ -291,11 +324,17 @@ _LOADED: dict = {}  # the worker's model, loaded by its first cell and shared by
 def shared_model(spec: dict, dtype: str):
     """The worker's one model (a 71 GB MoE widening loads once, not once per cell)."""
     from bole.models.loader import load_model
+    from bole.models.widen import widened_tensors
 
     key = (spec["path"], dtype, spec["device"])
     if key not in _LOADED:
         _LOADED.clear()
-        _LOADED[key] = load_model(spec["path"], dtype=dtype, device=spec["device"])
+        tensors = None
+        if spec.get("in_memory"):  # --widen-in-memory: the weights exist only here, widened now
+            t0 = time.time()
+            tensors = dict(widened_tensors(spec["source"], shape_config(spec["shape"]), dtype="bfloat16"))
+            print(f"{spec['shape']}: widened into memory in {time.time() - t0:.1f}s", flush=True)
+        _LOADED[key] = load_model(spec["path"], dtype=dtype, device=spec["device"], tensors=tensors)
     return _LOADED[key]
 
 
@@ -529,18 +568,21 @@ def main(argv=None) -> dict | None:
             continue
         t0 = time.time()
         try:
-            path, record = widened(args.source, shape, args.widen_dir)
+            path, record = (widened_in_memory if args.widen_in_memory else widened)(args.source, shape,
+                                                                                     args.widen_dir)
         except OSError as e:  # no room (NoRoom, or a full disk): the next (smaller) model may still fit
             rep.note(f"{shape}: widening failed ({e}); model skipped")
             continue
         rep.add("models", dict(shape=shape, label=label(shape), path=path,
                                **{k: v for k, v in record.items() if k != "input"}))
-        print(f"[{time.time() - t_start:6.1f}s] {shape}: {'reused' if record['reused'] else 'widened'} {path} "
+        how = "to be widened into memory" if args.widen_in_memory else "reused" if record["reused"] else "widened"
+        print(f"[{time.time() - t_start:6.1f}s] {shape}: {how} {path} "
               f"({record['weight_bytes'] / 1e9:.2f} GB, {time.time() - t0:.1f}s)", flush=True)
         spec = dict(shape=shape, path=path, device="cuda" if cuda else "cpu", prompts=args.prompts,
                     batches=args.batches, modes=args.modes, max_tokens=args.max_tokens, repeats=args.repeats,
                     depth=args.depth, topk=args.topk, beam=args.beam, calibration_table=args.calibration_table,
-                    cell_budget_s=args.cell_budget_s, deadline=deadline, smoke=args.smoke)
+                    cell_budget_s=args.cell_budget_s, deadline=deadline, smoke=args.smoke,
+                    in_memory=args.widen_in_memory, source=args.source)
         run_worker(rep, spec, args.grace_s)
     if args.png != "none":
         from benchmarks.e2e_scale_plot import plot

@@ -4,7 +4,8 @@
 #     OUT=$OUT bash benchmarks/run_gpu_scale.sh [--models qwen3.5-9b] [extra e2e_scale.py flags]
 # Default: the qwen3.5-9b-cost model only; one model per call (--models qwen3.5-4b / qwen3.5-27b), each with
 # its own --calibration-table (calibration_tables/<hw>-qwen3.5-<size>.yaml). The 64 GiB GPU machine's disk
-# holds one widened checkpoint of 27B size at a time: WIDEN_DIR=... rm -rf the other first.
+# holds one widened checkpoint of 27B size at a time: WIDEN_DIR=... rm -rf the other first. The MoE shape
+# (qwen3.5-35b-a3b, 71 GB) fits no such disk: pass --widen-in-memory (the worker widens into host memory).
 #
 # Wall time measured (H100 80GB, 2026-12-06; benchmarks/README.md "At scale on the H100"):
 #   widening: 4B-cost 9.9 GB in 28 s, 9B-cost 18.4 GB in 53 s (88 s on the H200), 27B-cost 54.6 GB in

@@ -11,6 +11,9 @@
   per key-head group [q_g, k_g, v_g, z_g] / [b_g, a_g]) are split into the Qwen3.5 layout; per-expert
   ``experts.{e}.{gate,up,down}_proj.weight`` are stacked into ``experts.gate_up_proj`` /
   ``experts.down_proj`` (already fused checkpoints load as they are).
+* ``tensors=`` (name -> tensor, checkpoint naming) stands in for the safetensors files: a checkpoint held
+  in memory (``bole.models.widen.widened_tensors``, a widening larger than the disk); ``path`` then
+  gives config.json only.
 * Missing or unexpected tensors (all names listed), shape mismatches and unsupported model types
   raise ``ValueError``.
 
@@ -175,6 +178,17 @@ class CheckpointReader:
             raise ValueError(f"{f}: tensor {name} cannot be read ({e})") from None
 
 
+class MemoryReader(CheckpointReader):
+    """``CheckpointReader`` over tensors held in memory (name -> tensor, checkpoint naming)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        super().__init__(dict.fromkeys(tensors, "(in memory)"))
+        self.tensors = tensors
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+
 def _split_qkvz(t: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     HK, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     rep = cfg.linear_num_value_heads // HK
@@ -314,13 +328,16 @@ def _listing(names, limit: int = 50) -> str:
 
 
 def load_model(path: str, dtype="auto", device="cpu", tp_rank: int = 0, tp_size: int = 1,
-               backend="auto", load_mtp: bool = True, tp_reduce: Callable | None = None) -> HybridForCausalLM:
-    """Build the model for ``path`` and load its (rank's) weights. See the module docstring."""
+               backend="auto", load_mtp: bool = True, tp_reduce: Callable | None = None,
+               tensors: dict[str, torch.Tensor] | None = None) -> HybridForCausalLM:
+    """Build the model for ``path`` and load its (rank's) weights (``tensors``: held in memory instead of
+    ``path``'s safetensors files). See the module docstring."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank={tp_rank} is not in [0, tp_size={tp_size})")
     _, cfg = read_config(path)
     dt = resolve_dtype(dtype, cfg)
-    files = checkpoint_files(path)
+    opened = CheckpointReader(checkpoint_files(path)) if tensors is None else MemoryReader(tensors)
+    files = opened.files
     names = list(files)
     mtp_layers = sorted({int(m[1]) for n in names if (m := _MTP_LAYER_RE.match(normalize_name(n) or ""))})
     num_mtp = (max(mtp_layers) + 1) if (mtp_layers and load_mtp) else 0
@@ -353,7 +370,7 @@ def load_model(path: str, dtype="auto", device="cpu", tp_rank: int = 0, tp_size:
         model.lm_head.weight = model.model.embed_tokens.weight
     params = dict(model.named_parameters())
     mismatches, p, t = [], None, None
-    with CheckpointReader(files) as reader, torch.no_grad():
+    with opened as reader, torch.no_grad():
         for name, produce in producers.items():
             t = tp_slice(name, produce(reader), cfg, tp_rank, tp_size)
             p = params[name]

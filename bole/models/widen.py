@@ -1,6 +1,8 @@
 """Widened models: a small Qwen3.5 hybrid checkpoint embedded in a larger text shape, same function.
 
     widen(src, dst, shape: ModelConfig) -> WidenReport       (scripts/widen_model.py is the CLI)
+    widened_tensors(src, shape) -> (name, tensor), ...       (what widen writes, one tensor at a time)
+    write_widened_config(src, dst, shape) -> WidenReport     (config.json alone: load_model(dst, tensors=...))
     widen_config(src_config, shape) -> WidenReport          (the config and norm ratios, no weights)
     copy_tokenizer_files(src, dst)                         (so the widened folder serves like the source)
 
@@ -390,16 +392,35 @@ def widen(src: str, dst: str, shape: ModelConfig, dtype="auto", shard_bytes: int
     ``shape``: a ModelConfig with the target sizes (``TARGET_FIELDS``), e.g. ``shapes_config("qwen3.5-9b")``.
     ``dtype``: of the written tensors ("auto": the source config's); shards of at most ``shard_bytes``.
     ``alpha``: the padded lm_head rows' weight at the constant channel (> 0: they lose by alpha·v)."""
+    widen_config(read_config(src)[1], shape, alpha)  # an impossible widening is refused before anything is written
+    os.makedirs(dst, exist_ok=True)
+    shards = _Shards(dst, shard_bytes)
+    for name, x in widened_tensors(src, shape, dtype, alpha):
+        shards.add(name, x)
+    shards.close()
+    return write_widened_config(src, dst, shape, alpha)
+
+
+def write_widened_config(src: str, dst: str, shape: ModelConfig, alpha: float = ALPHA) -> WidenReport:
+    """Only the widened config.json of ``src`` in ``dst`` (``widen`` writes it after the weights): with
+    ``widened_tensors`` held in memory, ``load_model(dst, tensors=...)`` loads a widening no disk holds."""
     _, s = read_config(src)
     report = widen_config(s, shape, alpha)
-    t = report.config
+    os.makedirs(dst, exist_ok=True)
+    _write_config(src, dst, s, report.config)
+    return report
+
+
+def widened_tensors(src: str, shape: ModelConfig, dtype="auto", alpha: float = ALPHA):
+    """(checkpoint name, tensor) of the widened checkpoint of folder ``src``, one tensor at a time, in the
+    order ``widen`` writes them; arguments as ``widen``'s."""
+    _, s = read_config(src)
+    t = widen_config(s, shape, alpha).config
     out_dtype = resolve_dtype(dtype, s)
     files = checkpoint_files(src)
     producers, _, _ = build_plan(list(files), s)
     if s.tie_word_embeddings:
         producers["lm_head.weight"] = producers["model.embed_tokens.weight"]
-    os.makedirs(dst, exist_ok=True)
-    shards = _Shards(dst, shard_bytes)
     with CheckpointReader(files) as reader, torch.no_grad():
         ms_max = row_ms(producers["model.embed_tokens.weight"](reader).float()).max().item()
         w = _Widener(s, t, alpha, ms_max)
@@ -415,8 +436,7 @@ def widen(src: str, dst: str, shape: ModelConfig, dtype="auto", shard_bytes: int
                 for name, x in w.dense_to_moe(prefix, mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"]).items():
                     yield name, x.to(out_dtype)
 
-        for name, x in widened(list(producers)):
-            shards.add(name, x)
+        yield from widened(list(producers))
         for i in range(s.num_hidden_layers, t.num_hidden_layers):  # pass-through layers, a source layer's shapes
             j = next((j for j in range(s.num_hidden_layers) if s.layer_types[j] == t.layer_types[i]
                       and t.is_moe_layer(j) == t.is_moe_layer(i)), None)
@@ -429,10 +449,7 @@ def widen(src: str, dst: str, shape: ModelConfig, dtype="auto", shard_bytes: int
                 else:  # zero matrices, unit norms
                     ones = new.endswith(("dt_bias", "linear_attn.norm.weight"))
                     x = (torch.ones_like if ones else torch.zeros_like)(x)
-                shards.add(new, x)
-    shards.close()
-    _write_config(src, dst, s, t)
-    return report
+                yield new, x
 
 
 def copy_tokenizer_files(src: str, dst: str) -> list[str]:

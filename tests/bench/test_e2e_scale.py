@@ -91,6 +91,26 @@ def test_a_widening_larger_than_the_disk_is_refused_before_writing(tmp_path, mon
     assert e2e_scale.parse_args(["--models", "qwen3.5-35b-a3b"]).models == ["qwen3.5-35b-a3b"]
 
 
+def test_widened_in_memory_runs_with_no_weights_on_disk(tmp_path, monkeypatch):
+    """--widen-in-memory: --widen-dir gets the config and tokenizer files only, the worker widens into memory
+    and its cells run (the speculative one token-identical to ar); the MoE shape is refused before anything
+    is written where the host's memory cannot hold it."""
+    out, wd = tmp_path / "m.json", tmp_path / "w"
+    run_scale("--out", str(out), "--png", "none", "--widen-dir", str(wd), "--widen-in-memory", "--batches", "1",
+              "--modes", "ar", "bole")
+    doc = json.loads(out.read_text())
+    assert not doc["notes"] and [(r["mode"], r["status"], r["exact_vs_ar"]) for r in doc["rows"]] == [
+        ("ar", "ok", None), ("bole", "ok", True)]
+    (m,) = doc["models"]
+    assert m["in_memory"] and m["weight_bytes"] == e2e_scale.widened_bytes(e2e_scale.shape_config("smoke"))
+    files = sorted(p.name for p in wd.rglob("*") if p.is_file())
+    assert "config.json" in files and "tokenizer.json" in files and not [f for f in files if "safetensors" in f]
+    monkeypatch.setattr(e2e_scale, "available_memory", lambda: 32 << 30)
+    with pytest.raises(e2e_scale.NoRoom, match=r"into memory holds 66\.\d GiB, the host has 32\.0 GiB"):
+        e2e_scale.widened_in_memory(os.path.join(ROOT, "models", "bole-tiny-coder"), "qwen3.5-35b-a3b", str(wd))
+    assert not (wd / "qwen3.5-35b-a3b.config").exists()
+
+
 def test_ratios_geomean_over_batches_up_to_16():
     rows = [dict(mode=m, batch=b, status="ok", tokens_per_s=t, exact_vs_ar=None if m == "ar" else True)
             for m, b, t in [("ar", 1, 10.0), ("bole", 1, 20.0), ("ar", 16, 40.0), ("bole", 16, 160.0),

@@ -30,7 +30,7 @@ from bole.calibrate_sweep import SHAPES, shapes_config
 from bole.llm import REPO_ROOT, resolve_repo_path
 from bole.models.context import ForwardContext
 from bole.models.loader import load_model, read_config
-from bole.models.widen import ALPHA, widen, widen_config
+from bole.models.widen import ALPHA, widen, widen_config, widened_tensors, write_widened_config
 
 TOL = 1e-4
 VOCAB = 1000  # widened vocabulary: 7 full copies of the 128 real rows and a partial one
@@ -174,6 +174,33 @@ def test_dense_widened_into_moe_computes_the_source(widened):
     assert torch.equal(experts.gate_up_proj[0], experts.gate_up_proj[7]) and experts.gate_up_proj.abs().sum() > 0
     assert not b.model.layers[5].mlp.experts.down_proj.any()  # a pass-through: zero experts, a random router
     assert b.model.layers[5].mlp.gate.weight.abs().sum() > 0
+
+
+@pytest.mark.parametrize("kind,overrides", [("dense", {}), ("dense_to_moe", DENSE_TO_MOE)])
+def test_widening_held_in_memory_loads_as_written(widened, kind, tmp_path, overrides):
+    """widened_tensors yields what widen writes (names and values, pass-throughs and routed experts
+    included), and load_model(tensors=...) over a folder holding only write_widened_config's config.json
+    builds the same model as the written checkpoint: a widening no disk holds (the 71 GB MoE shape)."""
+    from safetensors.torch import load_file
+
+    src, dst, _ = widened(kind.split("_")[0], 128, **overrides)
+    shape = read_config(dst)[1]
+    tensors = dict(widened_tensors(src, target_shape(read_config(src)[1], 128, **overrides), dtype="float32"))
+    written = {}
+    for f in sorted(os.listdir(dst)):
+        if f.endswith(".safetensors"):
+            written.update(load_file(os.path.join(dst, f)))
+    assert tensors.keys() == written.keys() and all(torch.equal(tensors[n], written[n]) for n in written)
+    config_only = str(tmp_path / "config_only")
+    write_widened_config(src, config_only, target_shape(read_config(src)[1], 128, **overrides))
+    assert os.listdir(config_only) == ["config.json"] and read_config(config_only)[1] == shape
+    a = load_model(dst, dtype="float32", backend="torch")
+    b = load_model(config_only, dtype="float32", backend="torch", tensors=tensors)
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys() and all(torch.equal(pa[n], pb[n]) for n in pa)
+    with pytest.raises(ValueError, match=r"missing tensors \(1\): model.norm.weight"):  # named as from files
+        load_model(config_only, dtype="float32", backend="torch",
+                   tensors={n: t for n, t in tensors.items() if n != "model.norm.weight"})
 
 
 @pytest.mark.parametrize("alpha", [ALPHA, 0.0])
