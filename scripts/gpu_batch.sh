@@ -16,6 +16,9 @@
 #   moe        benchmarks/moe_dispatch.py --sweep: routed experts at the 35B-A3B shape      (~1 min)
 #   scale      benchmarks/run_gpu_scale.sh with the README's headline flags ($SCALE_FLAGS appended;
 #              SCALE_BUDGET_S / SCALE_KILL_S as there): widening, then the 9B-cost grid      (<= 9 min)
+#   scalemoe   the MoE shape (qwen3.5-35b-a3b, 71 GB: an H200): its calibration table (CUDA graphs, into
+#              the step's folder), then its grid widened into host memory (--widen-in-memory; no disk
+#              holds it) with that table                                            (not yet run)
 # $OUT receives results.tar.gz (every step's files, one folder per step) and summary.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -79,6 +82,17 @@ step_scale() {
   # shellcheck disable=SC2086
   OUT="$1" bash benchmarks/run_gpu_scale.sh --depth 8 --topk 4 --beam 4 --draft-vocab 32768 \
     --calibration-table calibration_tables/h200-qwen3.5-9b.yaml ${SCALE_FLAGS:-}
+}
+
+step_scalemoe() {
+  local hw; hw=$(python3 -c "from bole.hardware import detect_hardware; print(detect_hardware('cuda'))")
+  local table="$1/$hw-qwen3.5-35b-a3b.yaml"
+  timeout -k 10 "${CAL_MOE_S:-240}" python3 -m bole.calibrate --shapes qwen3.5-35b-a3b --cuda-graphs \
+    --batch-buckets 1,2,4,8,16 --kv-buckets 1024,4096 --out "$table" --no-progress || return 1
+  # shellcheck disable=SC2086
+  OUT="$1" bash benchmarks/run_gpu_scale.sh --models qwen3.5-35b-a3b --widen-in-memory --batches 1 8 16 4 2 \
+    --modes ar --draft-vocab 32768 --also-cell serial_tree_fr32768 --depth 8 --topk 4 --beam 4 \
+    --calibration-table "$table" ${SCALE_FLAGS:-}
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee -a "$OUT/summary.log"
