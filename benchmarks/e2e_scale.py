@@ -254,8 +254,7 @@ def widened(source: str, shape: str, widen_dir: str) -> tuple[str, dict]:
         shutil.rmtree(tmp, ignore_errors=True)  # a partial widening (a full disk, or tmpfs RAM) is not kept
         raise
     size = sum(f.stat().st_size for f in tmp.iterdir() if f.suffix == ".safetensors")
-    done = dict(input=want, copies=report.copies, eps=report.eps, exact_norms=not any(report.eps_bounds.values()),
-                weight_bytes=size, widen_s=round(time.time() - t0, 1))
+    done = dict(input=want, **report_fields(report), weight_bytes=size, widen_s=round(time.time() - t0, 1))
     (tmp / "widen.json").write_text(json.dumps(done, indent=1))
     os.replace(tmp, dst)
     return str(dst), dict(done, reused=False)
@@ -277,8 +276,12 @@ def widened_in_memory(source: str, shape: str, widen_dir: str) -> tuple[str, dic
 
     report = write_widened_config(source, str(dst), cfg)
     copy_tokenizer_files(source, str(dst))
-    return str(dst), dict(copies=report.copies, eps=report.eps, exact_norms=not any(report.eps_bounds.values()),
-                          weight_bytes=need, in_memory=True, reused=False)
+    return str(dst), dict(**report_fields(report), weight_bytes=need, in_memory=True, reused=False)
+
+
+def report_fields(report) -> dict:
+    """What a model's record keeps of its ``WidenReport``."""
+    return dict(copies=report.copies, eps=report.eps, exact_norms=not any(report.eps_bounds.values()))
 
 
 def available_memory() -> int:

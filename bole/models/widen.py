@@ -392,13 +392,15 @@ def widen(src: str, dst: str, shape: ModelConfig, dtype="auto", shard_bytes: int
     ``shape``: a ModelConfig with the target sizes (``TARGET_FIELDS``), e.g. ``shapes_config("qwen3.5-9b")``.
     ``dtype``: of the written tensors ("auto": the source config's); shards of at most ``shard_bytes``.
     ``alpha``: the padded lm_head rows' weight at the constant channel (> 0: they lose by alpha·v)."""
-    widen_config(read_config(src)[1], shape, alpha)  # an impossible widening is refused before anything is written
+    _, s = read_config(src)
+    report = widen_config(s, shape, alpha)  # an impossible widening is refused before anything is written
     os.makedirs(dst, exist_ok=True)
     shards = _Shards(dst, shard_bytes)
     for name, x in widened_tensors(src, shape, dtype, alpha):
         shards.add(name, x)
     shards.close()
-    return write_widened_config(src, dst, shape, alpha)
+    _write_config(src, dst, s, report.config)
+    return report
 
 
 def write_widened_config(src: str, dst: str, shape: ModelConfig, alpha: float = ALPHA) -> WidenReport:
