@@ -18,7 +18,8 @@ held-out prompts[:batch], greedy, ``--max-tokens`` each (ignore_eos), timed by
 ``benchmarks.engine_modes.time_llm`` (warm-up, then the median of ``--repeats`` runs). Columns:
 tokens/s, MAT, the step's phases the engine exposes (``LLMEngine.stats().verify_time_share``: the share
 of step time in the decode forward, or in draft + verify + sample + commit; the rest is prefill,
-scheduling and emission; mean TTFT / TPOT; wall ms per engine step), peak memory
+scheduling and emission; mean TTFT / TPOT; wall ms per engine step; the timed steps whose parts ran
+without a CUDA graph and the graphs a timed step had to capture, both 0 in a clean GPU cell), peak memory
 (``torch.cuda.max_memory_allocated`` from the engine's construction on) and ``exact_vs_ar`` (the cell's
 tokens equal the ar cell's at the same batch; None on ar rows, the reference). A cell out of memory is
 ``oom`` (the mode's larger batches then ``skipped_after_oom``), one whose engine construction raises
@@ -381,7 +382,9 @@ def run_cell(spec: dict, mode: str, batch: int, prompts: list[dict]) -> tuple[di
                    phases=dict(verify_time_share=round(st["verify_time_share"], 3),
                                other_time_share=round(1 - st["verify_time_share"], 3),
                                wall_ms_per_step=round(1e3 * run_s / st["steps"], 3) if st["steps"] else None,
-                               mean_ttft_s=round(st["mean_ttft_s"], 4), mean_tpot_s=round(st["mean_tpot_s"], 5)))
+                               mean_ttft_s=round(st["mean_ttft_s"], 4), mean_tpot_s=round(st["mean_tpot_s"], 5),
+                               eager_steps={k: st[f"eager_{k}s"] for k in ("prefill", "forward", "draft", "tail")},
+                               graphs_captured_in_runs=res["captures_in_runs"]))
         if len(res["tokens_per_s_runs"]) < spec["repeats"]:
             row["note"] = f"cell budget: {len(res['tokens_per_s_runs'])} of {spec['repeats']} runs"
     except torch.cuda.OutOfMemoryError as e:
@@ -559,7 +562,9 @@ def main(argv=None) -> dict | None:
                  "benchmarks.engine_modes.time_llm: warm-up, median of the timed runs, greedy, ignore_eos, "
                  "tokens/s of the batch with its prefills",
             phases="LLMEngine.stats(): verify_time_share = time in the decode forward / draft + verify + sample + "
-                   "commit over engine step time; other = prefill, scheduling, emission",
+                   "commit over engine step time; other = prefill, scheduling, emission; eager_steps = the timed "
+                   "runs' steps whose prefill / decode or verify forward / draft / acceptance tail ran without a "
+                   "CUDA graph; graphs_captured_in_runs = graphs a timed step had to capture (0: all at start)",
             peak_memory="torch.cuda.max_memory_allocated from the engine's construction to the cell's end",
             ratios="computed by the model's worker process from its own cells (geometric mean over batches "
                    f"<= {GEOMEAN_MAX_BATCH})"),

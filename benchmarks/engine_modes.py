@@ -68,6 +68,7 @@ def time_llm(llm, batch: int, prompts, max_tokens: int = 48, repeats: int = 1,
     llm.generate(prompts[:batch], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     rates, outs = [], None
     llm.engine.metrics.__init__()
+    captures_before = runner.graph_captures()[0]
     # the garbage of earlier points (an earlier engine's graphs and pools sit in reference cycles) is
     # collected now, not inside a timed run of this point; no collection during the runs either
     gc.collect()
@@ -87,7 +88,8 @@ def time_llm(llm, batch: int, prompts, max_tokens: int = 48, repeats: int = 1,
     stats = llm.engine.stats()
     row = dict(mode=llm.engine.config.mode, batch=batch, tokens_per_s=round(sorted(rates)[len(rates) // 2], 1),
                tokens_per_s_runs=[round(r, 1) for r in rates], mat=round(stats.mat, 3),
-               mean_tree_nodes=round(stats.mean_tree_nodes, 1), stats=dataclasses.asdict(stats))
+               mean_tree_nodes=round(stats.mean_tree_nodes, 1), stats=dataclasses.asdict(stats),
+               captures_in_runs=stats.graph_captures - captures_before)
     return row, [o.token_ids for o in outs]
 
 

@@ -46,6 +46,11 @@ def test_scale_smoke_rows(smoke):
         assert 0 < ph["verify_time_share"] <= 1 and ph["other_time_share"] == pytest.approx(
             1 - ph["verify_time_share"], abs=1e-3)
         assert ph["wall_ms_per_step"] > 0 and ph["mean_ttft_s"] > 0 and r["steps"] > 0
+        # the CPU captures no graph: every timed step's parts are counted eager, none captured mid-run
+        eager = ph["eager_steps"]
+        assert ph["graphs_captured_in_runs"] == 0
+        assert 0 < eager["prefill"] <= r["steps"] and 0 < eager["forward"] <= r["steps"]
+        assert (eager["draft"], eager["tail"]) == ((0, 0) if r["mode"] == "ar" else (eager["forward"],) * 2)
         if r["mode"] == "ar":
             assert r["exact_vs_ar"] is None and r["mat"] == 1.0
         else:
