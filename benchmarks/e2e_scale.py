@@ -89,7 +89,8 @@ SPEC_RE = re.compile(r"-d(\d+)k(\d+)b(\d+)$")  # a cell's drafting suffix: -d<de
 EPS_RE = re.compile(r"-e(\d+(?:\.\d+)?)$")     # a cell's budget suffix: -e<budget_epsilon>
 CAP_RE = re.compile(r"-(w|no)cap$")             # a cell's tree-width suffix: cap_tree_width True / False
 FLOOR_RE = re.compile(r"-(best1|kids)$")        # a cell's floor suffix: budget_floor "best_child" / "children"
-CELL_FORM = "MODE[_fr<N>][@<table>][-d<D>k<K>b<B>][-e<E>][-wcap|-nocap][-best1|-kids]"
+ROWS_RE = re.compile(r"-r(\d+)$")               # a cell's verify-rows suffix: max_verify_rows
+CELL_FORM = "MODE[_fr<N>][@<table>][-d<D>k<K>b<B>][-e<E>][-wcap|-nocap][-best1|-kids][-r<R>]"
 PAPER = "-nocap-kids"  # the paper's budget (Algorithm 3: all first-level drafts as the floor, trees uncapped)
 
 
@@ -104,9 +105,12 @@ def engine_mode(cell_mode: str) -> tuple[str, dict]:
     drafting settings depth D, topk K, beam B instead of the run's, ``-e<E>`` ``budget_epsilon=E`` (B_ver
     re-derived from the table's timings at ε = E), ``-wcap`` / ``-nocap`` ``cap_tree_width`` True / False,
     ``-best1`` / ``-kids`` ``budget_floor`` "best_child" / "children" (without them, the engine's
-    defaults). ValueError naming the cell for any other name."""
+    defaults), ``-r<R>`` ``max_verify_rows=R``. ValueError naming the cell for any other name."""
     extra = {}
-    rest, m = _strip(cell_mode, FLOOR_RE)
+    rest, m = _strip(cell_mode, ROWS_RE)
+    if m:
+        extra["max_verify_rows"] = int(m[1])
+    rest, m = _strip(rest, FLOOR_RE)
     if m:
         extra["budget_floor"] = "best_child" if m[1] == "best1" else "children"
     rest, m = _strip(rest, CAP_RE)
@@ -133,7 +137,7 @@ def engine_mode(cell_mode: str) -> tuple[str, dict]:
 def base_mode(cell_mode: str) -> str:
     """The mode a cell compares as: its drafting, budget, width and floor suffixes dropped
     (``serial_tree-d8k2b2`` pairs with ``bole-d8k2b2`` as serial_tree with bole)."""
-    for pattern in (FLOOR_RE, CAP_RE, EPS_RE, SPEC_RE):
+    for pattern in (ROWS_RE, FLOOR_RE, CAP_RE, EPS_RE, SPEC_RE):
         cell_mode = _strip(cell_mode, pattern)[0]
     return cell_mode
 
@@ -422,7 +426,7 @@ def ratios(rows: list[dict]) -> dict:
     same cell without them (``bole-nocap-kids/bole``)."""
     ok = {(r["mode"], r["batch"]): r for r in rows if r["status"] == "ok"}
     cells = list(dict.fromkeys(r["mode"] for r in rows))
-    plain = lambda m: _strip(_strip(m, FLOOR_RE)[0], CAP_RE)[0]
+    plain = lambda m: _strip(_strip(_strip(m, ROWS_RE)[0], FLOOR_RE)[0], CAP_RE)[0]
     pairs = RATIOS + tuple((m, "ar") for m in cells if m not in MODES) + tuple(
         (m, "serial_tree" + m[len("bole"):]) for m in cells if m != "bole" and m.startswith("bole")) + tuple(
         (m, plain(m)) for m in cells if plain(m) != m)

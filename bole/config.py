@@ -386,6 +386,12 @@ class EngineConfig:
     # decode forward and, in the speculative modes, between its draft and verify forward, within the
     # step's token budget (``LLMEngine.step``'s ``admit``); off: only between steps, as vLLM and SGLang
     admit_mid_step: bool = True
+    # the most tree rows one verify forward holds across the batch, every tree padded to the step's widest
+    # (``bole.spec.budget.verify_rows_limit``): it sizes the verify factor buffer, the verify graphs'
+    # static logits and the memory plan's verify logits, and every step's drafts per request are capped
+    # to stay within it (at least max_num_seqs trees of the fairness floor). None: every request's whole
+    # tree (max_num_seqs × the lookahead), which at batch 32 and a 248k vocabulary plans ~12 GiB of logits
+    max_verify_rows: int | None = None
     spec: SpecConfig = SpecConfig()
     cache: CacheConfig = CacheConfig()
 
@@ -415,6 +421,9 @@ class EngineConfig:
         n = self.cuda_graph_capture_len
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"cuda_graph_capture_len must be None or an int >= 1, got {n!r}")
+        n = self.max_verify_rows
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"max_verify_rows must be None or an int >= 1, got {n!r}")
         sizes = self.cuda_graph_batch_sizes
         if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
             raise ValueError(f"cuda_graph_batch_sizes must be ints >= 1, got {sizes!r}")

@@ -11,13 +11,14 @@ and it is spent in this order (bytes per unit are sized on the meta device from 
 themselves, ``PagedKVCache`` / ``StatePool`` / ``TreeFactors``, so the figures follow the buffers):
 
   state        max_num_seqs + 1 GDN state slots (plus a CUDA graph's padding slot)
-  factors      the verify factor buffer: max_num_seqs × (1 + tree nodes) nodes (docs/DESIGN.md §4)
+  factors      the verify factor buffer: one node a verify row, max_num_seqs × (1 + tree nodes) rows unless
+               ``EngineConfig.max_verify_rows`` bounds them (docs/DESIGN.md §4, §5)
   snapshots    serial_tree only: a state per node and GDN layer, same node count (what SGLang keeps)
   activations  one forward's transients: max_num_batched_tokens (or the largest prefill graph's token
                bucket, if larger, with prefill graphs) × hidden × ACTIVATION_WIDTHS, the
                chunked GDN prefill's per-chunk states, one request's gathered K / V at the model's
                longest position (the per-request prefill attention repeats them to every query head)
-  logits       the widest lm_head call: max(max_num_seqs × (1 + tree nodes), max_num_batched_tokens)
+  logits       the widest lm_head call: max(verify rows, max_num_batched_tokens)
                rows × vocab × LOGITS_BYTES (the verify logits, their padded copy or a graph's static
                output, the fp32 upcast and one fp32 working buffer of the processing)
   workspace    WORKSPACE_BYTES for cuBLAS / Triton workspaces and allocator fragmentation
@@ -51,6 +52,7 @@ import torch
 from bole.cache.kv_cache import PagedKVCache, blocks_needed
 from bole.cache.state_pool import StatePool
 from bole.models.context import TreeFactors
+from bole.spec.budget import floor_drafts, verify_rows_limit
 from bole.spec.drafter import tree_size
 
 logger = logging.getLogger(__name__)
@@ -148,7 +150,9 @@ def _units(cfg, config, num_mtp_layers: int) -> _Unit:
 def _fixed(cfg, config, u: _Unit, seqs: int, lookahead: int, spare: int) -> dict[str, int]:
     """Bytes that do not depend on the KV blocks, for ``seqs`` running requests."""
     T, dt, P = config.max_num_batched_tokens, config.torch_dtype.itemsize, cfg.max_position_embeddings
-    nodes = seqs * lookahead
+    nodes = seqs * lookahead if config.mode == "ar" else verify_rows_limit(
+        seqs, lookahead, floor_drafts(config.spec.budget_floor, config.spec.topk), config.max_verify_rows,
+        check=False)   # the verify forward's rows (EngineConfig.max_verify_rows)
     # a captured prefill's forward runs over its whole token bucket, padding included (its transients sit
     # in the graphs' own pool): the largest bucket can exceed the step's token budget
     A = max(T, config.prefill_graph_tokens[-1]) if config.prefill_graphs else T
@@ -242,6 +246,9 @@ def _refusal(config, fixed: dict[str, int], needed: int, fit: int, env: str) -> 
     hint = "lower max_num_seqs"
     if config.mode != "ar":
         hint += f" or the tree nodes (depth={spec.depth}, topk={spec.topk}, beam={spec.beam})"
+    if config.mode != "ar" and config.max_verify_rows is None and big in ("logits", "factors"):
+        hint += (f", or bound the rows one verify forward holds (max_verify_rows, e.g. "
+                 f"{config.max_num_batched_tokens}; now every request's whole tree)")
     if config.mode == "serial_tree":
         hint += " or use mode='bole' (no per-node snapshots, docs/DESIGN.md §4)"
     return (f"max_num_seqs={s} with {config.mode} needs {gib(needed)} GiB ({gib(fixed[big])} GiB of {what}, the "

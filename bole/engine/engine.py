@@ -56,7 +56,7 @@ from bole.engine.spec_step import SpeculativeStep
 from bole.errors import InvalidRequest
 from bole.hardware import resolve_calibration
 from bole.sampling_params import SamplingParams
-from bole.spec.budget import CalibrationTable
+from bole.spec.budget import CalibrationTable, floor_drafts, verify_rows_limit
 from bole.spec.draft_vocab import read_draft_vocab
 from bole.spec.drafter import tree_size
 from bole.spec.logprobs import TokenLogprob
@@ -102,6 +102,9 @@ class LLMEngine:
         self.max_draft_nodes = tree_size(model.mtp.vocab_width, spec.depth, spec.topk, spec.beam) \
             if self.mode != "ar" else 0
         self.lookahead = 1 + self.max_draft_nodes
+        # the verify forward's rows across the batch: the factor buffer's nodes, each step capped to them
+        self.verify_rows = config.max_num_seqs * self.lookahead if self.mode == "ar" else verify_rows_limit(
+            config.max_num_seqs, self.lookahead, floor_drafts(spec.budget_floor, spec.topk), config.max_verify_rows)
         # "auto" picks a table for (hardware class, model shapes) with fallbacks (bole.hardware);
         # bole.recalibration.recalibrate swaps this attribute between steps (the ``calibration`` setter).
         self.calibration = calibration or resolve_calibration(config.calibration_table, model.config,
@@ -110,7 +113,7 @@ class LLMEngine:
         spec_sizes = sorted({b for b in config.cuda_graph_batch_sizes if b < config.max_num_seqs}
                             | {config.max_num_seqs})
         self.runner = ModelRunner(model, config.cache.num_blocks, config.cache.block_size,
-                                  config.max_num_seqs + 1, config.max_num_seqs * self.lookahead,
+                                  config.max_num_seqs + 1, self.verify_rows,
                                   config.torch_dtype, config.device,
                                   snapshot_verify=self.mode == "serial_tree",
                                   cuda_graph_batch_sizes=config.cuda_graph_batch_sizes
@@ -136,7 +139,8 @@ class LLMEngine:
             self.warm_up()
         if config.cuda_graph_capture_len is not None:  # after enable_checkpoints: it must precede any graph
             self.capture_graphs(config.cuda_graph_capture_len)
-        self.spec_step = SpeculativeStep(self.runner, spec, V, self.max_draft_nodes, self.prefix_cache) \
+        self.spec_step = SpeculativeStep(self.runner, spec, V, self.max_draft_nodes, self.prefix_cache,
+                                         self.verify_rows) \
             if self.mode != "ar" else None
         self.scheduler = Scheduler(self.runner.allocator, self.runner.state_pool, config.cache.block_size,
                                    config.max_num_seqs, config.max_num_batched_tokens, self.prefix_cache)

@@ -35,7 +35,7 @@ from bole.cache.kv_cache import PagedKVCache
 from bole.cache.state_pool import StatePool
 from bole.engine.acceptance import accept_and_commit
 from bole.engine.drafting import empty_factors, grow_draft_tree
-from bole.engine.graphs.base import graphs_unsupported
+from bole.engine.graphs.base import graphs_unsupported, smallest_at_least
 from bole.engine.graphs.decode import DecodeGraphs
 from bole.engine.graphs.draft import DraftGraphs
 from bole.engine.graphs.prefill import DEFAULT_TOKEN_SIZES, PrefillGraphs, prefill_graphs_unsupported
@@ -277,6 +277,12 @@ class ModelRunner:
             if keep_hidden:
                 r.queue_hidden(hidden[b:b + 1])
         return logits
+
+    def verify_batch_size(self, batch: int) -> int:
+        """Trees a verify forward of ``batch`` requests holds: its graph's padded batch (the eager
+        forward's is ``batch``)."""
+        vg = self.verify_graphs
+        return smallest_at_least(vg.batch_sizes, batch) if vg is not None and batch <= vg.batch_sizes[-1] else batch
 
     @torch.inference_mode()
     def verify(self, reqs: list[Request], batch: DraftBatch) -> VerifyResult:

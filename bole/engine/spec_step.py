@@ -22,7 +22,7 @@ from bole.engine.graphs.tree import tree_widths
 from bole.engine.metrics import StepStats
 from bole.engine.runner import ModelRunner
 from bole.engine.sequence import Request
-from bole.spec.budget import CalibrationTable, width_cap
+from bole.spec.budget import CalibrationTable, rows_width, width_cap
 from bole.spec.logprobs import TokenLogprob, path_rows
 from bole.spec.tree import MAX_TREE_NODES
 
@@ -32,9 +32,11 @@ class SpeculativeStep:
     runner's verifier only)."""
 
     def __init__(self, runner: ModelRunner, spec: SpecConfig, vocab_size: int, max_draft_nodes: int,
-                 prefix_cache: PrefixCache | None):
+                 prefix_cache: PrefixCache | None, verify_rows: int | None = None):
         self.runner, self.spec, self.vocab_size, self.max_draft_nodes = runner, spec, vocab_size, max_draft_nodes
         self.prefix_cache = prefix_cache
+        # the verify forward's rows across the batch (EngineConfig.max_verify_rows; None: unbounded)
+        self.verify_rows = verify_rows
         self.checkpoints = CheckpointPlanner(prefix_cache) if prefix_cache is not None else None
         self.widths = tree_widths(1 + max_draft_nodes)  # the verify graphs' tree widths (root included)
 
@@ -55,6 +57,10 @@ class SpeculativeStep:
         cap = MAX_TREE_NODES - 1
         if spec.cap_tree_width:
             cap = width_cap(int(b_ver), B, self.widths, cap)
+        if self.verify_rows is not None:  # every tree padded to one width, the batch to its graph's size
+            w = rows_width(self.verify_rows, self.runner.verify_batch_size(B), self.widths)
+            if w < self.widths[-1]:   # binds only below whole trees
+                cap = min(cap, w - 1)
         # Trees are padded to one width for verification. A host bound on every tree's size (the
         # budget or the cap, or the depth-1 floor if larger) avoids reading the widest tree from the
         # device when padding to it costs little (at most twice the budget's nodes); else read it (one sync).

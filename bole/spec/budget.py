@@ -42,6 +42,7 @@ import torch
 import yaml
 
 from bole.option_checks import check_epsilon
+from bole.spec.tree import tree_widths
 
 SOURCES = ("measured", "modeled", "default")
 _TOP_KEYS = {"hardware", "model", "dtype", "tp_size", "versions", "date", "epsilon", "source",
@@ -292,6 +293,44 @@ def width_cap(b_ver: int, batch: int, widths, max_drafts: int) -> int:
         raise ValueError(f"width_cap needs batch >= 1 and b_ver >= 0, got batch={batch} b_ver={b_ver}")
     need = -(-int(b_ver) // batch) + 1
     return min(next((int(w) - 1 for w in sorted(widths) if w >= need), max_drafts), max_drafts)
+
+
+def floor_drafts(floor: str, topk: int) -> int:
+    """Drafts a request keeps whatever the budget (``select_nodes``'s fairness floor)."""
+    return 1 if floor == "best_child" else topk
+
+
+def verify_rows_limit(max_num_seqs: int, lookahead: int, floor_drafts: int, requested: int | None = None,
+                      check: bool = True) -> int:
+    """The most tree rows one verify forward may hold (``EngineConfig.max_verify_rows`` resolved):
+    ``max_num_seqs`` trees padded to one of ``tree_widths(lookahead)``. None: every request's whole tree
+    (``max_num_seqs`` × the widest width). ``requested``: at least what every request's fairness floor
+    needs (``floor_drafts`` and the root, padded to the smallest width holding them; below it raises when
+    ``check``, else is raised to it), at most the whole trees.
+
+    Why a limit: the batch-shared budget verifies far fewer rows than every request's whole tree (at
+    batch 32, B_ver 192 drafts against 32 × 117 nodes), while the buffers the rows size (the verify
+    factors, the logits over a 248k vocabulary) are what the memory plan reserves at start; each step's
+    drafts per request are capped to it (``rows_width``)."""
+    widths = tree_widths(lookahead)
+    floor_w = next((w for w in widths if w >= 1 + floor_drafts), widths[-1])
+    least, full = max_num_seqs * floor_w, max_num_seqs * widths[-1]
+    if requested is None:
+        return full
+    if requested < least and check:
+        raise ValueError(f"max_verify_rows={requested} is below the {least} rows that max_num_seqs={max_num_seqs} "
+                         f"trees of the fairness floor need ({floor_drafts} drafts and the root, padded to "
+                         f"{floor_w}); raise it or lower max_num_seqs")
+    return min(max(requested, least), full)
+
+
+def rows_width(rows: int, padded_batch: int, widths) -> int:
+    """The widest tree width in ``widths`` whose ``padded_batch`` trees fit ``rows``
+    (``verify_rows_limit`` guarantees one: the floor's width)."""
+    fit = [int(w) for w in widths if padded_batch * int(w) <= rows]
+    if not fit:
+        raise ValueError(f"no tree width of {sorted(widths)} fits {padded_batch} trees in {rows} verify rows")
+    return max(fit)
 
 
 BUDGET_FLOORS = ("children", "best_child")

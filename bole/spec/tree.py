@@ -27,6 +27,15 @@ DEFAULT_MAX_DEPTH = 16
 # every backend and the engine keep to it, so a step's trees (and so its tokens) are the same on every
 # device.
 
+DEFAULT_TREE_SIZES = (8, 16, 32, 64, 128, 256)
+
+
+def tree_widths(lookahead: int, sizes: Sequence[int] = DEFAULT_TREE_SIZES) -> list[int]:
+    """The tree widths a verify forward pads to (nodes per request, root included; the verify graphs'
+    captured widths): ``sizes`` up to the lookahead, and the lookahead itself (the widest tree the
+    engine can verify)."""
+    return sorted({int(t) for t in sizes if 2 <= int(t) < lookahead} | {int(lookahead)})
+
 
 def feasible_capacities(capture_set, batch: int) -> list[int]:
     """The capacities N (draft nodes for the whole batch) whose even split over ``batch`` requests keeps

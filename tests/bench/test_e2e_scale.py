@@ -213,8 +213,11 @@ def test_cell_names():
     assert e2e_scale.base_mode("serial_tree-nocap-kids") == "serial_tree"
     assert e2e_scale.base_mode("bole_fr64-e0.5-wcap-best1") == "bole_fr64"
     assert e2e_scale.base_mode("bole_fr64-d8k2b2-e0.5") == "bole_fr64"
+    assert em("bole_fr64-nocap-r1024") == ("bole", dict(draft_vocab=64, cap_tree_width=False, max_verify_rows=1024))
+    assert em("bole-r256") == ("bole", dict(max_verify_rows=256))
+    assert e2e_scale.base_mode("bole_fr64-r256") == "bole_fr64"
     for bad in ("ar-d8k2b2", "bole_frx", "tree", "bole-d8k2", "ar-e0.5", "bole-e0.5-d8k2b2", "ar-best1",
-                "bole-best1-wcap", "bole-kids-nocap", "bole-capno"):
+                "bole-best1-wcap", "bole-kids-nocap", "bole-capno", "ar-r1024", "bole-r1024-wcap", "bole-r"):
         with pytest.raises(ValueError, match="not MODE"):
             em(bad)
     a = e2e_scale.parse_args(["--modes", "ar", "serial_tree", "bole", "--draft-vocab", "64", "--also-spec", "8,2,2"])
@@ -239,6 +242,11 @@ def test_cell_names():
     (d,) = e2e_scale.ratios(rows)["per_batch"]
     assert d == {"batch": 1, "serial_tree-d8k2b2/ar": 1.5, "bole-d8k2b2/ar": 3.0,
                  "bole-d8k2b2/serial_tree-d8k2b2": 2.0, "all_exact_vs_ar": True}
+    # a verify-rows cell is compared with ar and with the same cell unbounded
+    rows = [dict(mode=m, batch=1, status="ok", tokens_per_s=t, exact_vs_ar=None)
+            for m, t in (("ar", 100.0), ("bole", 300.0), ("bole-r1024", 330.0))]
+    (d,) = e2e_scale.ratios(rows)["per_batch"]
+    assert d["bole-r1024/ar"] == 3.3 and d["bole-r1024/bole"] == 1.1
 
 
 def test_first_divergence_names_each_differing_request():

@@ -192,3 +192,26 @@ def test_prefill_graph_buckets_past_the_token_budget_are_planned():
     within = dict(opts, max_num_batched_tokens=1024, cuda_graph_prefill_tokens=512)   # 512 <= 1024: as eager
     assert plan_memory(cfg, cuda_config("bole", enable_cuda_graphs=True, **within), free, TOTAL).activations == \
         plan_memory(cfg, cuda_config("bole", **within), free, TOTAL).activations
+
+
+def test_verify_rows_size_the_speculative_buffers():
+    """The 27B shape at batch 32 beside its weights on an 80 GB card (the H100 run that refused it): whole
+    trees for every request plan 12.1 GiB of verify logits and do not fit, the refusal names the option;
+    max_verify_rows=1024 fits."""
+    from bole.cache.memory_plan import LOGITS_FP32_COPIES, LOGITS_NATIVE_COPIES
+
+    cfg, total = shapes("qwen3.5-27b", positions=4096), int(79.18 * GiB)   # the widened model keeps 4096
+    free = total - int(54.58 * GiB)
+    opts = dict(max_num_seqs=32, depth=8, topk=4, beam=4)
+    with pytest.raises(ValueError, match=r"max_num_seqs=32 with bole needs .* GiB \(12\.\d+ GiB of verify logits") as e:
+        plan_memory(cfg, cuda_config("bole", **opts), free, total)
+    assert "max_verify_rows, e.g. 1024" in str(e.value)
+    plan = plan_memory(cfg, cuda_config("bole", max_verify_rows=1024, **opts), free, total)
+    row = cfg.vocab_size * (LOGITS_NATIVE_COPIES * 2 + LOGITS_FP32_COPIES * 4)
+    per = TreeFactors.transient_bytes(cfg, 1024, torch.bfloat16)
+    assert plan.logits == 1024 * row and plan.factors == per["factors"] + per["conv_inputs"]
+    assert plan.max_num_seqs_fit >= 32 and plan.total_bytes <= plan.budget
+    # serial_tree's refusal names its snapshots, not the rows
+    with pytest.raises(ValueError, match="snapshot buffers") as e:
+        plan_memory(cfg, cuda_config("serial_tree", **opts), free, total)
+    assert "max_verify_rows" not in str(e.value)

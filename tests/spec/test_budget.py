@@ -320,3 +320,21 @@ def test_best_child_floor_keeps_one_first_level_draft_each(b_ver):
         select_nodes(rho, parents, valid, depth, b_ver, floor="none")
     with pytest.raises(TypeError, match="floor"):   # no default: the engine's choice is SpecConfig.budget_floor
         select_nodes(rho, parents, valid, depth, b_ver)
+
+
+def test_verify_rows_limit():
+    from bole.spec.budget import rows_width, verify_rows_limit
+
+    # depth 8 / topk 4 / beam 4: 117-node trees, widths 8 .. 64 and 117; the floor (best_child: 1 draft) pads to 8
+    assert verify_rows_limit(32, 117, 1) == 32 * 117                      # None: every request's whole tree
+    assert verify_rows_limit(32, 117, 1, requested=1024) == 1024
+    assert verify_rows_limit(4, 117, 1, requested=1024) == 4 * 117        # never more than the whole trees
+    assert verify_rows_limit(32, 117, 4, requested=300) == 300            # children floor: 4 + 1 -> 8 a tree
+    with pytest.raises(ValueError, match=r"max_verify_rows=255 is below the 256 rows that max_num_seqs=32"):
+        verify_rows_limit(32, 117, 1, requested=255)
+    assert verify_rows_limit(32, 117, 1, requested=255, check=False) == 256
+    widths = [8, 16, 32, 64, 117]
+    assert rows_width(1024, 32, widths) == 32 and rows_width(1024, 8, widths) == 117
+    assert rows_width(256, 32, widths) == 8
+    with pytest.raises(ValueError, match="no tree width"):
+        rows_width(255, 32, widths)

@@ -7,23 +7,14 @@ positions, KV slots and the attention layout from num_cached, parents and block 
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
 from bole.models.context import ForwardContext, PaddedAttention
 from bole.ops.tree_layout import tree_layout_ref
-from bole.spec.tree import PackedForest
+from bole.spec.tree import DEFAULT_TREE_SIZES, PackedForest, tree_widths  # noqa: F401 (the graphs' widths)
 from kernels.limits import LAYOUT_MAX_NODES
-
-DEFAULT_TREE_SIZES = (8, 16, 32, 64, 128, 256)
-
-
-def tree_widths(lookahead: int, sizes: Sequence[int] = DEFAULT_TREE_SIZES) -> list[int]:
-    """The captured tree widths (nodes per request, root included): ``sizes`` up to the lookahead, and
-    the lookahead itself (the widest tree the engine can verify)."""
-    out = sorted({int(t) for t in sizes if 2 <= int(t) < lookahead} | {int(lookahead)})
-    return out
 
 
 class StaticTree:

@@ -94,8 +94,11 @@ class VerifyGraphs(GraphFamily):
         self.draft_parents[:, 0] = -1  # column 0 is the root of every tree
         H, V = self.model.config.hidden_size, self.model.config.vocab_size
         dtype = self.model.lm_head.weight.dtype
-        self.out_hidden = torch.zeros(Bm * Tm, H, dtype=dtype, device=dev)
-        self.out_logits = torch.zeros(Bm * Tm, V, dtype=dtype, device=dev)
+        # a key's Bc * Tc rows are at most the factor buffer's nodes (the engine's verify rows): no larger
+        # forward is built, and the static outputs hold that many rows
+        self.max_rows = min(Bm * Tm, runner.factors.k.shape[1])
+        self.out_hidden = torch.zeros(self.max_rows, H, dtype=dtype, device=dev)
+        self.out_logits = torch.zeros(self.max_rows, V, dtype=dtype, device=dev)
         # the tail's outputs: per row accepted node, emitted count, the emitted tokens (one host read),
         # and the target hiddens along the accepted path (the drafter's next catch-up inputs)
         self.out_accept = torch.zeros(Bm, 3 + self.max_depth, dtype=torch.long, device=dev)
@@ -113,8 +116,7 @@ class VerifyGraphs(GraphFamily):
         if not 0 < len(reqs) <= self.batch_sizes[-1] or width > self.widths[-1]:
             return False
         Bc, Tc = self._sizes(len(reqs), width)
-        return max(r.num_computed for r in reqs) + Tc <= self.kv_lengths[-1] and \
-            Bc * Tc <= self.runner.factors.k.shape[1]
+        return max(r.num_computed for r in reqs) + Tc <= self.kv_lengths[-1] and Bc * Tc <= self.max_rows
 
     def _sizes(self, batch: int, width: int) -> tuple[int, int]:
         return smallest_at_least(self.batch_sizes, batch), smallest_at_least(self.widths, width)
@@ -177,7 +179,7 @@ class VerifyGraphs(GraphFamily):
                    max_width: int | None = None) -> list[tuple[int, int, int]]:
         """Trees of <= ``max_width`` nodes too (all widths when None)."""
         return [(Bc, Tc, Lc) for Bc in sizes_upto(self.batch_sizes, max_batch)
-                for Tc in sizes_upto(self.widths, max_width)
+                for Tc in sizes_upto(self.widths, max_width) if Bc * Tc <= self.max_rows
                 for Lc in sizes_upto(self.kv_lengths, None if max_len is None else max_len + Tc)]
 
     # -- a step ----------------------------------------------------------------------------------
