@@ -57,15 +57,16 @@ class SpeculativeStep:
         cap = MAX_TREE_NODES - 1
         if spec.cap_tree_width:
             cap = width_cap(int(b_ver), B, self.widths, cap)
-        if self.verify_rows is not None:  # every tree padded to one width, the batch to its graph's size
+        rows_cap = None   # max_verify_rows: every tree padded to one width, the batch to its graph's size
+        if self.verify_rows is not None:
             w = rows_width(self.verify_rows, self.runner.verify_batch_size(B), self.widths)
-            if w < self.widths[-1]:   # binds only below whole trees
-                cap = min(cap, w - 1)
+            if w < self.widths[-1]:   # binds only below whole trees; it holds the fairness floor
+                cap = rows_cap = min(cap, w - 1)
         # Trees are padded to one width for verification. A host bound on every tree's size (the
         # budget or the cap, or the depth-1 floor if larger) avoids reading the widest tree from the
         # device when padding to it costs little (at most twice the budget's nodes); else read it (one sync).
         bound = min(self.max_draft_nodes, max(min(int(b_ver), cap), min(spec.topk, self.vocab_size)),
-                    MAX_TREE_NODES - 1)
+                    MAX_TREE_NODES - 1 if rows_cap is None else rows_cap)
         no_sync = B * (bound + 1) <= 2 * (int(b_ver) + B)
         greedy = all(r.params.temperature <= 0 for r in reqs)
         no_min = not any(r.params.min_tokens for r in reqs)  # min_tokens masks logits: eager acceptance

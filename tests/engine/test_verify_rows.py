@@ -47,6 +47,20 @@ def spy_rows(runner) -> list[int]:
     return rows
 
 
+def test_rows_below_topk_with_the_best_child_floor():
+    """topk 10 over the 8-wide trees 32 rows allow 4 requests: the best_child floor (one draft) fits, the
+    cap (7 drafts) binds below topk, and every forward stays within the rows."""
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    opts = {**OPTS, "depth": 2, "topk": 10, "beam": 1}
+    ref = [o.token_ids for o in LLM(MODEL, mode="ar", **opts).generate(PROMPTS, greedy)]
+    llm = LLM(MODEL, mode="bole", cap_tree_width=False, max_verify_rows=32, budget_floor="best_child", **opts)
+    rows = spy_rows(llm.engine.runner)
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == ref
+    assert rows and max(rows) <= 32
+    with pytest.raises(ValueError, match="max_verify_rows=32 is below the 64 rows"):   # children: 10 + 1 -> 16
+        LLM(MODEL, mode="bole", max_verify_rows=32, budget_floor="children", **opts)
+
+
 def test_rows_below_the_floor_are_refused():
     with pytest.raises(ValueError, match="max_verify_rows=31 is below the 32 rows that max_num_seqs=4"):
         LLM(MODEL, mode="bole", max_verify_rows=31, **OPTS)
