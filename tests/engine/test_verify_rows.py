@@ -79,3 +79,19 @@ def test_verify_graphs_stop_at_the_rows():
     assert (4, 16, keys[-1][2]) in keys and not any(k[:2] == (4, 32) for k in keys)
     assert runner.verify_batch_size(3) == 4 and runner.verify_batch_size(1) == 1
     assert torch.equal(torch.tensor(vg.draft_tokens.shape), torch.tensor([4, widths[-1]]))
+
+
+@pytest.mark.gpu
+def test_rows_bound_the_graphed_steps_cuda():
+    """On a GPU with CUDA graphs (fp32): every verify forward within the rows replays a graph of at most
+    that many rows, none runs eagerly, and greedy output stays ar's."""
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    opts = {**OPTS, "device": "cuda", "dtype": "float32", "enable_cuda_graphs": True}
+    ref = [o.token_ids for o in LLM(MODEL, mode="ar", **opts).generate(PROMPTS, greedy)]
+    llm = LLM(MODEL, mode="bole", cap_tree_width=False, max_verify_rows=32, **opts)
+    vg = llm.engine.runner.verify_graphs
+    assert vg is not None and vg.max_rows == 32 and vg.out_logits.shape[0] == 32
+    rows = spy_rows(llm.engine.runner)
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == ref
+    assert rows and max(rows) <= 32 and llm.engine.stats().eager_forwards == 0
+    assert vg.replays > 0 and vg.graphs and all(Bc * Tc <= 32 for Bc, Tc, _ in vg.graphs)
