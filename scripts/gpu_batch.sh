@@ -19,6 +19,9 @@
 #   scalemoe   the MoE shape (qwen3.5-35b-a3b, 71 GB: an H200): its calibration table (CUDA graphs, into
 #              the step's folder), then its grid widened into host memory (--widen-in-memory; no disk
 #              holds it) with that table                                            (not yet run)
+#   rows       max_verify_rows at 27B cost: ar, bole and bole at 1,024 verify rows (-r1024) at batches 32 and
+#              16 with calibration_tables/<hw>-qwen3.5-27b.yaml (whole trees are refused at 32 on 80 GB;
+#              the bound should run there and leave 16 unchanged)                  (not yet run, ~5 min)
 # $OUT receives results.tar.gz (every step's files, one folder per step) and summary.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -93,6 +96,13 @@ step_scalemoe() {
   OUT="$1" bash benchmarks/run_gpu_scale.sh --models qwen3.5-35b-a3b --widen-in-memory --batches 1 8 16 4 2 \
     --modes ar --draft-vocab 32768 --also-cell serial_tree_fr32768 --depth 8 --topk 4 --beam 4 \
     --calibration-table "$table" ${SCALE_FLAGS:-}
+}
+step_rows() {
+  local hw; hw=$(python3 -c "from bole.hardware import detect_hardware; print(detect_hardware('cuda'))")
+  # shellcheck disable=SC2086
+  OUT="$1" bash benchmarks/run_gpu_scale.sh --models qwen3.5-27b --batches 32 16 --modes ar --draft-vocab 32768 \
+    --also-cell bole_fr32768-r1024 --depth 8 --topk 4 --beam 4 \
+    --calibration-table "calibration_tables/$hw-qwen3.5-27b.yaml" ${SCALE_FLAGS:-}
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee -a "$OUT/summary.log"
