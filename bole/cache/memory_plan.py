@@ -91,6 +91,7 @@ class MemoryPlan:
     total: int | None = None
     budget: int | None = None
     max_num_seqs_fit: int | None = None
+    verify_rows: int | None = None   # the rows one verify forward holds (speculative modes; max_verify_rows)
 
     @property
     def planned(self) -> bool:
@@ -112,6 +113,8 @@ class MemoryPlan:
                 f"memory plan on {self.device}: configured counts (no device budget)")
         counts = {"kv": f"{self.num_blocks} blocks", "state": f"{self.num_state_slots} slots",
                   "checkpoints": f"{self.num_checkpoint_slots} slots"}
+        if self.verify_rows is not None:
+            counts["factors"] = counts["logits"] = f"{self.verify_rows} verify rows"
         return [head] + [f"  {k:<12} {gib(v):>8} GiB" + (f"  ({counts[k]})" if k in counts else "")
                          for k, v in self.categories().items()]
 
@@ -147,12 +150,17 @@ def _units(cfg, config, num_mtp_layers: int) -> _Unit:
                  per_node["snapshots"] if config.mode == "serial_tree" else 0, size(pool.ssm) // cfg.num_gdn_layers)
 
 
+def _verify_rows(config, seqs: int, lookahead: int) -> int:
+    """The verify forward's rows for ``seqs`` requests (``EngineConfig.max_verify_rows``; ar: its decode rows)."""
+    return seqs * lookahead if config.mode == "ar" else verify_rows_limit(
+        seqs, lookahead, floor_drafts(config.spec.budget_floor, config.spec.topk), config.max_verify_rows,
+        check=False)
+
+
 def _fixed(cfg, config, u: _Unit, seqs: int, lookahead: int, spare: int) -> dict[str, int]:
     """Bytes that do not depend on the KV blocks, for ``seqs`` running requests."""
     T, dt, P = config.max_num_batched_tokens, config.torch_dtype.itemsize, cfg.max_position_embeddings
-    nodes = seqs * lookahead if config.mode == "ar" else verify_rows_limit(
-        seqs, lookahead, floor_drafts(config.spec.budget_floor, config.spec.topk), config.max_verify_rows,
-        check=False)   # the verify forward's rows (EngineConfig.max_verify_rows)
+    nodes = _verify_rows(config, seqs, lookahead)
     # a captured prefill's forward runs over its whole token bucket, padding included (its transients sit
     # in the graphs' own pool): the largest bucket can exceed the step's token budget
     A = max(T, config.prefill_graph_tokens[-1]) if config.prefill_graphs else T
@@ -179,7 +187,8 @@ def plan_memory(cfg, config, free: int | None = None, total: int | None = None,
     spare = int(config.enable_cuda_graphs and config.device.startswith("cuda"))
     u = _units(cfg, config, mtp)
     fixed = _fixed(cfg, config, u, config.max_num_seqs, lookahead, spare)
-    common = dict(num_state_slots=config.max_num_seqs + 1 + spare, device=config.device, **fixed)
+    common = dict(num_state_slots=config.max_num_seqs + 1 + spare, device=config.device, **fixed,
+                  verify_rows=None if config.mode == "ar" else _verify_rows(config, config.max_num_seqs, lookahead))
     ckpt_on = cc.enable_prefix_cache
     if free is None:
         blocks = cc.num_blocks or CPU_NUM_BLOCKS

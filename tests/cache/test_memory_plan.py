@@ -211,6 +211,7 @@ def test_verify_rows_size_the_speculative_buffers():
     per = TreeFactors.transient_bytes(cfg, 1024, torch.bfloat16)
     assert plan.logits == 1024 * row and plan.factors == per["factors"] + per["conv_inputs"]
     assert plan.max_num_seqs_fit >= 32 and plan.total_bytes <= plan.budget
+    assert plan.verify_rows == 1024 and "(1024 verify rows)" in "\n".join(plan.lines())
     # serial_tree's refusal names its snapshots, not the rows
     with pytest.raises(ValueError, match="snapshot buffers") as e:
         plan_memory(cfg, cuda_config("serial_tree", **opts), free, total)

@@ -23,7 +23,7 @@ def test_rows_bound_every_verify_and_keep_ar_tokens():
     # cap_tree_width off: the budget alone would let a tree take up to the lookahead (53 nodes)
     llm = LLM(MODEL, mode="bole", cap_tree_width=False, max_verify_rows=32, **OPTS)
     runner = llm.engine.runner
-    assert llm.engine.verify_rows == 32 and runner.factors.k.shape[1] == 32
+    assert llm.engine.verify_rows == llm.engine.memory_plan.verify_rows == 32 and runner.factors.k.shape[1] == 32
     rows = spy_rows(runner)
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == ref
     assert rows and max(rows) <= 32 and max(rows) > 8   # bounded, and not only the floor's width
