@@ -52,7 +52,7 @@ import torch
 from bole.cache.kv_cache import PagedKVCache, blocks_needed
 from bole.cache.state_pool import StatePool
 from bole.models.context import TreeFactors
-from bole.spec.budget import floor_drafts, verify_rows_limit
+from bole.spec.budget import engine_verify_rows
 from bole.spec.drafter import tree_size
 
 logger = logging.getLogger(__name__)
@@ -150,17 +150,10 @@ def _units(cfg, config, num_mtp_layers: int) -> _Unit:
                  per_node["snapshots"] if config.mode == "serial_tree" else 0, size(pool.ssm) // cfg.num_gdn_layers)
 
 
-def _verify_rows(config, seqs: int, lookahead: int) -> int:
-    """The verify forward's rows for ``seqs`` requests (``EngineConfig.max_verify_rows``; ar: its decode rows)."""
-    return seqs * lookahead if config.mode == "ar" else verify_rows_limit(
-        seqs, lookahead, floor_drafts(config.spec.budget_floor, config.spec.topk), config.max_verify_rows,
-        check=False)
-
-
 def _fixed(cfg, config, u: _Unit, seqs: int, lookahead: int, spare: int) -> dict[str, int]:
     """Bytes that do not depend on the KV blocks, for ``seqs`` running requests."""
     T, dt, P = config.max_num_batched_tokens, config.torch_dtype.itemsize, cfg.max_position_embeddings
-    nodes = _verify_rows(config, seqs, lookahead)
+    nodes = engine_verify_rows(config, seqs, lookahead, check=False)   # EngineConfig.max_verify_rows
     # a captured prefill's forward runs over its whole token bucket, padding included (its transients sit
     # in the graphs' own pool): the largest bucket can exceed the step's token budget
     A = max(T, config.prefill_graph_tokens[-1]) if config.prefill_graphs else T
@@ -188,7 +181,8 @@ def plan_memory(cfg, config, free: int | None = None, total: int | None = None,
     u = _units(cfg, config, mtp)
     fixed = _fixed(cfg, config, u, config.max_num_seqs, lookahead, spare)
     common = dict(num_state_slots=config.max_num_seqs + 1 + spare, device=config.device, **fixed,
-                  verify_rows=None if config.mode == "ar" else _verify_rows(config, config.max_num_seqs, lookahead))
+                  verify_rows=None if config.mode == "ar" else
+                  engine_verify_rows(config, config.max_num_seqs, lookahead, check=False))
     ckpt_on = cc.enable_prefix_cache
     if free is None:
         blocks = cc.num_blocks or CPU_NUM_BLOCKS

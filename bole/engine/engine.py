@@ -56,7 +56,7 @@ from bole.engine.spec_step import SpeculativeStep
 from bole.errors import InvalidRequest
 from bole.hardware import resolve_calibration
 from bole.sampling_params import SamplingParams
-from bole.spec.budget import CalibrationTable, floor_drafts, verify_rows_limit
+from bole.spec.budget import CalibrationTable, engine_verify_rows
 from bole.spec.draft_vocab import read_draft_vocab
 from bole.spec.drafter import tree_size
 from bole.spec.logprobs import TokenLogprob
@@ -103,8 +103,7 @@ class LLMEngine:
             if self.mode != "ar" else 0
         self.lookahead = 1 + self.max_draft_nodes
         # the verify forward's rows across the batch: the factor buffer's nodes, each step capped to them
-        self.verify_rows = config.max_num_seqs * self.lookahead if self.mode == "ar" else verify_rows_limit(
-            config.max_num_seqs, self.lookahead, floor_drafts(spec.budget_floor, spec.topk), config.max_verify_rows)
+        self.verify_rows = engine_verify_rows(config, config.max_num_seqs, self.lookahead)
         # "auto" picks a table for (hardware class, model shapes) with fallbacks (bole.hardware);
         # bole.recalibration.recalibrate swaps this attribute between steps (the ``calibration`` setter).
         self.calibration = calibration or resolve_calibration(config.calibration_table, model.config,

@@ -300,12 +300,12 @@ def floor_drafts(floor: str, topk: int) -> int:
     return 1 if floor == "best_child" else topk
 
 
-def verify_rows_limit(max_num_seqs: int, lookahead: int, floor_drafts: int, requested: int | None = None,
+def verify_rows_limit(max_num_seqs: int, lookahead: int, floor_nodes: int, requested: int | None = None,
                       check: bool = True) -> int:
     """The most tree rows one verify forward may hold (``EngineConfig.max_verify_rows`` resolved):
     ``max_num_seqs`` trees padded to one of ``tree_widths(lookahead)``. None: every request's whole tree
     (``max_num_seqs`` × the widest width). ``requested``: at least what every request's fairness floor
-    needs (``floor_drafts`` and the root, padded to the smallest width holding them; below it raises when
+    needs (``floor_nodes`` drafts and the root, padded to the smallest width holding them; below it raises when
     ``check``, else is raised to it), at most the whole trees.
 
     Why a limit: the batch-shared budget verifies far fewer rows than every request's whole tree (at
@@ -313,15 +313,26 @@ def verify_rows_limit(max_num_seqs: int, lookahead: int, floor_drafts: int, requ
     factors, the logits over a 248k vocabulary) are what the memory plan reserves at start; each step's
     drafts per request are capped to it (``rows_width``)."""
     widths = tree_widths(lookahead)
-    floor_w = next((w for w in widths if w >= 1 + floor_drafts), widths[-1])
+    floor_w = next((w for w in widths if w >= 1 + floor_nodes), widths[-1])
     least, full = max_num_seqs * floor_w, max_num_seqs * widths[-1]
     if requested is None:
         return full
     if requested < least and check:
         raise ValueError(f"max_verify_rows={requested} is below the {least} rows that max_num_seqs={max_num_seqs} "
-                         f"trees of the fairness floor need ({floor_drafts} drafts and the root, padded to "
+                         f"trees of the fairness floor need ({floor_nodes} drafts and the root, padded to "
                          f"{floor_w}); raise it or lower max_num_seqs")
     return min(max(requested, least), full)
+
+
+def engine_verify_rows(config, seqs: int, lookahead: int, check: bool = True) -> int:
+    """An ``EngineConfig``'s verify rows for ``seqs`` requests whose trees hold ``lookahead`` nodes, root
+    included (``verify_rows_limit`` with its ``max_verify_rows`` and fairness floor; ar: one row a
+    request): what the engine allocates and the memory plan counts."""
+    if config.mode == "ar":
+        return seqs * lookahead
+    spec = config.spec
+    return verify_rows_limit(seqs, lookahead, floor_drafts(spec.budget_floor, spec.topk), config.max_verify_rows,
+                             check)
 
 
 def rows_width(rows: int, padded_batch: int, widths) -> int:
