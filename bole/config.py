@@ -389,8 +389,11 @@ class EngineConfig:
     # the most tree rows one verify forward holds across the batch, every tree padded to the step's widest
     # (``bole.spec.budget.verify_rows_limit``): it sizes the verify factor buffer, the verify graphs'
     # static logits and the memory plan's verify logits, and every step's drafts per request are capped
-    # to stay within it (at least max_num_seqs trees of the fairness floor). None: every request's whole
-    # tree (max_num_seqs × the lookahead), which at batch 32 and a 248k vocabulary plans ~12 GiB of logits
+    # to stay within it (at least max_num_seqs trees of the fairness floor). None: in bole the step's token
+    # budget, max_num_batched_tokens, as vLLM counts draft tokens against it (raised to the floor's rows if
+    # below them); in serial_tree every request's whole tree (max_num_seqs × the lookahead: its per-node
+    # snapshots, the baseline's cost). Whole trees in bole (~12 GiB of logits at batch 32, depth 8 and a 248k
+    # vocabulary) take a value at least that large
     max_verify_rows: int | None = None
     spec: SpecConfig = SpecConfig()
     cache: CacheConfig = CacheConfig()

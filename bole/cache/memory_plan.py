@@ -11,8 +11,9 @@ and it is spent in this order (bytes per unit are sized on the meta device from 
 themselves, ``PagedKVCache`` / ``StatePool`` / ``TreeFactors``, so the figures follow the buffers):
 
   state        max_num_seqs + 1 GDN state slots (plus a CUDA graph's padding slot)
-  factors      the verify factor buffer: one node a verify row, max_num_seqs × (1 + tree nodes) rows unless
-               ``EngineConfig.max_verify_rows`` bounds them (docs/DESIGN.md §4, §5)
+  factors      the verify factor buffer: one node a verify row, ``EngineConfig.max_verify_rows`` rows (bole's
+               default: the step's token budget; serial_tree's: max_num_seqs × (1 + tree nodes); at most
+               that; ``bole.spec.budget.engine_verify_rows``, docs/DESIGN.md §4, §5)
   snapshots    serial_tree only: a state per node and GDN layer, same node count (what SGLang keeps)
   activations  one forward's transients: max_num_batched_tokens (or the largest prefill graph's token
                bucket, if larger, with prefill graphs) × hidden × ACTIVATION_WIDTHS, the
@@ -201,7 +202,7 @@ def plan_memory(cfg, config, free: int | None = None, total: int | None = None,
     env = (f"{gib(budget)} GiB (gpu_memory_utilization={cc.gpu_memory_utilization} of {gib(total)} GiB, "
            f"{gib(total - free)} GiB in use)")
     if fit < config.max_num_seqs:
-        raise ValueError(_refusal(config, fixed, need(config.max_num_seqs), fit, env))
+        raise ValueError(_refusal(config, fixed, need(config.max_num_seqs), fit, env, common["verify_rows"]))
     left = budget - sum(fixed.values()) - spare * u.block
     ckpt = lambda n: (n + 1) * u.slot if ckpt_on else 0   # n checkpoint slots and the scratch slot
     planned_slots = ckpt_on and cc.num_checkpoint_slots is None
@@ -241,7 +242,7 @@ def _max_fit(need, budget: int, limit: int = 1 << 16) -> int:
     return lo
 
 
-def _refusal(config, fixed: dict[str, int], needed: int, fit: int, env: str) -> str:
+def _refusal(config, fixed: dict[str, int], needed: int, fit: int, env: str, rows: int | None) -> str:
     spec, s = config.spec, config.max_num_seqs
     big = max(("snapshots", "factors", "logits", "state"), key=fixed.get)
     what = {"snapshots": "per-node snapshot buffers", "factors": "verify factor buffers",
@@ -249,9 +250,8 @@ def _refusal(config, fixed: dict[str, int], needed: int, fit: int, env: str) -> 
     hint = "lower max_num_seqs"
     if config.mode != "ar":
         hint += f" or the tree nodes (depth={spec.depth}, topk={spec.topk}, beam={spec.beam})"
-    if config.mode != "ar" and config.max_verify_rows is None and big in ("logits", "factors"):
-        hint += (f", or bound the rows one verify forward holds (max_verify_rows, e.g. "
-                 f"{config.max_num_batched_tokens}; now every request's whole tree)")
+    if config.mode != "ar" and big in ("logits", "factors"):
+        hint += f", or lower the rows one verify forward holds (max_verify_rows; now {rows})"
     if config.mode == "serial_tree":
         hint += " or use mode='bole' (no per-node snapshots, docs/DESIGN.md §4)"
     return (f"max_num_seqs={s} with {config.mode} needs {gib(needed)} GiB ({gib(fixed[big])} GiB of {what}, the "

@@ -302,11 +302,11 @@ def floor_drafts(floor: str, topk: int) -> int:
 
 def verify_rows_limit(max_num_seqs: int, lookahead: int, floor_nodes: int, requested: int | None = None,
                       check: bool = True) -> int:
-    """The most tree rows one verify forward may hold (``EngineConfig.max_verify_rows`` resolved):
-    ``max_num_seqs`` trees padded to one of ``tree_widths(lookahead)``. None: every request's whole tree
-    (``max_num_seqs`` × the widest width). ``requested``: at least what every request's fairness floor
-    needs (``floor_nodes`` drafts and the root, padded to the smallest width holding them; below it raises when
-    ``check``, else is raised to it), at most the whole trees.
+    """The most tree rows one verify forward may hold (``EngineConfig.max_verify_rows`` resolved by
+    ``engine_verify_rows``): ``max_num_seqs`` trees padded to one of ``tree_widths(lookahead)``. None:
+    every request's whole tree (``max_num_seqs`` × the widest width). ``requested``: at least what every
+    request's fairness floor needs (``floor_nodes`` drafts and the root, padded to the smallest width
+    holding them; below it raises when ``check``, else is raised to it), at most the whole trees.
 
     Why a limit: the batch-shared budget verifies far fewer rows than every request's whole tree (at
     batch 32, B_ver 192 drafts against 32 × 117 nodes), while the buffers the rows size (the verify
@@ -327,12 +327,17 @@ def verify_rows_limit(max_num_seqs: int, lookahead: int, floor_nodes: int, reque
 def engine_verify_rows(config, seqs: int, lookahead: int, check: bool = True) -> int:
     """An ``EngineConfig``'s verify rows for ``seqs`` requests whose trees hold ``lookahead`` nodes, root
     included (``verify_rows_limit`` with its ``max_verify_rows`` and fairness floor; ar: one row a
-    request): what the engine allocates and the memory plan counts."""
+    request): what the engine allocates and the memory plan counts. ``max_verify_rows=None`` is, for bole,
+    the step's token budget, ``max_num_batched_tokens`` (vLLM counts draft tokens against it too), raised to
+    the fairness floor's rows where it is below them rather than refused; for serial_tree, every request's
+    whole tree, since its per-node snapshot buffers, sized by these rows, are the cost that baseline stands
+    for (what SGLang keeps: each request's draft tokens)."""
     if config.mode == "ar":
         return seqs * lookahead
-    spec = config.spec
-    return verify_rows_limit(seqs, lookahead, floor_drafts(spec.budget_floor, spec.topk), config.max_verify_rows,
-                             check)
+    spec, requested = config.spec, config.max_verify_rows
+    if requested is None and config.mode == "bole":
+        requested, check = config.max_num_batched_tokens, False
+    return verify_rows_limit(seqs, lookahead, floor_drafts(spec.budget_floor, spec.topk), requested, check)
 
 
 def rows_width(rows: int, padded_batch: int, widths) -> int:

@@ -195,23 +195,32 @@ def test_prefill_graph_buckets_past_the_token_budget_are_planned():
 
 
 def test_verify_rows_size_the_speculative_buffers():
-    """The 27B shape at batch 32 beside its weights on an 80 GB card (the H100 run that refused it): whole
-    trees for every request plan 12.1 GiB of verify logits and do not fit, the refusal names the option;
-    max_verify_rows=1024 fits."""
+    """The 27B shape at batch 32 beside its weights on an 80 GB card (the H100 run that refused it before
+    the default bounded the rows): whole trees for every request plan 12.1 GiB of verify logits and do not
+    fit, the refusal names the option; the default, the step's token budget (1024 rows), fits."""
     from bole.cache.memory_plan import LOGITS_FP32_COPIES, LOGITS_NATIVE_COPIES
+    from bole.spec.budget import engine_verify_rows
 
     cfg, total = shapes("qwen3.5-27b", positions=4096), int(79.18 * GiB)   # the widened model keeps 4096
     free = total - int(54.58 * GiB)
     opts = dict(max_num_seqs=32, depth=8, topk=4, beam=4)
+    whole = 32 * 117   # every request's whole tree: 117 nodes with its root
     with pytest.raises(ValueError, match=r"max_num_seqs=32 with bole needs .* GiB \(12\.\d+ GiB of verify logits") as e:
-        plan_memory(cfg, cuda_config("bole", **opts), free, total)
-    assert "max_verify_rows, e.g. 1024" in str(e.value)
-    plan = plan_memory(cfg, cuda_config("bole", max_verify_rows=1024, **opts), free, total)
-    row = cfg.vocab_size * (LOGITS_NATIVE_COPIES * 2 + LOGITS_FP32_COPIES * 4)
-    per = TreeFactors.transient_bytes(cfg, 1024, torch.bfloat16)
-    assert plan.logits == 1024 * row and plan.factors == per["factors"] + per["conv_inputs"]
-    assert plan.max_num_seqs_fit >= 32 and plan.total_bytes <= plan.budget
-    assert plan.verify_rows == 1024 and "(1024 verify rows)" in "\n".join(plan.lines())
+        plan_memory(cfg, cuda_config("bole", max_verify_rows=whole, **opts), free, total)
+    assert f"(max_verify_rows; now {whole})" in str(e.value)
+    for rows in (None, 1024):
+        plan = plan_memory(cfg, cuda_config("bole", max_verify_rows=rows, **opts), free, total)
+        row = cfg.vocab_size * (LOGITS_NATIVE_COPIES * 2 + LOGITS_FP32_COPIES * 4)
+        per = TreeFactors.transient_bytes(cfg, 1024, torch.bfloat16)
+        assert plan.logits == 1024 * row and plan.factors == per["factors"] + per["conv_inputs"]
+        assert plan.max_num_seqs_fit >= 32 and plan.total_bytes <= plan.budget
+        assert plan.verify_rows == 1024 and "(1024 verify rows)" in "\n".join(plan.lines())
+    # the default follows the token budget, and is raised to the fairness floor's rows (32 trees of 8)
+    assert plan_memory(cfg, cuda_config("bole", max_num_batched_tokens=512, **opts), free, total).verify_rows == 512
+    assert plan_memory(cfg, cuda_config("bole", max_num_batched_tokens=128, **opts), free, total).verify_rows == 256
+    # serial_tree plans every request's whole tree unless told otherwise: its snapshots are the baseline's cost
+    assert engine_verify_rows(cuda_config("serial_tree", **opts), 32, 117) == whole
+    assert engine_verify_rows(cuda_config("serial_tree", max_verify_rows=1024, **opts), 32, 117) == 1024
     # serial_tree's refusal names its snapshots, not the rows
     with pytest.raises(ValueError, match="snapshot buffers") as e:
         plan_memory(cfg, cuda_config("serial_tree", **opts), free, total)

@@ -27,12 +27,19 @@ def test_rows_bound_every_verify_and_keep_ar_tokens():
     rows = spy_rows(runner)
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == ref
     assert rows and max(rows) <= 32 and max(rows) > 8   # bounded, and not only the floor's width
-    # unbounded (every request's whole tree): the same budget verifies more rows on these prompts
+    # the default, the step's token budget (1024), holds these 4 whole trees: the same budget verifies more
+    # rows on these prompts
     wide = LLM(MODEL, mode="bole", cap_tree_width=False, **OPTS)
-    assert wide.engine.verify_rows == 4 * wide.engine.lookahead
+    assert wide.engine.verify_rows == 4 * wide.engine.lookahead < wide.engine.config.max_num_batched_tokens
     wide_rows = spy_rows(wide.engine.runner)
     assert [o.token_ids for o in wide.generate(PROMPTS, greedy)] == ref
     assert max(wide_rows) > 32
+    # a token budget below the whole trees bounds the rows as max_verify_rows would
+    tight = LLM(MODEL, mode="bole", cap_tree_width=False, max_num_batched_tokens=32, **OPTS)
+    assert tight.engine.verify_rows == tight.engine.memory_plan.verify_rows == 32
+    tight_rows = spy_rows(tight.engine.runner)
+    assert [o.token_ids for o in tight.generate(PROMPTS, greedy)] == ref
+    assert tight_rows and max(tight_rows) <= 32
 
 
 def spy_rows(runner) -> list[int]:
