@@ -187,6 +187,9 @@ def parse_args(argv=None):
     ap.add_argument("--widen-in-memory", action="store_true",
                     help="each model's worker widens into host memory and loads from there: no disk holds the "
                          "weights (--widen-dir gets the config and tokenizer files only)")
+    ap.add_argument("--prefill-split", action="store_true",
+                    help="every cell with cuda_graph_prefill_split=True: a prefill longer than the largest prefill "
+                         "graph runs as several graphed waves instead of one eager forward")
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny widening of the embedded model")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/e2e_scale_<tag>.json)")
     ap.add_argument("--tag", default=None, help="name suffix (default: the hardware class, 'smoke')")
@@ -371,9 +374,11 @@ def run_cell(spec: dict, mode: str, batch: int, prompts: list[dict]) -> tuple[di
                        beam=spec["beam"]), **extra}
         llm = LLM(spec["path"], model=model, mode=run_mode, **opts,
                   device=spec["device"], dtype=row["dtype"], enable_cuda_graphs=cuda, max_num_seqs=batch,
-                  enable_prefix_cache=False,
+                  enable_prefix_cache=False, cuda_graph_prefill_split=spec.get("prefill_split", False),
                   num_blocks=num_blocks([p["prompt_tokens"] for p in prompts[:batch]], spec["max_tokens"],
                                         opts["depth"]))
+        if llm.engine.config.cuda_graph_prefill_split:   # --prefill-split, as the engine took it
+            row["cuda_graph_prefill_split"] = True
         if cuda:
             row["loaded_memory_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
         res, toks = time_llm(llm, batch, [p["prompt"] for p in prompts], spec["max_tokens"], spec["repeats"],
@@ -558,7 +563,8 @@ def main(argv=None) -> dict | None:
                       repeats=args.repeats, spec=dict(depth=args.depth, topk=args.topk, beam=args.beam),
                       draft_vocab=args.draft_vocab,
                       calibration_table=args.calibration_table, budget_s=args.budget_s,
-                      cell_budget_s=args.cell_budget_s, source=args.source, widen_dir=args.widen_dir),
+                      cell_budget_s=args.cell_budget_s, source=args.source, widen_dir=args.widen_dir,
+                      cuda_graph_prefill_split=args.prefill_split),
         methods=dict(
             models="the source widened to each shape (bole.models.widen, bf16): the shape's cost, the source's "
                    "predictions (the shape's vocabulary: padded rows never win, bole.models.widen)",
@@ -594,7 +600,7 @@ def main(argv=None) -> dict | None:
                     batches=args.batches, modes=args.modes, max_tokens=args.max_tokens, repeats=args.repeats,
                     depth=args.depth, topk=args.topk, beam=args.beam, calibration_table=args.calibration_table,
                     cell_budget_s=args.cell_budget_s, deadline=deadline, smoke=args.smoke,
-                    in_memory=args.widen_in_memory, source=args.source)
+                    in_memory=args.widen_in_memory, source=args.source, prefill_split=args.prefill_split)
         run_worker(rep, spec, args.grace_s)
     if args.png != "none":
         from benchmarks.e2e_scale_plot import plot

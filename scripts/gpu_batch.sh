@@ -19,9 +19,12 @@
 #   scalemoe   the MoE shape (qwen3.5-35b-a3b, 71 GB: an H200): its calibration table (CUDA graphs, into
 #              the step's folder), then its grid widened into host memory (--widen-in-memory; no disk
 #              holds it) with that table                                            (not yet run)
-#   rows       max_verify_rows at 27B cost: ar, bole and bole at 1,024 verify rows (-r1024) at batches 32 and
-#              16 with calibration_tables/<hw>-qwen3.5-27b.yaml (whole trees are refused at 32 on 80 GB;
-#              the bound should run there and leave 16 unchanged)                  (not yet run, ~5 min)
+#   rows       max_verify_rows at 27B cost: ar, bole (its default: max_num_batched_tokens rows) and bole with
+#              every request's whole tree (-r65536, capped at the whole trees) at batches 32 and 16 with
+#              calibration_tables/<hw>-qwen3.5-27b.yaml (whole trees are refused at 32 on 80 GB)  (~8.5 min
+#              on a fresh H100, the 27B widening 170 s of it)
+#   split      cuda_graph_prefill_split at 9B cost: ar and bole at batches 16 8 4 2 1 without, then with
+#              --prefill-split (one process each, the same machine and table)                (~8 min)
 # $OUT receives results.tar.gz (every step's files, one folder per step) and summary.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -101,8 +104,19 @@ step_rows() {
   local hw; hw=$(python3 -c "from bole.hardware import detect_hardware; print(detect_hardware('cuda'))")
   # shellcheck disable=SC2086
   OUT="$1" bash benchmarks/run_gpu_scale.sh --models qwen3.5-27b --batches 32 16 --modes ar --draft-vocab 32768 \
-    --also-cell bole_fr32768-r1024 --depth 8 --topk 4 --beam 4 \
+    --also-cell bole_fr32768-r65536 --depth 8 --topk 4 --beam 4 \
     --calibration-table "calibration_tables/$hw-qwen3.5-27b.yaml" ${SCALE_FLAGS:-}
+}
+step_split() {
+  local hw; hw=$(python3 -c "from bole.hardware import detect_hardware; print(detect_hardware('cuda'))")
+  local f
+  for f in "" --prefill-split; do
+    mkdir -p "$1/${f:-base}"
+    # shellcheck disable=SC2086
+    OUT="$1/${f:-base}" SCALE_BUDGET_S="${SPLIT_BUDGET_S:-250}" SCALE_KILL_S="${SPLIT_KILL_S:-290}" \
+      bash benchmarks/run_gpu_scale.sh --models qwen3.5-9b --batches 16 8 4 2 1 --modes ar --draft-vocab 32768 \
+      --depth 8 --topk 4 --beam 4 --calibration-table "calibration_tables/$hw-qwen3.5-9b.yaml" $f ${SCALE_FLAGS:-}
+  done
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee -a "$OUT/summary.log"
