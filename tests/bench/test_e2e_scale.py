@@ -165,6 +165,31 @@ def test_refused_and_oom_cells_are_recorded(smoke, monkeypatch):
     assert row["status"] == "oom" and "out of memory" in row["error"] and toks is None
 
 
+def test_a_cells_run_budget_excludes_its_construction(smoke, monkeypatch):
+    """run_cell hands time_llm the whole cell budget for the timed runs however long the engine took to
+    build (a process's first cell pays the compiles there; it once left a 27B cell one run of three)."""
+    import time
+
+    from bole import LLM
+
+    prompts = [json.loads(line) for line in open(os.path.join(ROOT, "benchmarks/data/heldout_prompts.jsonl"))][:1]
+    seen = []
+    real_init = LLM.__init__
+
+    def slow_init(self, *a, **k):   # an engine whose construction outlasts the cell budget
+        real_init(self, *a, **k)
+        time.sleep(1.2)
+
+    def record(llm, batch, prompts, max_tokens, repeats, budget_s=None):
+        seen.append(budget_s)
+        raise torch.cuda.OutOfMemoryError("stop here")
+
+    monkeypatch.setattr(LLM, "__init__", slow_init)
+    monkeypatch.setattr("benchmarks.engine_modes.time_llm", record)
+    row, _ = e2e_scale.run_cell(dict(_spec(smoke), cell_budget_s=1.0), "ar", 1, prompts)
+    assert row["status"] == "oom" and seen == [1.0]
+
+
 def test_a_cell_past_its_budget_is_recorded_as_timeout(smoke, tmp_path):
     _, _, wd = smoke
     out = tmp_path / "t.json"
