@@ -53,7 +53,7 @@ import torch
 from bole.cache.kv_cache import PagedKVCache, blocks_needed
 from bole.cache.state_pool import StatePool
 from bole.models.context import TreeFactors
-from bole.spec.budget import engine_verify_rows
+from bole.spec.budget import engine_verify_rows, floor_drafts, verify_rows_limit
 from bole.spec.drafter import tree_size
 
 logger = logging.getLogger(__name__)
@@ -202,7 +202,10 @@ def plan_memory(cfg, config, free: int | None = None, total: int | None = None,
     env = (f"{gib(budget)} GiB (gpu_memory_utilization={cc.gpu_memory_utilization} of {gib(total)} GiB, "
            f"{gib(total - free)} GiB in use)")
     if fit < config.max_num_seqs:
-        raise ValueError(_refusal(config, fixed, need(config.max_num_seqs), fit, env, common["verify_rows"]))
+        spec = config.spec   # the fairness floor's rows: what max_verify_rows cannot go below
+        floor = None if config.mode == "ar" else verify_rows_limit(
+            config.max_num_seqs, lookahead, floor_drafts(spec.budget_floor, spec.topk), 1, check=False)
+        raise ValueError(_refusal(config, fixed, need(config.max_num_seqs), fit, env, common["verify_rows"], floor))
     left = budget - sum(fixed.values()) - spare * u.block
     ckpt = lambda n: (n + 1) * u.slot if ckpt_on else 0   # n checkpoint slots and the scratch slot
     planned_slots = ckpt_on and cc.num_checkpoint_slots is None
@@ -242,7 +245,8 @@ def _max_fit(need, budget: int, limit: int = 1 << 16) -> int:
     return lo
 
 
-def _refusal(config, fixed: dict[str, int], needed: int, fit: int, env: str, rows: int | None) -> str:
+def _refusal(config, fixed: dict[str, int], needed: int, fit: int, env: str, rows: int | None,
+             floor_rows: int | None) -> str:
     spec, s = config.spec, config.max_num_seqs
     big = max(("snapshots", "factors", "logits", "state"), key=fixed.get)
     what = {"snapshots": "per-node snapshot buffers", "factors": "verify factor buffers",
@@ -250,8 +254,11 @@ def _refusal(config, fixed: dict[str, int], needed: int, fit: int, env: str, row
     hint = "lower max_num_seqs"
     if config.mode != "ar":
         hint += f" or the tree nodes (depth={spec.depth}, topk={spec.topk}, beam={spec.beam})"
-    if config.mode != "ar" and big in ("logits", "factors"):
-        hint += f", or lower the rows one verify forward holds (max_verify_rows; now {rows})"
+    T = config.max_num_batched_tokens
+    if config.mode != "ar" and big == "logits" and rows <= T:   # the logits are sized by the larger of the two
+        hint += f", or lower max_num_batched_tokens (now {T}: the widest lm_head call, a prefill's or a verify's)"
+    elif config.mode != "ar" and big in ("logits", "factors") and rows > floor_rows:
+        hint += f", or lower the rows one verify forward holds (max_verify_rows; now {rows}, at least {floor_rows})"
     if config.mode == "serial_tree":
         hint += " or use mode='bole' (no per-node snapshots, docs/DESIGN.md §4)"
     return (f"max_num_seqs={s} with {config.mode} needs {gib(needed)} GiB ({gib(fixed[big])} GiB of {what}, the "

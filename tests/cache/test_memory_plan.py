@@ -194,6 +194,22 @@ def test_prefill_graph_buckets_past_the_token_budget_are_planned():
         plan_memory(cfg, cuda_config("bole", **within), free, TOTAL).activations
 
 
+def test_the_refusal_names_the_option_that_shrinks_the_largest_buffer():
+    """Verify logits are sized by the larger of the verify rows and max_num_batched_tokens: at bole's default
+    (rows = the token budget) or below it, lowering max_verify_rows frees nothing, so the refusal names the
+    token budget; above it, the rows, with their floor."""
+    cfg, total = shapes("qwen3.5-9b"), int(80 * GiB)
+    free = int(3.5 * GiB) + int(0.1 * total)   # 3.5 GiB left under gpu_memory_utilization=0.9
+    opts = dict(max_num_seqs=32, depth=8, topk=4, beam=4)
+    for rows in (None, 256):
+        with pytest.raises(ValueError, match=r"3\.32 GiB of verify logits") as e:
+            plan_memory(cfg, cuda_config("bole", max_verify_rows=rows, **opts), free, total)
+        assert "lower max_num_batched_tokens (now 1024" in str(e.value) and "max_verify_rows" not in str(e.value)
+    with pytest.raises(ValueError, match=r"6\.63 GiB of verify logits") as e:
+        plan_memory(cfg, cuda_config("bole", max_verify_rows=2048, **opts), free, total)
+    assert "(max_verify_rows; now 2048, at least 256)" in str(e.value) and "max_num_batched_tokens" not in str(e.value)
+
+
 def test_verify_rows_size_the_speculative_buffers():
     """The 27B shape at batch 32 beside its weights on an 80 GB card (the H100 run that refused it before
     the default bounded the rows): whole trees for every request plan 12.1 GiB of verify logits and do not
@@ -207,7 +223,7 @@ def test_verify_rows_size_the_speculative_buffers():
     whole = 32 * 117   # every request's whole tree: 117 nodes with its root
     with pytest.raises(ValueError, match=r"max_num_seqs=32 with bole needs .* GiB \(12\.\d+ GiB of verify logits") as e:
         plan_memory(cfg, cuda_config("bole", max_verify_rows=whole, **opts), free, total)
-    assert f"(max_verify_rows; now {whole})" in str(e.value)
+    assert f"(max_verify_rows; now {whole}, at least 256)" in str(e.value)
     for rows in (None, 1024):
         plan = plan_memory(cfg, cuda_config("bole", max_verify_rows=rows, **opts), free, total)
         row = cfg.vocab_size * (LOGITS_NATIVE_COPIES * 2 + LOGITS_FP32_COPIES * 4)
