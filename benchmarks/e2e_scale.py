@@ -185,7 +185,8 @@ def parse_args(argv=None):
     ap.add_argument("--cell-budget-s", type=float, default=None,
                     help="per cell: no timed run starts after this many seconds of them (the engine's construction, "
                          "captures and warm-up excluded: a process's first cell pays the compiles; 60; smoke 40); a "
-                         "cell still running after twice this and --grace-s is killed")
+                         "cell whose construction, or whose captures and runs, take more than twice this and "
+                         "--grace-s is killed")
     ap.add_argument("--grace-s", type=float, default=60.0, help="a late worker is killed this much after a budget")
     ap.add_argument("--widen-in-memory", action="store_true",
                     help="each model's worker widens into host memory and loads from there: no disk holds the "
@@ -352,7 +353,8 @@ def shared_model(spec: dict, dtype: str):
     return _LOADED[key]
 
 
-def run_cell(spec: dict, mode: str, batch: int, prompts: list[dict]) -> tuple[dict, list | None]:
+def run_cell(spec: dict, mode: str, batch: int, prompts: list[dict],
+             on_timing=lambda: None) -> tuple[dict, list | None]:
     """One (mode, batch) cell on a fresh engine over the worker's loaded model (``shared_model``): its row
     and output tokens (None unless it ran)."""
     from benchmarks.engine_modes import time_llm
@@ -384,6 +386,7 @@ def run_cell(spec: dict, mode: str, batch: int, prompts: list[dict]) -> tuple[di
             row["cuda_graph_prefill_split"] = True
         if cuda:
             row["loaded_memory_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+        on_timing()   # the engine is built: the watchdog's clock restarts for the captures and the runs
         res, toks = time_llm(llm, batch, [p["prompt"] for p in prompts], spec["max_tokens"], spec["repeats"],
                              budget_s=spec["cell_budget_s"])   # the timed runs'; a first cell's compiles excluded
         st = res["stats"]
@@ -472,7 +475,7 @@ def worker(spec: dict) -> None:
                 row, toks = dict(base, status="skipped_after_oom", note=f"out of memory at batch {oom[mode]}"), None
             else:
                 emit("start", base)
-                row, toks = run_cell(spec, mode, batch, prompts)
+                row, toks = run_cell(spec, mode, batch, prompts, on_timing=lambda base=base: emit("timing", base))
             if row["status"] == "oom":
                 oom[mode] = batch
             if toks is not None and mode == "ar":
@@ -492,6 +495,18 @@ def worker(spec: dict) -> None:
 
 
 # -------------------------------------------------------------------------------------------- parent
+def past_budget(state: dict, now: float, spec: dict, grace_s: float) -> str | None:
+    """Why a worker must be killed now, or None: the run's deadline is ``grace_s`` past, or the running cell's
+    current phase (its engine's construction, from ``cell_t0``; then its captures and timed runs, from the
+    "timing" event, ``clock_t0``) has taken more than 2 x cell_budget_s + grace_s (a first cell's construction
+    pays the compiles)."""
+    if now > spec["deadline"] + grace_s:
+        return "total budget"
+    if state["cell"] and now - state["clock_t0"] > 2 * spec["cell_budget_s"] + grace_s:
+        return "cell budget"
+    return None
+
+
 def run_worker(rep, spec: dict, grace_s: float) -> None:
     """Run one model's worker, recording its events as they come; kill it when a budget is past."""
     # the repository first, then the caller's path (the GPU machine's carried wheels: fla, the serving stack)
@@ -499,16 +514,12 @@ def run_worker(rep, spec: dict, grace_s: float) -> None:
     proc = subprocess.Popen([sys.executable, str(Path(__file__)), "--worker", json.dumps(spec)], cwd=REPO_ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(path)})
-    state = dict(cell=None, cell_t0=time.time(), killed=None)
+    state = dict(cell=None, cell_t0=time.time(), clock_t0=time.time(), killed=None)   # see past_budget
     tail = collections.deque(maxlen=30)
 
     def watch():
         while proc.poll() is None:
-            now = time.time()
-            if now > spec["deadline"] + grace_s:
-                state["killed"] = "total budget"
-            elif state["cell"] and now - state["cell_t0"] > 2 * spec["cell_budget_s"] + grace_s:
-                state["killed"] = "cell budget"
+            state["killed"] = past_budget(state, time.time(), spec, grace_s)
             if state["killed"]:
                 proc.kill()
                 return
@@ -521,7 +532,9 @@ def run_worker(rep, spec: dict, grace_s: float) -> None:
             continue
         ev = json.loads(line[len(TAG):])
         if ev["kind"] == "start":
-            state.update(cell=ev["payload"], cell_t0=time.time())
+            state.update(cell=ev["payload"], cell_t0=time.time(), clock_t0=time.time())
+        elif ev["kind"] == "timing":
+            state["clock_t0"] = time.time()
         elif ev["kind"] == "row":
             state["cell"] = None
             rep.add("rows", ev["payload"])

@@ -186,8 +186,21 @@ def test_a_cells_run_budget_excludes_its_construction(smoke, monkeypatch):
 
     monkeypatch.setattr(LLM, "__init__", slow_init)
     monkeypatch.setattr("benchmarks.engine_modes.time_llm", record)
-    row, _ = e2e_scale.run_cell(dict(_spec(smoke), cell_budget_s=1.0), "ar", 1, prompts)
-    assert row["status"] == "oom" and seen == [1.0]
+    row, _ = e2e_scale.run_cell(dict(_spec(smoke), cell_budget_s=1.0), "ar", 1, prompts,
+                                on_timing=lambda: seen.append("timing"))
+    assert row["status"] == "oom" and seen == ["timing", 1.0]   # the watchdog's clock restarts before the runs
+
+
+def test_the_watchdog_times_construction_and_runs_apart():
+    spec, grace = dict(deadline=1000.0, cell_budget_s=60.0), 40.0   # a phase may take 2 x 60 + 40 = 160 s
+    cell = dict(cell={"mode": "ar"}, cell_t0=0.0, clock_t0=0.0)
+    assert e2e_scale.past_budget(cell, 150.0, spec, grace) is None
+    assert e2e_scale.past_budget(cell, 161.0, spec, grace) == "cell budget"   # construction hung
+    timed = dict(cell, clock_t0=130.0)   # built in 130 s (a first cell's compiles), then the runs
+    assert e2e_scale.past_budget(timed, 200.0, spec, grace) is None
+    assert e2e_scale.past_budget(timed, 291.0, spec, grace) == "cell budget"
+    assert e2e_scale.past_budget(dict(timed, cell=None), 291.0, spec, grace) is None   # between cells
+    assert e2e_scale.past_budget(timed, 1041.0, spec, grace) == "total budget"
 
 
 def test_a_cell_past_its_budget_is_recorded_as_timeout(smoke, tmp_path):
