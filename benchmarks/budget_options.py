@@ -41,7 +41,8 @@ OPTIONS = {"paper": dict(budget_floor="children", cap_tree_width=False),
 def run(model: str, batch: int, table: CalibrationTable, prompts: list[str], max_tokens: int, depth: int, topk: int,
         beam: int, **options) -> dict:
     llm = LLM(model, mode="bole", depth=depth, topk=topk, beam=beam, device="cpu", dtype="float32",
-              num_blocks=4096, max_num_seqs=batch, calibration_table="calibration_tables/default.yaml", **options)
+              num_blocks=4096, max_num_seqs=batch, calibration_table="calibration_tables/default.yaml",
+              max_verify_rows=1 << 20, **options)   # every request's whole tree: the options alone bound the rows
     eng = llm.engine
     eng.calibration = table   # every step's budget is ``table``'s at its batch (the engine's own table setter)
     widths, runner, steps = tree_widths(eng.lookahead), eng.runner, []

@@ -133,7 +133,8 @@ def run_point(model, tokenizer_eos, prompts, warm, batch: int, table, a) -> dict
         mode="bole", device=a.device, dtype=a.dtype, max_num_seqs=batch, max_num_batched_tokens=a.max_batched_tokens,
         num_blocks=batch * per_req + 8, block_size=a.block_size, depth=a.depth, topk=a.topk, beam=a.beam,
         enable_prefix_cache=not a.no_prefix_cache, eos_token_ids=tokenizer_eos,
-        budget_floor="children", cap_tree_width=False)  # Fig. 11's budget: the paper's floor, trees uncapped
+        budget_floor="children", cap_tree_width=False,  # Fig. 11's budget: the paper's floor, trees uncapped
+        max_verify_rows=batch * lookahead)              # and the rows too (bole's default bounds them)
     rec = RecordingTable(table)
     eng = LLMEngine(model, cfg, tokenizer=None, calibration=rec)
 
