@@ -115,11 +115,12 @@ step_rows() {
 }
 step_split() {
   local hw; hw=$(python3 -c "from bole.hardware import detect_hardware; print(detect_hardware('cuda'))")
-  local f
+  local f d
   for f in "" --prefill-split; do
-    mkdir -p "$1/${f:-base}"
+    d="$1/base"; [ -n "$f" ] && d="$1/split"
+    mkdir -p "$d"
     # shellcheck disable=SC2086
-    OUT="$1/${f:-base}" SCALE_BUDGET_S="${SPLIT_BUDGET_S:-250}" SCALE_KILL_S="${SPLIT_KILL_S:-290}" \
+    OUT="$d" SCALE_BUDGET_S="${SPLIT_BUDGET_S:-250}" SCALE_KILL_S="${SPLIT_KILL_S:-290}" \
       bash benchmarks/run_gpu_scale.sh --models qwen3.5-9b --batches 16 8 4 2 1 --modes ar --draft-vocab 32768 \
       --depth 8 --topk 4 --beam 4 --calibration-table "calibration_tables/$hw-qwen3.5-9b.yaml" $f ${SCALE_FLAGS:-}
   done
