@@ -28,8 +28,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from bole import LLM, SamplingParams  # noqa: E402
-from bole.engine.graphs.tree import tree_widths  # noqa: E402
 from bole.spec.budget import CalibrationTable  # noqa: E402
+from bole.spec.tree import tree_widths  # noqa: E402
 
 # every option set names both options (the engine's defaults are "best_child+cap")
 OPTIONS = {"paper": dict(budget_floor="children", cap_tree_width=False),

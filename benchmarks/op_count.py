@@ -80,9 +80,9 @@ def _label(owner, name: str, label: str, phase: list[str]) -> None:
 def count(mode: str = "bole", batch: int = 1, depth: int = 4, topk: int = 4, beam: int = 4,
           backend: str = "torch") -> dict:
     from bole import LLM, SamplingParams
-    from bole.engine.graphs.tree import StaticTree, tree_widths
+    from bole.engine.graphs.tree import StaticTree
     from bole.models import qwen3_5
-    from bole.spec.tree import MAX_TREE_NODES
+    from bole.spec.tree import MAX_TREE_NODES, tree_widths
 
     if backend == "triton":  # the model's "auto" backend resolves to the Triton kernels, interpreted
         # (the process stays in interpreter mode: Triton reads the variable when kernels launch)

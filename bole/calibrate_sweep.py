@@ -29,13 +29,12 @@ import torch
 from bole.cache.kv_cache import blocks_needed
 from bole.calibrate_model import split_nodes
 from bole.config import ModelConfig
-from bole.engine.graphs.tree import tree_widths
 from bole.engine.runner import ModelRunner
 from bole.engine.sequence import Request
 from bole.models.qwen3_5 import HybridForCausalLM
 from bole.sampling_params import SamplingParams
 from bole.spec.drafter import DraftBatch
-from bole.spec.tree import feasible_capacities, random_tree
+from bole.spec.tree import feasible_capacities, random_tree, tree_widths
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ import torch
 from bole.cache.kv_cache import PagedKVCache, blocks_needed
 from bole.cache.state_pool import StatePool
 from bole.models.context import TreeFactors
-from bole.spec.budget import engine_verify_rows, floor_drafts, verify_rows_limit
+from bole.spec.budget import engine_verify_rows, floor_drafts, verify_rows_floor
 from bole.spec.drafter import tree_size
 
 logger = logging.getLogger(__name__)
@@ -203,8 +203,8 @@ def plan_memory(cfg, config, free: int | None = None, total: int | None = None,
            f"{gib(total - free)} GiB in use)")
     if fit < config.max_num_seqs:
         spec = config.spec   # the fairness floor's rows: what max_verify_rows cannot go below
-        floor = None if config.mode == "ar" else verify_rows_limit(
-            config.max_num_seqs, lookahead, floor_drafts(spec.budget_floor, spec.topk), 1, check=False)
+        floor = None if config.mode == "ar" else verify_rows_floor(
+            config.max_num_seqs, lookahead, floor_drafts(spec.budget_floor, spec.topk))[0]
         raise ValueError(_refusal(config, fixed, need(config.max_num_seqs), fit, env, common["verify_rows"], floor))
     left = budget - sum(fixed.values()) - spare * u.block
     ckpt = lambda n: (n + 1) * u.slot if ckpt_on else 0   # n checkpoint slots and the scratch slot

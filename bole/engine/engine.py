@@ -46,7 +46,6 @@ from bole.config import EngineConfig
 from bole.engine import sampler
 from bole.engine.core import EngineLimits, EngineStats, RequestTimings, budget_stats
 from bole.engine.detokenizer import IncrementalDetokenizer, skipped_token_ids
-from bole.engine.graphs.tree import tree_widths
 from bole.engine.metrics import EngineMetrics, StepStats
 from bole.engine.output import RequestOutput, emit
 from bole.engine.runner import ModelRunner
@@ -60,7 +59,7 @@ from bole.spec.budget import CalibrationTable, engine_verify_rows
 from bole.spec.draft_vocab import read_draft_vocab
 from bole.spec.drafter import tree_size
 from bole.spec.logprobs import TokenLogprob
-from bole.spec.tree import MAX_TREE_NODES
+from bole.spec.tree import MAX_TREE_NODES, tree_widths
 
 logger = logging.getLogger(__name__)
 

@@ -18,13 +18,12 @@ from bole.cache.checkpoints import CheckpointPlanner, TailPlan, publish_committe
 from bole.cache.prefix_cache import PrefixCache
 from bole.config import SpecConfig
 from bole.engine import sampler
-from bole.engine.graphs.tree import tree_widths
 from bole.engine.metrics import StepStats
 from bole.engine.runner import ModelRunner
 from bole.engine.sequence import Request
 from bole.spec.budget import CalibrationTable, rows_width, width_cap
 from bole.spec.logprobs import TokenLogprob, path_rows
-from bole.spec.tree import MAX_TREE_NODES
+from bole.spec.tree import MAX_TREE_NODES, tree_widths
 
 
 class SpeculativeStep:

@@ -300,6 +300,15 @@ def floor_drafts(floor: str, topk: int) -> int:
     return 1 if floor == "best_child" else topk
 
 
+def verify_rows_floor(max_num_seqs: int, lookahead: int, floor_nodes: int) -> tuple[int, int]:
+    """The fewest verify rows ``max_num_seqs`` requests can hold, and the tree width it pads to: each request's
+    fairness floor (``floor_nodes`` drafts and the root) padded to the smallest of ``tree_widths(lookahead)``
+    holding it."""
+    widths = tree_widths(lookahead)
+    floor_w = next((w for w in widths if w >= 1 + floor_nodes), widths[-1])
+    return max_num_seqs * floor_w, floor_w
+
+
 def verify_rows_limit(max_num_seqs: int, lookahead: int, floor_nodes: int, requested: int | None = None,
                       check: bool = True) -> int:
     """The most tree rows one verify forward may hold (``EngineConfig.max_verify_rows`` resolved by
@@ -312,9 +321,7 @@ def verify_rows_limit(max_num_seqs: int, lookahead: int, floor_nodes: int, reque
     batch 32, B_ver 192 drafts against 32 × 117 nodes), while the buffers the rows size (the verify
     factors, the logits over a 248k vocabulary) are what the memory plan reserves at start; each step's
     drafts per request are capped to it (``rows_width``)."""
-    widths = tree_widths(lookahead)
-    floor_w = next((w for w in widths if w >= 1 + floor_nodes), widths[-1])
-    least, full = max_num_seqs * floor_w, max_num_seqs * widths[-1]
+    (least, floor_w), full = verify_rows_floor(max_num_seqs, lookahead, floor_nodes), max_num_seqs * lookahead
     if requested is None:
         return full
     if requested < least and check:

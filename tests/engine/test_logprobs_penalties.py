@@ -10,10 +10,9 @@ from engine_helpers import default_table, reference_penalty
 
 from bole.config import EngineConfig
 from bole.engine.engine import LLMEngine
-from bole.engine.graphs.tree import tree_widths
 from bole.models.loader import load_model
 from bole.sampling_params import SamplingParams
-from bole.spec.tree import MAX_TREE_NODES
+from bole.spec.tree import MAX_TREE_NODES, tree_widths
 
 MODES = ("ar", "serial_tree", "bole")
 # the third prompt (21 tokens) spans two prefill chunks of max_num_batched_tokens=16

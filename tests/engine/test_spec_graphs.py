@@ -26,7 +26,6 @@ from bole.config import EngineConfig
 from bole.engine.drafting import empty_factors
 from bole.engine.engine import LLMEngine
 from bole.engine.graphs.base import graphs_unsupported
-from bole.engine.graphs.tree import tree_widths
 from bole.engine.runner import ModelRunner
 from bole.engine.sequence import Request
 from bole.layers.attention import GatedAttention
@@ -35,7 +34,7 @@ from bole.models.loader import load_model
 from bole.ops.moe import moe_experts_ref
 from bole.sampling_params import SamplingParams
 from bole.spec.budget import width_cap
-from bole.spec.tree import MAX_TREE_NODES, PackedForest, random_tree
+from bole.spec.tree import MAX_TREE_NODES, PackedForest, random_tree, tree_widths
 
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15], [3] * 14, [5, 1, 6, 2, 8]]
 DEPTH = 4  # tree depth bound with the root

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from bole import LLM, SamplingParams
-from bole.engine.graphs.tree import tree_widths
 from bole.llm import resolve_repo_path
+from bole.spec.tree import tree_widths
 
 MODEL = resolve_repo_path("models/bole-tiny-coder")
 PROMPTS = ["def add(a, b):", "class Stack:", "import os\n\ndef walk(path):"]

@@ -13,7 +13,7 @@ import torch
 
 from bole.models.context import ForwardContext, PaddedAttention
 from bole.ops.tree_layout import tree_layout_ref
-from bole.spec.tree import DEFAULT_TREE_SIZES, PackedForest, tree_widths  # noqa: F401 (the graphs' widths)
+from bole.spec.tree import PackedForest
 from kernels.limits import LAYOUT_MAX_NODES
 
 
