@@ -31,10 +31,10 @@ class SpeculativeStep:
     runner's verifier only)."""
 
     def __init__(self, runner: ModelRunner, spec: SpecConfig, vocab_size: int, max_draft_nodes: int,
-                 prefix_cache: PrefixCache | None, verify_rows: int | None = None):
+                 prefix_cache: PrefixCache | None, verify_rows: int):
         self.runner, self.spec, self.vocab_size, self.max_draft_nodes = runner, spec, vocab_size, max_draft_nodes
         self.prefix_cache = prefix_cache
-        # the verify forward's rows across the batch (EngineConfig.max_verify_rows; None: unbounded)
+        # the most rows a verify forward holds across the batch (bole.spec.budget.engine_verify_rows)
         self.verify_rows = verify_rows
         self.checkpoints = CheckpointPlanner(prefix_cache) if prefix_cache is not None else None
         self.widths = tree_widths(1 + max_draft_nodes)  # the verify graphs' tree widths (root included)
@@ -56,11 +56,10 @@ class SpeculativeStep:
         cap = MAX_TREE_NODES - 1
         if spec.cap_tree_width:
             cap = width_cap(int(b_ver), B, self.widths, cap)
-        rows_cap = None   # max_verify_rows: every tree padded to one width, the batch to its graph's size
-        if self.verify_rows is not None:
-            w = rows_width(self.verify_rows, self.runner.verify_batch_size(B), self.widths)
-            if w < self.widths[-1]:   # binds only below whole trees; it holds the fairness floor
-                cap = rows_cap = min(cap, w - 1)
+        rows_cap = None   # the verify rows: every tree padded to one width, the batch to its graph's size
+        w = rows_width(self.verify_rows, self.runner.verify_batch_size(B), self.widths)
+        if w < self.widths[-1]:   # binds only below whole trees; it holds the fairness floor
+            cap = rows_cap = min(cap, w - 1)
         # Trees are padded to one width for verification. A host bound on every tree's size (the
         # budget or the cap, or the depth-1 floor if larger) avoids reading the widest tree from the
         # device when padding to it costs little (at most twice the budget's nodes); else read it (one sync).
