@@ -191,9 +191,9 @@ def parse_args(argv=None):
     ap.add_argument("--widen-in-memory", action="store_true",
                     help="each model's worker widens into host memory and loads from there: no disk holds the "
                          "weights (--widen-dir gets the config and tokenizer files only)")
-    ap.add_argument("--prefill-split", action="store_true",
-                    help="every cell with cuda_graph_prefill_split=True: a prefill longer than the largest prefill "
-                         "graph runs as several graphed waves instead of one eager forward")
+    ap.add_argument("--no-prefill-split", dest="prefill_split", action="store_false",
+                    help="every cell with cuda_graph_prefill_split=False (the engine's default is True): a prefill "
+                         "longer than the largest prefill graph runs as one eager forward, not as graphed waves")
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny widening of the embedded model")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/e2e_scale_<tag>.json)")
     ap.add_argument("--tag", default=None, help="name suffix (default: the hardware class, 'smoke')")
@@ -379,11 +379,10 @@ def run_cell(spec: dict, mode: str, batch: int, prompts: list[dict],
                        beam=spec["beam"]), **extra}
         llm = LLM(spec["path"], model=model, mode=run_mode, **opts,
                   device=spec["device"], dtype=row["dtype"], enable_cuda_graphs=cuda, max_num_seqs=batch,
-                  enable_prefix_cache=False, cuda_graph_prefill_split=spec.get("prefill_split", False),
+                  enable_prefix_cache=False, cuda_graph_prefill_split=spec.get("prefill_split", True),
                   num_blocks=num_blocks([p["prompt_tokens"] for p in prompts[:batch]], spec["max_tokens"],
                                         opts["depth"]))
-        if llm.engine.config.cuda_graph_prefill_split:   # --prefill-split, as the engine took it
-            row["cuda_graph_prefill_split"] = True
+        row["cuda_graph_prefill_split"] = llm.engine.config.cuda_graph_prefill_split   # as the engine took it
         if cuda:
             row["loaded_memory_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
         on_timing()   # the engine is built: the watchdog's clock restarts for the captures and the runs

@@ -376,8 +376,10 @@ class EngineConfig:
     cuda_graph_prefill: bool = True
     cuda_graph_prefill_tokens: int = 256
     # with prefill graphs, a step whose prefill fits no graph whole runs as several graphed forwards of up
-    # to cuda_graph_prefill_tokens each (``ModelRunner.prefill_waves``) rather than one eager forward
-    cuda_graph_prefill_split: bool = False
+    # to cuda_graph_prefill_tokens each (``ModelRunner.prefill_waves``) rather than one eager forward, which
+    # is host-bound at model scale (a 9B-cost eager prefill: 81 ms wall for 10.6 ms of GPU work); measured
+    # in benchmarks/README.md ("Prefill in graphed waves"); False: the one eager forward
+    cuda_graph_prefill_split: bool = True
     # with enable_cuda_graphs, capture at start every graph a step of <= max_num_seqs requests of <= this
     # many tokens each can need (vLLM's max_seq_len_to_capture), so no step waits on a capture; longer
     # requests' keys are still captured when first needed. None: every graph is captured lazily

@@ -23,8 +23,8 @@
 #              every request's whole tree (-r65536, capped at the whole trees) at batches 32 and 16 with
 #              calibration_tables/<hw>-qwen3.5-27b.yaml (whole trees are refused at 32 on 80 GB)  (~8.5 min
 #              on a fresh H100, the 27B widening 170 s of it)
-#   split      cuda_graph_prefill_split at 9B cost: ar and bole at batches 16 8 4 2 1 without, then with
-#              --prefill-split (one process each, the same machine and table)                (~8 min)
+#   split      cuda_graph_prefill_split at 9B cost: ar and bole at batches 16 8 4 2 1 with --no-prefill-split,
+#              then with the default (one process each, the same machine and table)  (~6 min: 226 + 108 s)
 # $OUT receives results.tar.gz (every step's files, one folder per step) and summary.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -116,8 +116,8 @@ step_rows() {
 step_split() {
   local hw; hw=$(python3 -c "from bole.hardware import detect_hardware; print(detect_hardware('cuda'))")
   local f d
-  for f in "" --prefill-split; do
-    d="$1/base"; [ -n "$f" ] && d="$1/split"
+  for f in --no-prefill-split ""; do
+    d="$1/split"; [ -n "$f" ] && d="$1/base"
     mkdir -p "$d"
     # shellcheck disable=SC2086
     OUT="$d" SCALE_BUDGET_S="${SPLIT_BUDGET_S:-250}" SCALE_KILL_S="${SPLIT_KILL_S:-290}" \

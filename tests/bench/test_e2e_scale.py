@@ -35,12 +35,12 @@ def smoke(tmp_path_factory):
 def test_scale_smoke_rows(smoke):
     doc, png, _ = smoke
     assert doc["command"].startswith("python benchmarks/e2e.py --scale") and doc["elapsed_s"] > 0
-    assert not doc["notes"] and not doc["skipped"] and doc["settings"]["cuda_graph_prefill_split"] is False
+    assert not doc["notes"] and not doc["skipped"] and doc["settings"]["cuda_graph_prefill_split"] is True
     rows = doc["rows"]
     assert sorted((r["mode"], r["batch"]) for r in rows) == sorted((m, b) for m in MODES for b in (1, 2))
     for r in rows:
         assert r["model"] == "smoke-cost, embedded model's predictions" and r["status"] == "ok"
-        assert "cuda_graph_prefill_split" not in r
+        assert r["cuda_graph_prefill_split"] is True   # the engine's default
         assert r["tokens_per_s"] > 0 and len(r["tokens_per_s_runs"]) == 3 and r["mat"] >= 1.0
         assert sorted(r["tokens_per_s_runs"])[1] == r["tokens_per_s"]  # the median of the 3 runs
         ph = r["phases"]
@@ -103,12 +103,13 @@ def test_widened_in_memory_runs_with_no_weights_on_disk(tmp_path, monkeypatch):
     is written where the host's memory cannot hold it."""
     out, wd = tmp_path / "m.json", tmp_path / "w"
     run_scale("--out", str(out), "--png", "none", "--widen-dir", str(wd), "--widen-in-memory", "--batches", "1",
-              "--modes", "ar", "bole", "--prefill-split")
+              "--modes", "ar", "bole", "--no-prefill-split")
     doc = json.loads(out.read_text())
     assert not doc["notes"] and [(r["mode"], r["status"], r["exact_vs_ar"]) for r in doc["rows"]] == [
         ("ar", "ok", None), ("bole", "ok", True)]
-    # --prefill-split reaches every cell's engine (on the CPU prefills run eagerly whatever it says)
-    assert doc["settings"]["cuda_graph_prefill_split"] and all(r["cuda_graph_prefill_split"] for r in doc["rows"])
+    # --no-prefill-split reaches every cell's engine (on the CPU prefills run eagerly whatever it says)
+    assert doc["settings"]["cuda_graph_prefill_split"] is False
+    assert not any(r["cuda_graph_prefill_split"] for r in doc["rows"])
     (m,) = doc["models"]
     assert m["in_memory"] and m["weight_bytes"] == e2e_scale.widened_bytes(e2e_scale.shape_config("smoke"))
     files = sorted(p.name for p in wd.rglob("*") if p.is_file())

@@ -294,21 +294,21 @@ def test_prefill_waves_fit_the_graphs_and_keep_each_requests_tokens_in_order(ckp
 
 @pytest.mark.parametrize("mode", ["ar", "bole"])
 def test_engine_split_prefill_runs_every_wave_graphed_and_keeps_the_tokens(ckpt, mode):
-    """``cuda_graph_prefill_split``: steps whose prefill exceeds the largest bucket (32 tokens here) run
-    as several graphed forwards (uncaptured here), none eagerly, and the greedy tokens equal an engine
-    without graphs; prompt logprobs (scored per wave) equal too."""
+    """``cuda_graph_prefill_split`` (on by default): steps whose prefill exceeds the largest bucket (32
+    tokens here) run as several graphed forwards (uncaptured here), none eagerly, and the greedy tokens
+    equal an engine that prefills in one eager forward; prompt logprobs (scored per wave) equal too."""
     prompts = [[(7 * i + j) % 61 + 1 for i in range(n)] for j, n in enumerate((45, 20, 70, 9))]
     max_tokens = [6, 9, 4, 7]
-    ref_eng = _engine(ckpt, mode, max_num_batched_tokens=96)
+    ref_eng = _engine(ckpt, mode, max_num_batched_tokens=96, cuda_graph_prefill_split=False)
     ref = run_arrivals(ref_eng, prompts, max_tokens)
-    eng = _engine(ckpt, mode, max_num_batched_tokens=96, cuda_graph_prefill_split=True)
+    eng = _engine(ckpt, mode, max_num_batched_tokens=96)   # the default splits
     pg = eng.runner.enable_prefill_graphs((1, 2, 4), capture=False, min_kv=8, token_sizes=(16, 32))
     assert run_arrivals(eng, prompts, max_tokens) == ref
     m = eng.metrics
     assert m.eager_prefills == 0 and pg.replays > m.prefill_steps
     lp = dict(temperature=0, max_tokens=2, prompt_logprobs=2)
-    a = _engine(ckpt, mode, max_num_batched_tokens=96)
-    b = _engine(ckpt, mode, max_num_batched_tokens=96, cuda_graph_prefill_split=True)
+    a = _engine(ckpt, mode, max_num_batched_tokens=96, cuda_graph_prefill_split=False)
+    b = _engine(ckpt, mode, max_num_batched_tokens=96)
     b.runner.enable_prefill_graphs((1, 2, 4), capture=False, min_kv=8, token_sizes=(16, 32))
     outs = []
     for e in (a, b):
