@@ -183,7 +183,9 @@ def _serve_without_ray(cfg, host: str, port: int, url: str, name: str) -> int:
     from bole.llm import build_engine
     from deployments.engine_client import LocalEngineClient
     from deployments.ingress import openai_app
+    from deployments.logs import configure_logging
 
+    configure_logging()   # the engine's start log: the memory plan, graphs, warm-up
     group = cfg.groups[0]
     engine = build_engine(cfg.model, **{**group.engine_options, "calibration_table": group.calibration_table})
     client = LocalEngineClient(AsyncEngine(engine), group.max_pending)

@@ -63,6 +63,7 @@ from deployments.engine_client import (
     model_tokenizer,
     warn_if_mismatched,
 )
+from deployments.logs import configure_logging
 from deployments.replica_stats import ReplicaStats
 from deployments.routing_policy import PrefixSummary
 
@@ -73,6 +74,7 @@ class BoleReplica:
     def __init__(self, model_path: str, engine_options: dict | None = None, hardware: str = "auto",
                  tp_size: int = 1, max_pending: int | None = None, prefix_summary_blocks: int = 4096,
                  drain_timeout_s: float = 60.0, tp_worker_options: dict | None = None):
+        configure_logging()   # this process's start log: the memory plan, graphs, "replica up"
         options = dict(engine_options or {})
         if tp_size > 1:
             from deployments.tp import TPEngine

@@ -37,6 +37,7 @@ from bole.engine.core import EngineLimits, EngineStats, RequestTimings
 from bole.engine.output import RequestOutput
 from bole.sampling_params import SamplingParams
 from bole.spec.budget import CalibrationTable
+from deployments.logs import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class TPWorker:
     """One TP rank: joins the process group, then holds and steps that rank's engine."""
 
     def __init__(self, rank: int, tp_size: int):
+        configure_logging()   # this rank's engine start log
         self.rank, self.tp_size = rank, tp_size
         self.engine = None
 

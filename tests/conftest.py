@@ -3,6 +3,7 @@
 TRITON_INTERPRET must be set before triton is imported anywhere, hence here, at collection start.
 """
 
+import logging
 import os
 
 import pytest
@@ -30,3 +31,17 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return "cuda" if _HAS_CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _server_logging_restored():
+    """A test that builds a server part in process (``BoleReplica``) configures the servers' loggers
+    (``deployments.logs``: their own stderr handler, no propagation): put them back after every test, so
+    caplog sees the records of the tests after it."""
+    loggers = [logging.getLogger(n) for n in ("bole", "deployments")]
+    saved = [(lg.level, list(lg.handlers), lg.propagate) for lg in loggers]
+    yield
+    for lg, (level, handlers, propagate) in zip(loggers, saved):
+        lg.setLevel(level)
+        lg.handlers[:] = handlers
+        lg.propagate = propagate

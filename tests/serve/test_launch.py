@@ -73,6 +73,13 @@ class Launch:
             time.sleep(0.2)
         raise AssertionError("no banner:\n" + "\n".join(self.lines[-40:]))
 
+    def wait_for(self, text: str, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while not any(text in line for line in self.lines):
+            if time.time() > deadline:
+                raise AssertionError(f"no {text!r} in the output:\n" + "\n".join(self.lines[-40:]))
+            time.sleep(0.2)
+
     def kill(self) -> None:
         """Whatever happened, leave no server behind (SIGINT, then SIGKILL)."""
         if self.proc.poll() is None:
@@ -159,6 +166,7 @@ def test_no_ray_serves_where_ray_is_not_installed(tiny_model, tmp_path):
     try:
         text = launch.wait_for_banner(120)
         assert f"http://127.0.0.1:{port}/v1" in text
+        assert "bole.cache.memory_plan: memory plan on cpu" in text   # the engine's start log shows
         r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)
         assert r.status_code == 200
         launch.stop(signal.SIGINT, EXIT_BOUND_S["no_ray"])
@@ -174,6 +182,9 @@ def test_ray_serve_a_signal_drains_and_exits(tiny_model, tmp_path):
     try:
         text = launch.wait_for_banner(300)
         assert re.search(rf"http://127\.0\.0\.1:{port}/v1", text)
+        # the replica's start log reaches the driver (Ray's log_to_driver, forwarded asynchronously)
+        launch.wait_for("bole.cache.memory_plan: memory plan on cpu", 30)
+        launch.wait_for("deployments.replica: replica", 30)
         check_banner_works(text, env)
         took = launch.stop(signal.SIGINT, EXIT_BOUND_S["ray"])
         assert "SIGINT: shutting down" in "\n".join(launch.lines)
