@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+from deployments.logs import LOGGERS  # stdlib only: imports neither torch nor triton nor Ray
+
 try:
     import torch
 
@@ -38,7 +40,7 @@ def _server_logging_restored():
     """A test that builds a server part in process (``BoleReplica``) configures the servers' loggers
     (``deployments.logs``: their own stderr handler, no propagation): put them back after every test, so
     caplog sees the records of the tests after it."""
-    loggers = [logging.getLogger(n) for n in ("bole", "deployments")]
+    loggers = [logging.getLogger(n) for n in LOGGERS]
     saved = [(lg.level, list(lg.handlers), lg.propagate) for lg in loggers]
     yield
     for lg, (level, handlers, propagate) in zip(loggers, saved):
