@@ -496,9 +496,9 @@ def worker(spec: dict) -> None:
 # -------------------------------------------------------------------------------------------- parent
 def past_budget(state: dict, now: float, spec: dict, grace_s: float) -> str | None:
     """Why a worker must be killed now, or None: the run's deadline is ``grace_s`` past, or the running cell's
-    current phase (its engine's construction, from ``cell_t0``; then its captures and timed runs, from the
-    "timing" event, ``clock_t0``) has taken more than 2 x cell_budget_s + grace_s (a first cell's construction
-    pays the compiles)."""
+    current phase (``clock_t0``: reset at the cell's "start" event for its engine's construction, then at its
+    "timing" event for its captures and timed runs) has taken more than 2 x cell_budget_s + grace_s (a first
+    cell's construction pays the compiles)."""
     if now > spec["deadline"] + grace_s:
         return "total budget"
     if state["cell"] and now - state["clock_t0"] > 2 * spec["cell_budget_s"] + grace_s:
