@@ -31,8 +31,17 @@ outputs (verification is lossless).
 
 Eviction: LRU over unreferenced leaves (a running request references every node of its chain, so
 nothing it uses is evicted), leaves without a checkpoint first (nothing restores into them).
-Checkpoints are evicted LRU when their pool is full. KV blocks (``allocator``) and checkpoint slots
-(``checkpoints``) are separate budgets; a cached block stays allocated until evicted.
+KV blocks (``allocator``) and checkpoint slots (``checkpoints``) are separate budgets; a cached block
+stays allocated until evicted. When the checkpoint pool is full, the victim is the least recently
+used checkpoint of the first class that has one (``_victim_order``):
+  1. *superseded*: the block has one child and a deeper checkpoint lies below it (``below``). A
+     conversation's next turn extends the previous prompt and answer, so it restores from that
+     path's deepest checkpoint; the ones above it (the previous prompt's end, the answer's earlier
+     boundaries) serve only a request that leaves the path between them. Under plain LRU they crowded
+     out the deepest checkpoints of conversations waiting for a running slot, and those turns hit
+     nothing (tests/cache/test_prefix_cache.py, the queued conversations).
+  2. every other checkpoint: a leaf-most one, or a branch point (a block with several children, such
+     as a shared prefix that requests left in different directions), least recently used first.
 
 Routing summary: each node carries the chain hash of ``bole.cache.block_hash`` (blake2b of the
 previous digest and the block's ids; the router hashes prompts with it), so ``summary()`` is the
@@ -65,6 +74,7 @@ class CachedBlock:
     last_use: int = 0
     checkpoint: int | None = None    # checkpoint slot: the GDN state after ``end`` tokens
     mtp_complete: bool = False
+    below: int = 0                   # checkpoints strictly below this block (in its subtree)
 
     @property
     def hash(self) -> int:
@@ -76,6 +86,20 @@ def boundary_cut(start, n, interval: int):
     path nodes of a commit of [start, start + n) up to the last multiple of ``interval`` inside it."""
     cut = (start + n - 1) // interval * interval - start
     return cut.clamp(min=0) if isinstance(cut, torch.Tensor) else max(cut, 0)
+
+
+def _count_below(node: CachedBlock, delta: int) -> None:
+    """A checkpoint hung on (``delta`` 1) or taken off (-1) ``node``: its ancestors' ``below``."""
+    node = node.parent
+    while node is not None:
+        node.below += delta
+        node = node.parent
+
+
+def _victim_order(node: CachedBlock) -> tuple[bool, int]:
+    """Checkpoint eviction order (module docstring): superseded first (one child, a deeper checkpoint
+    below), then least recently used."""
+    return (node.below == 0 or len(node.children) != 1, node.last_use)
 
 
 class PrefixCache:
@@ -215,7 +239,7 @@ class PrefixCache:
                 return None
             if not self._by_checkpoint:
                 return None
-            self._drop_checkpoint(min(self._by_checkpoint.values(), key=lambda n: n.last_use))
+            self._drop_checkpoint(min(self._by_checkpoint.values(), key=_victim_order))
             self.evicted_checkpoints += 1
         return self.checkpoints.allocate(zero=False)
 
@@ -227,15 +251,14 @@ class PrefixCache:
         return slot
 
     def checkpoint_victims(self, k: int) -> list:
-        """The ``k`` least recently used checkpointed blocks (fewer if there are fewer): tentative
+        """The first ``k`` checkpointed blocks in eviction order (fewer if there are fewer): tentative
         targets for a speculative step's checkpoints that may not happen (``take_checkpoint_slot``)."""
-        return heapq.nsmallest(k, self._by_checkpoint.values(), key=lambda n: n.last_use)
+        return heapq.nsmallest(k, self._by_checkpoint.values(), key=_victim_order)
 
     def take_checkpoint_slot(self, node) -> int:
         """Detach ``node``'s checkpoint and hand its slot over (not freed): its state was overwritten."""
         slot = node.checkpoint
-        del self._by_checkpoint[slot]
-        node.checkpoint = None
+        self._detach(node)
         self.evicted_checkpoints += 1
         return slot
 
@@ -247,6 +270,7 @@ class PrefixCache:
             return
         node.checkpoint = slot
         self._by_checkpoint[slot] = node
+        _count_below(node, 1)
 
     def checkpoint(self, req) -> None:
         """After ``publish``: checkpoint req's state if its committed length is a boundary."""
@@ -257,10 +281,15 @@ class PrefixCache:
                 self.attach(req, n, slot)
 
     # -- eviction --------------------------------------------------------------------------------
-    def _drop_checkpoint(self, node: CachedBlock) -> None:
+    def _detach(self, node: CachedBlock) -> None:
         del self._by_checkpoint[node.checkpoint]
-        self.checkpoints.free(node.checkpoint)
         node.checkpoint = None
+        _count_below(node, -1)
+
+    def _drop_checkpoint(self, node: CachedBlock) -> None:
+        slot = node.checkpoint
+        self._detach(node)
+        self.checkpoints.free(slot)
 
     def evict(self, num_blocks: int) -> int:
         """Free up to ``num_blocks`` KV blocks from unreferenced leaves; returns how many were freed."""

@@ -171,3 +171,97 @@ def test_chunk_alignment_and_path_cuts():
     assert c.path_cut(15, 2) == 1                # [15, 17) jumps over 16
     with pytest.raises(ValueError):
         PrefixCache(BlockAllocator(2), StatePool(1, 1, 1, 1, 1, 1, 2), 0)
+
+
+def test_superseded_checkpoints_are_evicted_before_older_leaves():
+    h = Harness(num_blocks=32, num_ckpts=3)
+    x = h.admit([1] * 5)
+    h.compute(x, 4)                              # X4: the oldest checkpoint, a leaf
+    y = h.admit([2] * 9)
+    h.compute(y, 8)                              # Y4 then Y8: Y4 is superseded by Y8
+    for r in (x, y):
+        h.finish(r)
+    assert h.cache.num_checkpoints == 3
+    z = h.admit([3] * 5)
+    h.compute(z, 4)                              # the pool is full: Y4 goes, not the older X4
+    h.finish(z)
+    assert [h.admit(t).num_computed for t in ([1] * 5, [2] * 9, [2] * 4 + [7] * 5, [3] * 5)] == [4, 8, 0, 4]
+    h.assert_accounted()
+
+
+def test_a_branch_point_is_kept_like_a_leaf():
+    h = Harness(num_blocks=32, num_ckpts=3)
+    y = h.admit([2] * 9)
+    h.compute(y, 8)                              # Y4, Y8
+    h.finish(y)
+    b = h.admit([2] * 4 + [7] * 5)               # leaves Y's path after Y4: restores from it ...
+    assert b.num_computed == 4
+    h.compute(b, 8)                              # ... and takes B8: Y4 has two children now
+    h.finish(b)
+    x = h.admit([1] * 5)
+    h.compute(x, 4)                              # nothing is superseded: plain LRU, Y8 goes
+    h.finish(x)
+    assert [h.admit(t).num_computed for t in ([2] * 4 + [5] * 5, [2] * 4 + [7] * 5, [1] * 5, [2] * 9)] == \
+        [4, 8, 4, 4]
+    h.assert_accounted()
+
+
+def test_queued_conversations_keep_their_deepest_checkpoint():
+    # the agent replay under queueing: more conversations than running slots, each turn the previous
+    # prompt + answer + a new message; as in the engine, a prefill takes one checkpoint (its chunk is
+    # cut at the last boundary) and decode one at every boundary. 6 conversations take ~5 checkpoints
+    # a turn against 8 slots: under plain LRU each conversation's checkpoints are gone before its next
+    # turn and every later turn hits nothing; here every later turn restores from its previous
+    # answer's deepest checkpoint
+    h = Harness(num_blocks=400, num_slots=4, num_ckpts=8)
+    convs = [[100 + c] * 6 for c in range(6)]
+    restored, deepest = [], []
+    for turn in range(3):
+        for c, prompt in enumerate(convs):
+            answer = [(c * 7 + turn * 3 + i) % 50 for i in range(17)]   # 17 generated tokens
+            r = h.admit(prompt + answer)         # the engine appends the answer as it goes
+            restored.append(r.num_computed)
+            h.compute(r, h.cache.align_chunk(r.num_computed, len(prompt) - r.num_computed) + r.num_computed,
+                      step=len(prompt))          # the prefill: one chunk up to its last boundary ...
+            h.compute(r, len(prompt), step=len(prompt))
+            h.compute(r, len(prompt) + len(answer) - 1)                 # ... then decode token by token
+            deepest.append((len(prompt) + len(answer) - 1) // B * B)
+            h.finish(r)
+            convs[c] = prompt + answer + [60 + turn]
+    assert restored[:6] == [0] * 6
+    assert restored[6:] == deepest[:-6]          # every later turn restores from its previous turn's end
+    h.assert_accounted()
+
+
+def test_below_counts_stay_exact_under_random_use():
+    import random
+    rng = random.Random(0)
+    h = Harness(num_blocks=48, num_slots=8, num_ckpts=5)
+    live = []
+
+    def subtree(node):
+        return sum((c.checkpoint is not None) + subtree(c) for c in node.children.values())
+
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.4 and len(live) < 6:
+            tokens = [rng.randrange(3) for _ in range(rng.randrange(2, 20))]
+            r = h.admit(tokens)
+            if len(r.block_table) + blocks_needed(len(tokens), B) <= h.alloc.num_free + h.cache.num_cached_blocks - 8:
+                live.append((r, tokens))
+            else:
+                h.finish(r)
+        elif op < 0.8 and live:
+            r, tokens = rng.choice(live)
+            r.all_token_ids = list(tokens)
+            try:
+                h.compute(r, rng.randrange(r.num_computed, len(tokens)))
+            except RuntimeError:                 # out of blocks: leave it
+                pass
+        elif live:
+            r, _ = live.pop(rng.randrange(len(live)))
+            h.finish(r)
+        else:
+            h.cache.evict(rng.randrange(1, 4))
+        nodes = [h.cache.root, *h.cache._nodes]
+        assert all(n.below == subtree(n) for n in nodes)
