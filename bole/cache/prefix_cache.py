@@ -38,8 +38,8 @@ used checkpoint of the first class that has one (``_victim_order``):
      conversation's next turn extends the previous prompt and answer, so it restores from that
      path's deepest checkpoint; the ones above it (the previous prompt's end, the answer's earlier
      boundaries) serve only a request that leaves the path between them. Under plain LRU they crowded
-     out the deepest checkpoints of conversations waiting for a running slot, and those turns hit
-     nothing (the queued-conversation tests of tests/cache/test_prefix_cache*.py).
+     out the deepest checkpoints of conversations waiting for a running slot, and those turns hit little
+     or nothing (the queued-conversation tests of tests/cache/test_prefix_cache*.py).
   2. every other checkpoint: a leaf-most one, or a branch point (a block with several children, such
      as a shared prefix that requests left in different directions), least recently used first.
 
