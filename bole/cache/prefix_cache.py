@@ -29,6 +29,11 @@ The entry at a block's last position pairs with the writer's next token; a reque
 exactly at that boundary drafts with it, which can lower draft acceptance but never changes
 outputs (verification is lossless).
 
+A finished request's last blocks lack drafter entries (its final
+commit is never drafted over), so in a speculative mode their checkpoints are freed when it is
+released (``release``): the restore point of its conversation's next turn is the deepest checkpoint
+on a complete block.
+
 Eviction: LRU over unreferenced leaves (a running request references every node of its chain, so
 nothing it uses is evicted), leaves without a checkpoint first (nothing restores into them).
 KV blocks (``allocator``) and checkpoint slots (``checkpoints``) are separate budgets; a cached block
@@ -164,12 +169,19 @@ class PrefixCache:
             self.checkpoints.copy_slot(req.prefix_nodes[-1].checkpoint, self.state_pool, req.state_slot)
 
     def release(self, req) -> None:
-        """Drop req's references and free its private blocks; its cached blocks stay for reuse."""
+        """Drop req's references and free its private blocks; its cached blocks stay for reuse. In a
+        speculative mode the checkpoints on its last blocks that it never drafted over are freed: no
+        match gets past such a block, and nothing completes it (``mark_drafted`` is the writer's)."""
         n = len(req.prefix_nodes)
         for node in req.prefix_nodes:
             if node.ref <= 0:
                 raise RuntimeError(f"cached block {node.block} released more often than shared")
             node.ref -= 1
+        for node in reversed(req.prefix_nodes) if self.track_mtp else ():
+            if node.mtp_complete:
+                break
+            if node.checkpoint is not None and node.ref == 0 and node.writer == req.request_id:
+                self._drop_checkpoint(node)
         if req.block_table[n:]:
             self.allocator.free(req.block_table[n:])
         req.prefix_nodes, req.block_table = [], []

@@ -163,6 +163,18 @@ def test_speculative_matches_need_complete_drafter_entries():
     assert h.admit(list(range(13))).num_computed == 12
 
 
+def test_a_finished_requests_undrafted_checkpoints_are_freed():
+    h = Harness(num_ckpts=4, track_mtp=True)
+    r = h.admit(list(range(13)))
+    h.compute(r, 12)                             # checkpoints at 4, 8 and 12
+    r.mtp_computed = 8                           # the drafter has covered positions < 8 only
+    h.cache.mark_drafted(r)
+    h.finish(r)
+    assert h.cache.num_checkpoints == 2          # 12's block was never drafted over: no match reaches it
+    assert h.admit(list(range(13))).num_computed == 8
+    h.assert_accounted()
+
+
 def test_chunk_alignment_and_path_cuts():
     c = Harness(interval=2).cache                # boundaries every 8 tokens
     assert c.align_chunk(0, 16) == 16 and c.align_chunk(0, 19) == 16 and c.align_chunk(3, 6) == 5

@@ -170,9 +170,10 @@ def test_concurrent_identical_prompts_share_one_copy(path, mode):
 @pytest.mark.parametrize("mode", ["ar", "bole"])
 def test_queued_conversations_keep_their_hits_with_few_checkpoint_slots(path, mode):
     # 6 conversations on 2 running slots (the rest queue) and 8 checkpoint slots, ~4 checkpoints a turn
-    # each: superseded checkpoints are evicted first, so every conversation keeps its deepest one for
-    # its next turn (under plain LRU: 18% / 24% of the shared tokens hit in ar / bole)
+    # each: superseded checkpoints are evicted first (and bole frees those no match can reach), so every
+    # conversation keeps its deepest restorable one for its next turn: 93% of the shared tokens hit in
+    # both modes (under plain LRU 18% / 24% in ar / bole)
     eng = engine(path, mode, max_num_seqs=2, num_checkpoint_slots=8, num_blocks=256)
     _, shared, hit, _ = agent_workload(eng, convs=6, turns=3, out_len=12)
-    assert hit / shared >= 0.8, (hit, shared)
+    assert hit / shared >= 0.9, (hit, shared)
     assert_all_released(eng)
