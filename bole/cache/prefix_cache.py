@@ -29,10 +29,9 @@ The entry at a block's last position pairs with the writer's next token; a reque
 exactly at that boundary drafts with it, which can lower draft acceptance but never changes
 outputs (verification is lossless).
 
-A finished request's last blocks lack drafter entries (its final
-commit is never drafted over), so in a speculative mode their checkpoints are freed when it is
-released (``release``): the restore point of its conversation's next turn is the deepest checkpoint
-on a complete block.
+A finished request's last blocks lack drafter entries (its final commit is never drafted over), so
+in a speculative mode their checkpoints are freed when it is released (``release``): the restore
+point of its conversation's next turn is the deepest checkpoint on a complete block.
 
 Eviction: LRU over unreferenced leaves (a running request references every node of its chain, so
 nothing it uses is evicted), leaves without a checkpoint first (nothing restores into them).
