@@ -8,6 +8,8 @@ real graph capture and replay.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from checkpoints import make_checkpoint
@@ -17,7 +19,7 @@ from benchmarks.e2e import decode_step_fn
 from bole.cache.kv_cache import blocks_needed
 from bole.config import EngineConfig
 from bole.engine.engine import LLMEngine
-from bole.engine.graphs.base import kv_buckets
+from bole.engine.graphs.base import capture_graph, kv_buckets
 from bole.engine.runner import ModelRunner
 from bole.engine.sequence import Request
 from bole.models.loader import load_model
@@ -223,3 +225,34 @@ def test_decode_step_fn_graphed_cuda(ckpt):
     assert out.shape == eager.shape and _rel(out, eager) <= 1e-3
     step()
     assert runner.graphs.replays == 2
+
+
+@pytest.mark.gpu
+def test_capture_survives_a_collection_inside_it():
+    """A dead reference cycle that holds a captured graph (an engine its owner dropped) is not collected
+    while the next graph captures: destroying a graph mid-capture invalidates the capture, which is how a
+    serial_tree engine test failed on the H100 (2026-12-06) after the test before it dropped its engine.
+    The capture here drops the last reference to such a cycle and then allocates enough to trigger the
+    collector at threshold 1."""
+    x = torch.zeros(4, device="cuda")
+    held = {"cycle": {"graph": capture_graph(lambda: x.add_(1), None, "cuda")}}
+    held["cycle"]["self"] = held["cycle"]
+
+    def run():
+        x.add_(1)
+        if torch.cuda.is_current_stream_capturing():
+            held.pop("cycle", None)
+            _ = [[] for _ in range(1000)]
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        graph = capture_graph(run, None, "cuda")
+    finally:
+        gc.set_threshold(*threshold)
+    assert "cycle" not in held
+    x.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert x.tolist() == [1.0] * 4
+    gc.collect()

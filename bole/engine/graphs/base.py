@@ -12,6 +12,7 @@ the CPU tests of the padding and bucketing).
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -73,8 +74,17 @@ def capture_graph(run: Callable[[], None], pool, device) -> "torch.cuda.CUDAGrap
             run()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        run()
+    # No garbage collection inside the capture: torch no longer collects before one, so a dead cycle
+    # holding an earlier graph (an engine its owner dropped) could be freed mid-capture, and destroying
+    # a graph while a stream captures invalidates that capture (cudaErrorStreamCaptureInvalidated).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            run()
+    finally:
+        if collecting:
+            gc.enable()
     return graph
 
 
