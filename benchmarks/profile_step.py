@@ -25,7 +25,8 @@ Cases (``--cases``):
                      then a cProfile of a second call; ``{mode}_generate`` is its alias for ``--model`` /
                      ``--batch`` / ``--max-tokens`` runs (e.g. a widened 9B at batch 16)
   {ar,serial_tree,bole}_tiny_prefill    one warm prefill step of the held-out prompt (a fresh one-token request)
-  {ar,serial_tree,bole}_prefill   one eager prefill step of ``--prefill-tokens`` fresh tokens on ``--model``
+  {ar,serial_tree,bole}_prefill   one prefill step of ``--prefill-tokens`` fresh tokens on ``--model`` (two
+                     forwards past a checkpoint boundary; one with ``--no-prefix-cache``)
 Each case also lists the top GPU kernels by device time. The engine cases run ``--model`` (default the
 embedded model; a widened checkpoint gives a 9B-cost step with real acceptance), ``--calibration-table``,
 ``--draft-vocab``, ``--depth/--topk/--beam``.
@@ -318,17 +319,19 @@ def case_prefill(name: str, args, device) -> dict:
 
 
 def case_model_prefill(name: str, args, device) -> dict:
-    """One eager prefill step on ``--model`` (e.g. a widened 9B): a fresh request of ``--prefill-tokens``
-    tokens (the held-out prompt, repeated; its first token differs every call, so no prefix-cache hit),
-    one output token, graphs enabled as served. Longer than the prefill graphs' 64 tokens, it runs
-    eagerly, as a served turn's uncached tail does; in the speculative modes the finishing request's
-    drafter catch-up over the prompt is part of the step."""
+    """One prefill step on ``--model`` (e.g. a widened 9B): a fresh request of ``--prefill-tokens`` tokens
+    (the held-out prompt, repeated; its first token differs every call, so no prefix-cache hit), one output
+    token, graphs enabled as served: up to ``cuda_graph_prefill_tokens`` (256) tokens a forward replays a
+    captured prefill graph. With the prefix cache (unless ``--no-prefix-cache``) a length past a multiple of
+    16 prefills in two forwards, the chunk to that checkpoint boundary and the tail. In the speculative
+    modes the finishing request's drafter catch-up over the prompt is part of the step."""
     from bole import LLM, SamplingParams
 
     mode = name.split("_prefill")[0]
     llm = LLM(args.model, mode=mode, depth=args.depth, topk=args.topk, beam=args.beam, draft_vocab=args.draft_vocab,
               device=str(device), dtype="float32" if args.smoke else args.tiny_dtype, num_blocks=2048,
-              max_num_seqs=4, calibration_table=args.calibration_table, enable_cuda_graphs=device.type == "cuda")
+              max_num_seqs=4, calibration_table=args.calibration_table, enable_cuda_graphs=device.type == "cuda",
+              enable_prefix_cache=not args.no_prefix_cache)
     eng = llm.engine
     base = llm.encode(json.loads(open(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl").readline())
                       ["prompt"])
@@ -381,6 +384,9 @@ def main(argv=None):
     ap.add_argument("--draft-vocab", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=256, help="tokens per request of the *_generate cases")
     ap.add_argument("--prefill-tokens", type=int, default=128, help="prompt tokens of the {mode}_prefill cases")
+    ap.add_argument("--no-prefix-cache", action="store_true",
+                    help="{mode}_prefill without the prefix cache: one forward, where with it a prompt past a "
+                         "checkpoint boundary is a chunk to the boundary plus a tail forward")
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--beam", type=int, default=4)
