@@ -176,11 +176,12 @@ class PrefixCache:
             if node.ref <= 0:
                 raise RuntimeError(f"cached block {node.block} released more often than shared")
             node.ref -= 1
-        for node in reversed(req.prefix_nodes) if self.track_mtp else ():
-            if node.mtp_complete:
-                break
-            if node.checkpoint is not None and node.ref == 0 and node.writer == req.request_id:
-                self._drop_checkpoint(node)
+        if self.track_mtp:
+            for node in reversed(req.prefix_nodes):
+                if node.mtp_complete:
+                    break
+                if node.checkpoint is not None and node.ref == 0 and node.writer == req.request_id:
+                    self._drop_checkpoint(node)
         if req.block_table[n:]:
             self.allocator.free(req.block_table[n:])
         req.prefix_nodes, req.block_table = [], []
