@@ -25,8 +25,8 @@ Cases (``--cases``):
                      then a cProfile of a second call; ``{mode}_generate`` is its alias for ``--model`` /
                      ``--batch`` / ``--max-tokens`` runs (e.g. a widened 9B at batch 16)
   {ar,serial_tree,bole}_tiny_prefill    one warm prefill step of the held-out prompt (a fresh one-token request)
-  {ar,serial_tree,bole}_prefill   one prefill step of ``--prefill-tokens`` fresh tokens on ``--model`` (two
-                     forwards past a checkpoint boundary; one with ``--no-prefix-cache``)
+  {ar,serial_tree,bole}_prefill   one prefill step of ``--prefill-tokens`` fresh tokens on ``--model`` (one
+                     forward; a chunk and a tail forward past a checkpoint boundary with ``--two-forward-prefill``)
 Each case also lists the top GPU kernels by device time. The engine cases run ``--model`` (default the
 embedded model; a widened checkpoint gives a 9B-cost step with real acceptance), ``--calibration-table``,
 ``--draft-vocab``, ``--depth/--topk/--beam``.
@@ -323,8 +323,9 @@ def case_model_prefill(name: str, args, device) -> dict:
     (the held-out prompt, repeated; its first token differs every call, so no prefix-cache hit), one output
     token, graphs enabled as served: up to ``cuda_graph_prefill_tokens`` (256) tokens a forward replays a
     captured prefill graph. With the prefix cache (unless ``--no-prefix-cache``) a length past a multiple of
-    16 prefills in two forwards, the chunk to that checkpoint boundary and the tail. In the speculative
-    modes the finishing request's drafter catch-up over the prompt is part of the step."""
+    16 has a checkpoint at its last boundary, written from inside the one forward; ``--two-forward-prefill``
+    runs the chunk to that boundary and the tail apart, as before (the engine's path where no graph fits).
+    In the speculative modes the finishing request's drafter catch-up over the prompt is part of the step."""
     from bole import LLM, SamplingParams
 
     mode = name.split("_prefill")[0]
@@ -333,6 +334,8 @@ def case_model_prefill(name: str, args, device) -> dict:
               max_num_seqs=4, calibration_table=args.calibration_table, enable_cuda_graphs=device.type == "cuda",
               enable_prefix_cache=not args.no_prefix_cache)
     eng = llm.engine
+    if args.two_forward_prefill:
+        eng.runner.checkpoints_in_forward = lambda chunks: False
     base = llm.encode(json.loads(open(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl").readline())
                       ["prompt"])
     tokens = (base * (args.prefill_tokens // len(base) + 1))[:args.prefill_tokens]
@@ -385,8 +388,10 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=256, help="tokens per request of the *_generate cases")
     ap.add_argument("--prefill-tokens", type=int, default=128, help="prompt tokens of the {mode}_prefill cases")
     ap.add_argument("--no-prefix-cache", action="store_true",
-                    help="{mode}_prefill without the prefix cache: one forward, where with it a prompt past a "
-                         "checkpoint boundary is a chunk to the boundary plus a tail forward")
+                    help="{mode}_prefill without the prefix cache (no checkpoint at the prompt's last boundary)")
+    ap.add_argument("--two-forward-prefill", action="store_true",
+                    help="{mode}_prefill with the prefix cache as a chunk to the checkpoint boundary plus a tail "
+                         "forward, not one forward that writes the checkpoint")
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--beam", type=int, default=4)

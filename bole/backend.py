@@ -192,7 +192,8 @@ FLA_MIN_TOKENS = 65
 
 def short_to_recurrent(long_prefill, min_tokens: int = FLA_MIN_TOKENS, fp32_to_recurrent: bool = True,
                        recurrent: Callable | None = None):
-    """Prefills of fewer than ``min_tokens`` tokens (in the whole batch), and with ``fp32_to_recurrent``
+    """Prefills of fewer than ``min_tokens`` tokens (in the whole batch), those that write prefix-cache
+    checkpoints (``ckpt_state``: fla's chunk keeps no state inside a sequence), and with ``fp32_to_recurrent``
     (``long_prefill`` is fla's) every prefill of fp32 activations, through the Triton recurrence
     (``kernels.gdn_recurrent``, one launch per layer); the others through ``long_prefill``. For short
     prefills the launch count decides: fla's chunk (many kernels behind its compile guards) measured
@@ -209,7 +210,8 @@ def short_to_recurrent(long_prefill, min_tokens: int = FLA_MIN_TOKENS, fp32_to_r
         recurrent = context_checked(gdn_recurrent)   # the layers' prefill: offsets and slots checked per forward
 
     def prefill(q, k, v, g, beta, **kw):
-        if q.shape[1] < min_tokens or (fp32_to_recurrent and q.dtype == torch.float32):
+        if q.shape[1] < min_tokens or (fp32_to_recurrent and q.dtype == torch.float32) \
+                or kw.get("ckpt_state") is not None:   # checkpoints inside a sequence: the recurrence's
             return recurrent(q, k, v, g, beta, **kw)
         return long_prefill(q, k, v, g, beta, **kw)
     return prefill

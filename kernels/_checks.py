@@ -120,6 +120,22 @@ def check_index(name: str, t, size: int, device, checked: bool = False) -> None:
         raise ValueError(f"{name} must be [{size}], got {tuple(t.shape)}")
 
 
+def check_checkpoint(pool, ends, slots, per_slot: tuple[int, ...], B: int, device, contiguous: bool = True) -> None:
+    """A prefill's checkpoint arguments: ``pool`` [slots, *per_slot] on ``device`` (contiguous where
+    asked), with ``ends`` and ``slots`` int [B] (the tokens of each sequence up to its checkpoint, 0: none;
+    its slot)."""
+    check_tensor("ckpt pool", pool, 1 + len(per_slot), FLOATS, device)
+    if tuple(pool.shape[1:]) != tuple(per_slot):
+        raise ValueError(f"the checkpoint pool must be [slots, {', '.join(map(str, per_slot))}], "
+                         f"got {tuple(pool.shape)}")
+    if contiguous and not pool.is_contiguous():
+        raise ValueError("the checkpoint pool must be contiguous")
+    if ends is None or slots is None:
+        raise ValueError("a checkpoint pool needs ckpt_ends and ckpt_slots")
+    check_index("ckpt_ends", ends, B, device)
+    check_index("ckpt_slots", slots, B, device)
+
+
 def check_forest_inputs(forest, state_indices, device, checked: bool = False) -> None:
     """A tree forward's forest, on ``device`` with a contiguous anc [N, D >= 1], and its requests' slots
     ``state_indices`` (int [B]; None: request b reads slot b). ``checked``: both passed this check once

@@ -1,13 +1,15 @@
 """The GDN prefill's depthwise causal conv1d over variable-length sequences, in one Triton launch.
 
-Twin: `bole.ops.conv.causal_conv1d` (a host loop over the sequences: about eight launches each, per
-layer). Here a program per (sequence, channel tile, block of BT tokens) computes token t's output
-act(Σ_j w[:, j] · in(t - (W-1) + j)), summed in fp32, where in(p) is the sequence's input p for p >= 0
-and the committed window ``conv_state[slot, :, W-1+p]`` before the sequence start. The first block's
-program, the only one that reads the committed window (BT >= W - 1), then writes the slot's new window:
-the last W-1 inputs of the sequence, older committed ones shifted in when the sequence is shorter than
-W-1; no other program touches the state. The grid covers the longest sequence the launch can hold (all
-N tokens); blocks past a sequence's end store nothing. Nothing is read back to the host.
+Twin: `bole.ops.conv.causal_conv1d` (a host loop over the sequences: about eight launches each, per layer).
+Here a program per (sequence, channel tile, block of BT tokens) computes token t's output act(Σ_j w[:, j] ·
+in(t - (W-1) + j)), summed in fp32, where in(p) is the sequence's input p for p >= 0 and the committed
+window ``conv_state[slot, :, W-1+p]`` before the sequence start. The first block's program, the only one
+that reads the committed window (BT >= W - 1), then writes the slot's new window: the last W-1 inputs of the
+sequence, older committed ones shifted in when the sequence is shorter than W-1; no other program touches
+the state. With a checkpoint (``ckpt_*``, the prefix cache's boundary inside a prompt) that program first
+stores the window at the boundary, the W-1 inputs before the sequence's ``ckpt_ends[b]``-th token, into
+checkpoint slot ``ckpt_slots[b]`` of ``ckpt_conv``. The grid covers the longest sequence the launch can hold
+(all N tokens); blocks past a sequence's end store nothing. Nothing is read back to the host.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import FLOATS, INDEX, check_conv_inputs, check_index, check_tensor
+from kernels._checks import FLOATS, INDEX, check_checkpoint, check_conv_inputs, check_index, check_tensor
 
 _ACTIVATIONS = {"silu": True, "swish": True, None: False, "identity": False}
 
@@ -52,10 +54,10 @@ def _conv_block(x, weight, conv_state, y, t0, bos, T, o_c, m_c, p_state, b_bias,
 
 @triton.jit
 def causal_conv1d_varlen_kernel(
-    x, weight, bias, conv_state, state_indices, cu_seqlens, y,
-    C, stride_xn, stride_wc, stride_ww, stride_ss, stride_sc, stride_sw, stride_yn,
+    x, weight, bias, conv_state, state_indices, cu_seqlens, y, ck_conv, ck_ends, ck_slots,
+    C, stride_xn, stride_wc, stride_ww, stride_ss, stride_sc, stride_sw, stride_yn, stride_ks, stride_kc, stride_kw,
     W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SILU: tl.constexpr,
+    SILU: tl.constexpr, HAS_CKPT: tl.constexpr,
 ):
     i_b, i_c, i_t = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu_seqlens + i_b).to(tl.int64)
@@ -75,6 +77,16 @@ def causal_conv1d_varlen_kernel(
         # this program reads the old window (BT >= W - 1: later blocks start past it), and its reads
         # above precede this store in program order.
         o_w = tl.arange(0, WP)                                       # WP: W - 1 rounded up to a power of 2
+        if HAS_CKPT:
+            # the window at the boundary: inputs E - (W-1) .. E-1, read (like the new window's) before
+            # the store below overwrites the committed window
+            ck_end = tl.load(ck_ends + i_b).to(tl.int32)
+            if ck_end > 0:
+                b_ck = _inputs(x, conv_state, ck_end - (W - 1) + o_w, bos, T, o_c, m_c, p_state, stride_xn,
+                               stride_sc, stride_sw, W)
+                p_ck = ck_conv + tl.load(ck_slots + i_b).to(tl.int64) * stride_ks
+                tl.store(p_ck + o_c[None, :] * stride_kc + o_w[:, None] * stride_kw,
+                         b_ck.to(ck_conv.dtype.element_ty), mask=(o_w < W - 1)[:, None] & m_c[None, :])
         b_new = _inputs(x, conv_state, T - (W - 1) + o_w, bos, T, o_c, m_c, p_state, stride_xn, stride_sc,
                         stride_sw, W)
         tl.store(p_state + o_c[None, :] * stride_sc + o_w[:, None] * stride_sw,
@@ -82,8 +94,8 @@ def causal_conv1d_varlen_kernel(
 
 
 def causal_conv1d_varlen(x, weight, conv_state, state_indices, cu_seqlens, bias=None, activation="silu", out=None,
-                         *, block_t: int = 32, block_c: int = 128, num_warps: int = 4, checked: bool = False,
-                         **_host):
+                         *, ckpt_conv=None, ckpt_ends=None, ckpt_slots=None, block_t: int = 32,
+                         block_c: int = 128, num_warps: int = 4, checked: bool = False, **_host):
     """Depthwise causal conv of B packed sequences, each continuing its slot's conv window (in place).
 
     Twin: `bole.ops.conv.causal_conv1d` (the same arguments; the host copies ``cu_host`` / ``slots_host``
@@ -98,6 +110,9 @@ def causal_conv1d_varlen(x, weight, conv_state, state_indices, cu_seqlens, bias=
         cu_seqlens: int32/int64 [B+1] offsets of the sequences in x.
         bias: optional [C]. activation: "silu" / "swish" or None / "identity".
         out: optional [N, C] in x's dtype, last dim contiguous.
+        ckpt_conv: optional checkpoint pool [slots, C, W-1] (any strides), with ckpt_ends int [B] (the
+            window after this many of sequence b's tokens, 1 .. its length; 0: none) and ckpt_slots
+            int [B] (its slot; read where the end is > 0).
         checked: the caller checked state_indices and cu_seqlens once for the whole forward
             (`kernels._checks.check_forward_inputs`): only their sizes are compared.
     Returns:
@@ -126,14 +141,19 @@ def causal_conv1d_varlen(x, weight, conv_state, state_indices, cu_seqlens, bias=
         check_tensor("out", out, 2, (x.dtype,), dev)
         if tuple(out.shape) != (N, C) or out.stride(1) != 1:
             raise ValueError(f"out must be [{N}, {C}] with a contiguous last dim, got {tuple(out.shape)}")
+    has_ckpt = ckpt_conv is not None
+    if has_ckpt:
+        check_checkpoint(ckpt_conv, ckpt_ends, ckpt_slots, (C, W - 1), B, dev, contiguous=False)
     if B == 0 or C == 0:
         return out
     # token blocks for the longest sequence the launch can hold (all N tokens): no host read of the offsets
     causal_conv1d_varlen_kernel[(B, triton.cdiv(C, block_c), triton.cdiv(N, block_t))](
         x, weight, bias if bias is not None else weight, conv_state, state_indices, cu_seqlens, out,
+        ckpt_conv if has_ckpt else conv_state, ckpt_ends if has_ckpt else cu_seqlens,
+        ckpt_slots if has_ckpt else cu_seqlens,
         C, x.stride(0), weight.stride(0), weight.stride(1), conv_state.stride(0), conv_state.stride(1),
-        conv_state.stride(2), out.stride(0),
+        conv_state.stride(2), out.stride(0), *(ckpt_conv if has_ckpt else conv_state).stride(),
         W=W, WP=max(2, triton.next_power_of_2(W - 1)), BT=block_t, BC=block_c, HAS_BIAS=bias is not None,
-        SILU=_ACTIVATIONS[activation], num_warps=num_warps,
+        SILU=_ACTIVATIONS[activation], HAS_CKPT=has_ckpt, num_warps=num_warps,
     )
     return out

@@ -7,6 +7,10 @@ of host time per layer for the embedded model's 13-token prompt on the H200 (ben
 layer: a program per (sequence, value head, value tile) loads its Sᵀ tile [BV, K] from the pool slot,
 walks the sequence's tokens (g, beta already gated; q/k normalised in the kernel as the twin does)
 and writes o per token and the final state once: read once, never snapshotted, the pool untouched.
+With a checkpoint (``ckpt_*``: the prefix cache's boundary inside a prompt, ``bole.cache.prefix_cache``)
+the program also stores its tile of the state after the sequence's first ``ckpt_ends[b]`` tokens into
+checkpoint slot ``ckpt_slots[b]``: the state the prompt's chunk up to the boundary would have left, so
+the prompt needs one forward rather than a chunk and then its tail (0: no checkpoint for the sequence).
 The loop is serial in the tokens, so it is for short prefills: the backend sends eager ones of < 65
 tokens here, longer ones to flash-linear-attention, except with fp32 activations, which all come here:
 fla's chunk takes TF32 products for fp32 inputs (bole/backend.py). Captured prefills of up to 256
@@ -21,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_gdn_inputs, interpreting
+from kernels._checks import check_checkpoint, check_gdn_inputs, interpreting
 
 
 @triton.jit
@@ -29,10 +33,11 @@ def gdn_recurrent_kernel(
     q, k, v, g, beta,                # [N, HK, K], [N, HK, K], [N, HV, V], [N, HV], [N, HV]
     h0, state_indices, cu_seqlens,   # pool [slots, HV, V, K], [B], [B+1]
     o, final,                        # [N, HV, V] (v's dtype), [B, HV, V, K] fp32
+    ck_state, ck_ends, ck_slots,     # checkpoint pool [slots, HV, V, K], [B] tokens to it (0: none), [B]
     scale,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_H0: tl.constexpr, HAS_INDICES: tl.constexpr,
-    DYNAMIC: tl.constexpr,
+    DYNAMIC: tl.constexpr, HAS_CKPT: tl.constexpr,
 ):
     i_b, i_h, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (HV // HK)
@@ -51,6 +56,11 @@ def gdn_recurrent_kernel(
         b_s = tl.load(h0 + i_slot * HV * V * K + p_tile, mask=m_s, other=0).to(tl.float32)  # Sᵀ [BV, BK]
     else:
         b_s = tl.zeros([BV, BK], dtype=tl.float32)
+    ck_end = 0
+    p_ck = ck_state
+    if HAS_CKPT:
+        ck_end = tl.load(ck_ends + i_b).to(tl.int64)
+        p_ck = ck_state + tl.load(ck_slots + i_b).to(tl.int64) * HV * V * K + p_tile
     # GPU: the sequence's own length; the interpreter's loops need a static bound (BT, the tokens past
     # the sequence's end idle)
     for i in range(0, (eos - bos) if DYNAMIC else BT):
@@ -69,11 +79,15 @@ def gdn_recurrent_kernel(
         b_s = b_s + b_u[:, None] * b_k[None, :]
         b_o = tl.sum(b_s * (b_q * scale)[None, :], axis=1)
         tl.store(o + (t * HV + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v & m_t)
+        if HAS_CKPT:
+            if i + 1 == ck_end:   # the state after the boundary's token (ck_end <= the sequence's length)
+                tl.store(p_ck, b_s.to(ck_state.dtype.element_ty), mask=m_s)
     tl.store(final + i_b * HV * V * K + p_tile, b_s, mask=m_s)
 
 
 def gdn_recurrent(q, k, v, g, beta, scale=None, initial_state=None, state_indices=None, cu_seqlens=None,
-                  use_qk_l2norm=False, *, block_v: int | None = None, checked: bool = False):
+                  use_qk_l2norm=False, *, ckpt_state=None, ckpt_ends=None, ckpt_slots=None,
+                  block_v: int | None = None, checked: bool = False):
     """Serial recurrence over variable-length sequences, one launch; twin `bole.ops.gdn.gdn_recurrent_ref`.
 
     Args:
@@ -81,6 +95,9 @@ def gdn_recurrent(q, k, v, g, beta, scale=None, initial_state=None, state_indice
         initial_state: the pool [slots, HV, V, K] (fp32 or bf16), read only, or None (zeros).
         state_indices: int [B] slot per sequence (default: sequence b reads slot b).
         cu_seqlens: int [B+1] offsets (default: one sequence of N tokens).
+        ckpt_state: optional checkpoint pool [slots, HV, V, K] (fp32 or bf16, contiguous), with
+            ckpt_ends int [B] (checkpoint after this many of sequence b's tokens, 1 .. its length - 1
+            by the caller's plan; 0: none) and ckpt_slots int [B] (its slot; read where the end is > 0).
         block_v: value tile per program (a power of two >= 16; default by grid size).
         checked: the caller checked cu_seqlens and state_indices once for the whole forward
             (`kernels._checks.check_forward_inputs`): only their sizes are compared.
@@ -107,6 +124,9 @@ def gdn_recurrent(q, k, v, g, beta, scale=None, initial_state=None, state_indice
             raise ValueError(f"{B} sequences but only {initial_state.shape[0]} state slots")
     if state_indices is not None and ((not checked and state_indices.dim() != 1) or state_indices.numel() != B):
         raise ValueError(f"state_indices must be [{B}] (one slot per sequence), got {tuple(state_indices.shape)}")
+    has_ckpt = ckpt_state is not None
+    if has_ckpt:
+        check_checkpoint(ckpt_state, ckpt_ends, ckpt_slots, (HV, V, K), B, dev)
     if block_v is None:
         block_v = 16 if B * HV * triton.cdiv(V, 32) < 256 else 32
     if not isinstance(block_v, int) or block_v < 16 or block_v & (block_v - 1):
@@ -119,11 +139,13 @@ def gdn_recurrent(q, k, v, g, beta, scale=None, initial_state=None, state_indice
         gdn_recurrent_kernel[(B, HV, triton.cdiv(V, block_v))](
             q[0].contiguous(), k[0].contiguous(), v[0].contiguous(), g[0].contiguous(), beta[0].contiguous(),
             initial_state if initial_state is not None else final, state_indices if state_indices is not None
-            else cu_seqlens, cu_seqlens, o[0], final, scale,
+            else cu_seqlens, cu_seqlens, o[0], final,
+            ckpt_state if has_ckpt else final, ckpt_ends if has_ckpt else cu_seqlens,
+            ckpt_slots if has_ckpt else cu_seqlens, scale,
             HK=HK, HV=HV, K=K, V=V, DYNAMIC=not interpreting(),
             BT=16 if not interpreting() else max(16, triton.next_power_of_2(N)),
             BK=max(16, triton.next_power_of_2(K)), BV=block_v,
             USE_L2NORM=bool(use_qk_l2norm), HAS_H0=initial_state is not None,
-            HAS_INDICES=state_indices is not None, num_warps=4,
+            HAS_INDICES=state_indices is not None, HAS_CKPT=has_ckpt, num_warps=4,
         )
     return o, final

@@ -3,7 +3,9 @@
 One ``step()``:
   1. ``Scheduler.schedule(lookahead)`` picks prefill chunks and decoding requests (preempting by
      recompute when KV blocks run out).
-  2. Prefill chunks run in one forward; requests whose prefill completed sample their next token.
+  2. Prefill chunks run in one forward (a prompt past a checkpoint boundary too: the boundary's GDN
+     state is written from inside it, ``_one_forward``); requests whose prefill completed sample their
+     next token.
   3. Decoding requests advance by the engine's mode:
        ar           one decode forward, sample one token;
        bole         MTP draft -> batch budget (Algorithm 3) -> one verify forward over the forest
@@ -39,7 +41,7 @@ import torch
 
 from bole import recalibration
 from bole.backend import FLA_MIN_TOKENS
-from bole.cache.checkpoints import publish_committed
+from bole.cache.checkpoints import PendingCheckpoint, publish_committed
 from bole.cache.memory_plan import plan_engine_memory
 from bole.cache.prefix_cache import PrefixCache
 from bole.config import EngineConfig
@@ -130,6 +132,8 @@ class LLMEngine:
         self.prefix_cache = PrefixCache(self.runner.allocator, self.runner.state_pool, cc.block_size,
                                         cc.checkpoint_interval_blocks, cc.num_checkpoint_slots,
                                         track_mtp=self.mode != "ar") if cc.enable_prefix_cache else None
+        if self.prefix_cache is not None:   # a prompt's boundary state written from inside its one forward
+            self.runner.enable_prefill_checkpoints(self.prefix_cache.checkpoints)
         if self.prefix_cache is not None and self.runner.verify_graphs is not None:
             self.runner.verify_graphs.enable_checkpoints(self.prefix_cache.checkpoints, cc.checkpoint_interval,
                                                          self.prefix_cache.scratch_slot)
@@ -309,27 +313,40 @@ class LLMEngine:
 
     def _prefill(self, chunks: list[tuple[Request, int]], tails: list[tuple[Request, int]], stats: StepStats,
                  emit_early: Callable[[list[RequestOutput]], None] | None, t0: float) -> list[RequestOutput]:
-        """Prefill ``chunks``, then ``tails`` (the prompts' rest past the checkpoint boundary their chunks
-        ended at: publish_committed has checkpointed it by then), each as one forward or, with
-        ``cuda_graph_prefill_split``, as the runner's graphed waves; sample the first tokens of the prompts
-        that completed (``StepStats.prefill_time`` counts the seconds from ``t0`` to them). Their outputs:
-        those that go on go to ``emit_early`` when given (and are not returned); a request that ended on
-        its first token is handed back at the end of the step, once released."""
+        """Prefill ``chunks`` and their ``tails`` (the prompts' rest past the checkpoint boundary their
+        chunks end at): in one forward that writes the boundaries' states into checkpoint slots when the
+        runner can (``_one_forward``), else the chunks, then the tails (publish_committed has checkpointed
+        the boundaries by then), each as one forward or, with ``cuda_graph_prefill_split``, as the
+        runner's graphed waves; sample the first tokens of the prompts that completed
+        (``StepStats.prefill_time`` counts the seconds from ``t0`` to them). Their outputs: those that
+        go on go to ``emit_early`` when given (and are not returned); a request that ended on its first
+        token is handed back at the end of the step, once released."""
         spec, V = self.mode != "ar", self.model.config.vocab_size
         outputs: list[RequestOutput] = []
         last = {}
-        for part in (chunks, tails):
+        one = self._one_forward(chunks, tails)
+        parts = [(chunks, None), (tails, None)] if one is None else [one]
+        for part, pending in parts:
             if not part:
                 continue
             # several graphed forwards rather than one eager one (cuda_graph_prefill_split)
-            for wave in self.runner.prefill_waves(part) if self.config.cuda_graph_prefill_split else [part]:
+            split = pending is None and self.config.cuda_graph_prefill_split
+            for wave in self.runner.prefill_waves(part) if split else [part]:
                 starts = {r.request_id: r.num_computed for r, _ in wave}
                 scored = {} if any(r.needs_prompt_logits for r, _ in wave) else None
-                last.update(self.runner.prefill(wave, keep_hidden=spec, position_logits=scored))
+                inside = None if pending is None else \
+                    [p and (p.end - starts[r.request_id], p.slot) for (r, _), p in zip(wave, pending)]
+                try:
+                    last.update(self.runner.prefill(wave, keep_hidden=spec, position_logits=scored, checkpoints=inside))
+                except BaseException:
+                    for p in pending or ():   # reserved, never attached
+                        if p is not None:
+                            self.prefix_cache.checkpoints.free(p.slot)
+                    raise
                 stats.eager_prefill |= not self.runner.prefill_graphed
                 for rid, lg in (scored or {}).items():
                     sampler.score_prompt(self.requests[rid], starts[rid], lg)
-                publish_committed(self.prefix_cache, [r for r, _ in wave])
+                publish_committed(self.prefix_cache, [r for r, _ in wave], pending)
         done = [r for r, _ in chunks if r.request_id in last]
         for r in done:
             r.prefilled = True
@@ -350,6 +367,24 @@ class LLMEngine:
             emit_early(early)
             outputs = [o for o in outputs if o.finished]
         return outputs
+
+    def _one_forward(self, chunks: list[tuple[Request, int]], tails: list[tuple[Request, int]]
+                     ) -> tuple[list[tuple[Request, int]], list[PendingCheckpoint | None]] | None:
+        """Each chunk joined with its tail, and per chunk the checkpoint its boundary gets (a slot reserved
+        now, None where no slot could be had, as ``PrefixCache.checkpoint`` would take none): the state
+        there is written from inside the one forward (``ModelRunner.checkpoints_in_forward``), which saves
+        the tail's forward, a read of every weight. None: no tails, or the runner cannot."""
+        if not tails:
+            return None
+        tail_of = {id(r): n for r, n in tails}
+        joined = [(r, n + tail_of.get(id(r), 0)) for r, n in chunks]
+        if not self.runner.checkpoints_in_forward(joined):
+            return None
+        pending = []
+        for r, n in chunks:
+            slot = self.prefix_cache.reserve_checkpoint() if id(r) in tail_of else None
+            pending.append(None if slot is None else PendingCheckpoint(r.num_computed + n, slot))
+        return joined, pending
 
     def _finish(self) -> None:
         """Release the requests that finished this step. With a prefix cache in a speculative mode,

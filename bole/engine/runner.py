@@ -3,7 +3,9 @@
 Three kinds of forward per step (DESIGN.md §2), all batched over requests:
 
 * ``prefill(chunks)``: runs known tokens (chunked), returns the last logits of requests whose
-  prefill completed. Target hiddens are kept for the MTP drafter.
+  prefill completed. Target hiddens are kept for the MTP drafter. With the prefix cache's checkpoint
+  pool (``enable_prefill_checkpoints``) a chunk may name a checkpoint inside it: the GDN layers write
+  the state there from inside the forward (``ForwardContext.checkpoints``).
 * ``decode(reqs)``: autoregressive mode: one forward over every request's pending root token; on a
   GPU with ``cuda_graph_batch_sizes`` it replays a captured CUDA graph (``bole.engine.graphs.decode``:
   the runner then reserves one extra KV block and one GDN state slot for the graphs' padding rows).
@@ -49,6 +51,9 @@ from bole.spec.tree import PackedForest
 
 logger = logging.getLogger(__name__)
 
+# the most tokens an eager prefill forward writes checkpoints inside (``ModelRunner.checkpoints_in_forward``)
+INLINE_CHECKPOINT_TOKENS = 512
+
 @dataclass
 class VerifyResult:
     logits: torch.Tensor          # [B, T, V]: row i tree node i (0: the root)
@@ -89,6 +94,7 @@ class ModelRunner:
         self.verify_graphs: VerifyGraphs | None = None
         self.draft_graphs: DraftGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self.checkpoint_pool: StatePool | None = None   # the prefix cache's (``enable_prefill_checkpoints``)
         # whether the last decode_forward / draft_batch / prefill replayed a graph
         self.decode_graphed = self.draft_graphed = self.prefill_graphed = False
         self._pad: tuple[int, int] | None = None
@@ -136,7 +142,29 @@ class ModelRunner:
         the decode graphs' memory pool."""
         pool = next((g.pool for g in (self.graphs, self.verify_graphs, self.draft_graphs) if g is not None), None)
         self.prefill_graphs = PrefillGraphs(self, batch_sizes, *self.padding(), capture=capture, pool=pool, **kw)
+        if self.checkpoint_pool is not None:
+            self.prefill_graphs.enable_checkpoints(self.checkpoint_pool)
         return self.prefill_graphs
+
+    def enable_prefill_checkpoints(self, pool: StatePool) -> None:
+        """Let prefills write prefix-cache checkpoints into ``pool`` (the prefix cache's checkpoint pool),
+        eagerly and in the prefill graphs (before any graph is captured)."""
+        self.checkpoint_pool = pool
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.enable_checkpoints(pool)
+
+    def checkpoints_in_forward(self, chunks: list[tuple[Request, int]]) -> bool:
+        """Whether one prefill forward of ``chunks`` can write checkpoints inside them, at the speed of
+        today's chunk-and-tail: a captured prefill fits them, or, without prefill graphs, they total at
+        most ``INLINE_CHECKPOINT_TOKENS`` (eager: the checkpointing GDN layers take the recurrence, which
+        outran fla's chunk per layer to 512 tokens at the 9B shape, ``bole.engine.graphs.prefill``). With
+        graphs on, a step no graph fits keeps the chunk and tail as graphed waves: an eager 9B-cost
+        prefill took 80-90 ms against ~10 ms captured."""
+        if self.checkpoint_pool is None or not chunks:
+            return False
+        if self.prefill_graphs is not None:
+            return self.prefill_graphs.supports(chunks)
+        return sum(n for _, n in chunks) <= INLINE_CHECKPOINT_TOKENS
 
     def all_graphs(self) -> list:
         """The runner's graph families (those enabled), for ``capture_all`` before a timed run."""
@@ -161,24 +189,35 @@ class ModelRunner:
     # -- target forwards -------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, chunks: list[tuple[Request, int]], keep_hidden: bool,
-                position_logits: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                position_logits: dict[str, torch.Tensor] | None = None,
+                checkpoints: Sequence[tuple[int, int] | None] | None = None) -> dict[str, torch.Tensor]:
         """Run each request's next chunk; return {request_id: last logits [V]} for completed prefills.
         From a captured graph when the runner has prefill graphs and one fits (its largest token bucket).
         ``position_logits``: when given, the logits of every position of the chunk [n, V] of each
-        request that ``needs_prompt_logits`` go there (the lm_head runs on those rows only)."""
+        request that ``needs_prompt_logits`` go there (the lm_head runs on those rows only).
+        ``checkpoints``: per chunk, None or (tokens of the chunk up to the checkpoint, checkpoint slot):
+        the GDN state there goes to that slot of ``checkpoint_pool``."""
         cu = [0]
         for _, n in chunks:
             cu.append(cu[-1] + n)
+        ck = None
+        if checkpoints is not None and any(c is not None for c in checkpoints):
+            if self.checkpoint_pool is None or len(checkpoints) != len(chunks):
+                raise ValueError(f"{len(checkpoints)} checkpoints for {len(chunks)} chunks, checkpoint pool "
+                                 f"{'set' if self.checkpoint_pool is not None else 'not set'}")
+            ck = [c if c is not None else (0, 0) for c in checkpoints]
         pg = self.prefill_graphs
         self.prefill_graphed = pg is not None and pg.supports(chunks)
         if self.prefill_graphed:
-            hidden, last = pg.run(chunks)
+            hidden, last = pg.run(chunks, ck)
             logits_of = lambda b: last[b]
         else:
             ids = torch.cat([torch.tensor(r.all_token_ids[r.num_computed:r.num_computed + n]) for r, n in chunks])
             ctx = ForwardContext.build("prefill", [n for _, n in chunks], [r.num_computed for r, _ in chunks],
                                        [r.state_slot for r, _ in chunks], [r.block_table for r, _ in chunks],
-                                       self.kv_cache, self.state_pool, device=self.device)
+                                       self.kv_cache, self.state_pool, device=self.device,
+                                       checkpoints=None if ck is None else
+                                       (self.checkpoint_pool, [e for e, _ in ck], [s for _, s in ck]))
             hidden = self.model(ids.to(self.device), ctx)
             logits_of = lambda b: self.model.compute_logits(hidden[cu[b + 1] - 1:cu[b + 1]])[0]
         out = {}

@@ -26,8 +26,9 @@ blocks + GDN checkpoint) and prefills only the rest; a preempted request usually
 blocks there. Cached blocks nobody uses are evicted (LRU) before anything is preempted or refused,
 and prefill chunks end at GDN checkpoint boundaries (``PrefixCache.align_chunk``). A chunk cut there
 that would otherwise have completed its prompt gets the rest (under one checkpoint interval) as a
-``prefill_tails`` entry of the same step: the engine runs it right after the chunks, once the
-boundary's checkpoint is taken, so the first token does not wait a whole step for a few tokens.
+``prefill_tails`` entry of the same step: the engine runs it in the chunk's forward, which writes the
+boundary's checkpoint from inside it, or, where the runner cannot, right after the chunks, once the
+boundary's checkpoint is taken; the first token does not wait a whole step for a few tokens.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from bole.engine.sequence import Request, RequestStatus
 class SchedulerOutput:
     prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens this step)
     # (request, tokens): the rest of a prompt whose ``prefill`` chunk was cut at a checkpoint boundary,
-    # run in a second forward of the same step
+    # run in the same step (in the chunk's forward when the runner can write the checkpoint there)
     prefill_tails: list[tuple[Request, int]] = field(default_factory=list)
     decode: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)

@@ -84,15 +84,20 @@ class GatedDeltaNet(nn.Module):
             o = self._verify(mixed, a, b, weight, ctx)
         else:
             g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
+            ck = ctx.checkpoints   # the prefix cache's boundary states, written from inside the conv and recurrence
             # one launch on "triton" (kernels.causal_conv1d); the twin loops over the sequences on the host,
             # with the context's host copies of the offsets and slots (no device read)
             y = self.backend.prefill_conv(mixed, weight, pool.conv[i], ctx.state_slots, ctx.cu_seqlens,
-                                          cu_host=ctx.cu_host, slots_host=ctx.state_slots_host)
+                                          cu_host=ctx.cu_host, slots_host=ctx.state_slots_host,
+                                          **(ck.conv_args(i) if ck is not None else {}))
             q, k, v = (t[None] for t in split(y))
-            sync_free = ctx.sync_free and self.backend.prefill_sync_free is not None
+            # a checkpointing prefill takes the recurrence at any length (fla's chunk keeps no state inside a
+            # sequence); the engine sends it long eager prefills only as a chunk and then a tail
+            sync_free = (ctx.sync_free or ck is not None) and self.backend.prefill_sync_free is not None
             prefill = self.backend.prefill_sync_free if sync_free else self.backend.prefill
             o, final = prefill(q, k, v, g[None], beta[None], initial_state=pool.ssm[i],
-                               state_indices=ctx.state_slots, cu_seqlens=ctx.cu_seqlens, use_qk_l2norm=True)
+                               state_indices=ctx.state_slots, cu_seqlens=ctx.cu_seqlens, use_qk_l2norm=True,
+                               **(ck.ssm_args(i) if ck is not None else {}))
             pool.ssm[i, ctx.state_slots] = final.to(pool.ssm.dtype)
         o = self.norm(o[0].to(x.dtype), z)
         return self.out_proj(o.reshape(N, self.value_dim))

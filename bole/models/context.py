@@ -131,6 +131,28 @@ class PaddedAttention:
 
 
 @dataclass
+class PrefillCheckpoints:
+    """Prefix-cache checkpoints a prefill forward writes (``bole.cache.prefix_cache``): the GDN state and
+    conv window of sequence b after its first ``ends[b]`` tokens of the forward (0: none) go to slot
+    ``slots[b]`` of ``pool``, every GDN layer, from inside the layer's conv and recurrence. A prompt that
+    crosses a checkpoint boundary then takes one forward, not a chunk to the boundary and its tail.
+
+    pool   StatePool (the prefix cache's checkpoint pool)
+    ends   int32 [B] device; slots int32 [B] device (a row without a checkpoint names any valid slot)
+    """
+
+    pool: StatePool
+    ends: torch.Tensor
+    slots: torch.Tensor
+
+    def conv_args(self, layer: int) -> dict:
+        return dict(ckpt_conv=self.pool.conv[layer], ckpt_ends=self.ends, ckpt_slots=self.slots)
+
+    def ssm_args(self, layer: int) -> dict:
+        return dict(ckpt_state=self.pool.ssm[layer], ckpt_ends=self.ends, ckpt_slots=self.slots)
+
+
+@dataclass
 class ForwardContext:
     """Everything a layer needs besides its weights and the hidden states.
 
@@ -160,6 +182,7 @@ class ForwardContext:
                        direct callers: benchmarks, tests); longer eager prefills take the
                        backend's ``prefill`` (fla's chunk; the recurrence in fp32) and the
                        per-request SDPA.
+        checkpoints:   ``PrefillCheckpoints`` a prefill writes (prefill only; None: none).
     """
 
     mode: Mode
@@ -180,6 +203,7 @@ class ForwardContext:
     static: StaticDecode | None = None
     state_slots_host: list = field(default_factory=list)
     sync_free: bool = False
+    checkpoints: PrefillCheckpoints | None = None
     _memo: dict = field(default_factory=dict, repr=False, compare=False)  # per-forward layouts, built once
 
     def check_kernel_inputs(self) -> None:
@@ -297,10 +321,13 @@ class ForwardContext:
               state_slots: Sequence[int], block_tables: Sequence[Sequence[int]],
               kv_cache: PagedKVCache | None, state_pool: StatePool | None,
               forest: PackedForest | None = None, factors: TreeFactors | None = None,
-              device=None) -> "ForwardContext":
+              device=None, checkpoints: tuple[StatePool, Sequence[int], Sequence[int]] | None = None
+              ) -> "ForwardContext":
         """Validate the step's batch and derive positions and KV slots.
 
-        For verify, ``num_new_tokens`` may be None: it is taken from ``forest``.
+        For verify, ``num_new_tokens`` may be None: it is taken from ``forest``. ``checkpoints``
+        (prefill): (pool, ends, slots) as ``PrefillCheckpoints``, host lists; an end must lie inside its
+        request's new tokens (1 .. T_b - 1) or be 0.
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -349,6 +376,21 @@ class ForwardContext:
             raise ValueError(f"factor buffer holds {factors.k.shape[1]} nodes, the forest {cu[-1]}")
         if mode == "verify" and factors is None:
             raise ValueError("verify mode needs a TreeFactors buffer (TreeFactors.allocate)")
+        ckpt = None
+        if checkpoints is not None:
+            pool, ends, ck_slots = checkpoints
+            ends, ck_slots = [int(e) for e in ends], [int(s) for s in ck_slots]
+            if mode != "prefill" or len(ends) != B or len(ck_slots) != B:
+                raise ValueError(f"checkpoints are for prefill, one (end, slot) per request: {mode}, {B} requests, "
+                                 f"{len(ends)} ends, {len(ck_slots)} slots")
+            bad = [b for b in range(B) if not (ends[b] == 0 or 0 < ends[b] < int(num_new_tokens[b]))
+                   or not 0 <= ck_slots[b] < pool.num_slots]
+            if bad:
+                raise ValueError(f"checkpoint (end, slot) of request {bad[0]} is ({ends[bad[0]]}, {ck_slots[bad[0]]}): "
+                                 f"the end must be 0 or inside its {int(num_new_tokens[bad[0]])} new tokens, the slot "
+                                 f"in [0, {pool.num_slots})")
+            as_dev = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
+            ckpt = PrefillCheckpoints(pool, as_dev(ends), as_dev(ck_slots))
         return ForwardContext(
             mode=mode,
             cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
@@ -367,4 +409,5 @@ class ForwardContext:
             sync_free=mode == "prefill" and cu[-1] < FLA_MIN_TOKENS,
             factors=factors,
             state_slots_host=[int(s) for s in state_slots],
+            checkpoints=ckpt,
         )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bole.ops.gdn import gdn_gating
+from bole.ops.gdn import checkpoint_ends, gdn_gating
 from bole.spec.tree import PackedForest
 
 
@@ -28,11 +28,14 @@ def _act(y, activation):
     raise ValueError(f"unsupported conv activation {activation!r}")
 
 
-def causal_conv1d(x, weight, bias, conv_state, state_indices, cu_seqlens=None, activation="silu"):
+def causal_conv1d(x, weight, bias, conv_state, state_indices, cu_seqlens=None, activation="silu", *,
+                  ckpt_conv=None, ckpt_ends=None, ckpt_slots=None):
     """Causal conv over variable-length sequences that continue from conv_state; updates it in place.
 
     Returns y [N, C] in x's dtype. conv_state[state_indices[b]] becomes the last W-1 inputs of
-    sequence b (the old state shifted in when the sequence is shorter than W-1).
+    sequence b (the old state shifted in when the sequence is shorter than W-1). With a checkpoint
+    pool ``ckpt_conv`` [slots, C, W-1], slot ckpt_slots[b] gets the window after the first ckpt_ends[b]
+    tokens of sequence b (0: none).
     """
     N, C = x.shape
     W = weight.shape[1]
@@ -41,23 +44,27 @@ def causal_conv1d(x, weight, bias, conv_state, state_indices, cu_seqlens=None, a
                          f"conv_state{tuple(conv_state.shape)} disagree")
     cu = [0, N] if cu_seqlens is None else [int(c) for c in cu_seqlens]
     y = torch.empty_like(x)
+    ckpt = checkpoint_ends(ckpt_ends, ckpt_slots, len(cu) - 1) if ckpt_conv is not None else {}
     for b in range(len(cu) - 1):
         s, e = cu[b], cu[b + 1]
         slot = int(state_indices[b])
         window = torch.cat([conv_state[slot].to(x.dtype), x[s:e].T], dim=1)  # [C, W-1+T]
         out = F.conv1d(window[None], weight[:, None, :].to(x.dtype), bias, groups=C)[0]  # [C, T]
         y[s:e] = _act(out, activation).T
+        if b in ckpt:
+            end, ck_slot = ckpt[b]
+            ckpt_conv[ck_slot] = window[:, end:end + W - 1].to(ckpt_conv.dtype)   # inputs end-(W-1) .. end-1
         conv_state[slot] = window[:, -(W - 1):].to(conv_state.dtype)
     return y
 
 
 def causal_conv1d_varlen_ref(x, weight, conv_state, state_indices, cu_seqlens, bias=None, activation="silu",
-                             out=None, *, cu_host=None, slots_host=None):
+                             out=None, *, cu_host=None, slots_host=None, **ckpt):
     """The backend's prefill conv (kernels.causal_conv1d.causal_conv1d_varlen's signature) on the twin:
     ``causal_conv1d`` over the host copies of the offsets and slots when given (the twin loops over the
     sequences on the host; reading the device tensors there would synchronise on every layer)."""
     y = causal_conv1d(x, weight, bias, conv_state, slots_host if slots_host else state_indices,
-                      cu_host if cu_host else cu_seqlens, activation)
+                      cu_host if cu_host else cu_seqlens, activation, **ckpt)
     return y if out is None else out.copy_(y)
 
 

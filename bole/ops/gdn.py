@@ -63,14 +63,27 @@ def _initial(initial_state, state_indices, b, HV, V, K, dt, device):
     return initial_state[slot].to(dt)
 
 
+def checkpoint_ends(ckpt_ends, ckpt_slots, B: int) -> dict[int, tuple[int, int]]:
+    """{sequence: (tokens to its checkpoint, checkpoint slot)} of a prefill's checkpoint arguments (the
+    twins' host view; ends of 0 are no checkpoint)."""
+    if ckpt_ends is None:
+        return {}
+    ends, slots = [int(x) for x in ckpt_ends], [int(x) for x in ckpt_slots]
+    if len(ends) != B or len(slots) != B:
+        raise ValueError(f"ckpt_ends / ckpt_slots must have {B} entries, got {len(ends)} / {len(slots)}")
+    return {b: (e, sl) for b, (e, sl) in enumerate(zip(ends, slots)) if e > 0}
+
+
 def gdn_recurrent_ref(q, k, v, g, beta, scale=None, initial_state=None, state_indices=None,
-                  cu_seqlens=None, use_qk_l2norm=False):
+                  cu_seqlens=None, use_qk_l2norm=False, *, ckpt_state=None, ckpt_ends=None, ckpt_slots=None):
     """Serial recurrence (eq. 1) over variable-length sequences.
 
     Args:
         initial_state: [slots, HV, V, K] or None (zeros). Read only.
         state_indices: [B] slot of each sequence (default: sequence b uses slot b).
         cu_seqlens: int [B+1] offsets (default: one sequence of N tokens).
+        ckpt_state, ckpt_ends, ckpt_slots: optional checkpoint pool [slots, HV, V, K]; the state after
+            the first ckpt_ends[b] tokens of sequence b (0: none) is written to its slot ckpt_slots[b].
     Returns:
         o [1, N, HV, V] (v's dtype), final_state [B, HV, V, K] (compute dtype).
     """
@@ -80,6 +93,7 @@ def gdn_recurrent_ref(q, k, v, g, beta, scale=None, initial_state=None, state_in
     cu = [0, N] if cu_seqlens is None else [int(x) for x in cu_seqlens]
     o = torch.empty(N, HV, V, dtype=dt, device=q.device)
     finals = []
+    ckpt = checkpoint_ends(ckpt_ends, ckpt_slots, len(cu) - 1) if ckpt_state is not None else {}
     for b in range(len(cu) - 1):
         S = _initial(initial_state, state_indices, b, HV, V, K, dt, q.device)  # Sᵀ: [HV, V, K]
         for t in range(cu[b], cu[b + 1]):
@@ -87,6 +101,8 @@ def gdn_recurrent_ref(q, k, v, g, beta, scale=None, initial_state=None, state_in
             u = bf[t][:, None] * (vf[t] - torch.einsum("hvk,hk->hv", S, kf[t]))
             S = S + u[:, :, None] * kf[t][:, None, :]
             o[t] = torch.einsum("hvk,hk->hv", S, qf[t])
+            if b in ckpt and t + 1 - cu[b] == ckpt[b][0]:
+                ckpt_state[ckpt[b][1]] = S.to(ckpt_state.dtype)
         finals.append(S)
     return o.to(v.dtype)[None], torch.stack(finals)
 

@@ -19,7 +19,7 @@ from itertools import pairwise
 
 import torch
 
-from bole.ops.gdn import _prepare
+from bole.ops.gdn import _prepare, checkpoint_ends
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -81,7 +81,8 @@ def gdn_decode(q, k, v, g, beta, scale=None, initial_state=None, state_indices=N
 
 
 def gdn_chunk(q, k, v, g, beta, scale=None, initial_state=None, state_indices=None,
-              cu_seqlens=None, use_qk_l2norm=False, chunk_size=DEFAULT_CHUNK_SIZE):
+              cu_seqlens=None, use_qk_l2norm=False, chunk_size=DEFAULT_CHUNK_SIZE, *, ckpt_state=None,
+              ckpt_ends=None, ckpt_slots=None):
     """Chunked gated delta rule over variable-length sequences (equal to ``gdn_recurrent``).
 
     Args:
@@ -89,6 +90,9 @@ def gdn_chunk(q, k, v, g, beta, scale=None, initial_state=None, state_indices=No
         initial_state: [slots, HV, V, K] or None (zeros). Read only.
         state_indices: [B] slot of each sequence (default: sequence b uses slot b).
         cu_seqlens: int [B+1] offsets (default: one sequence of N tokens).
+        ckpt_state, ckpt_ends, ckpt_slots: optional checkpoint pool [slots, HV, V, K]; the state after
+            the first ckpt_ends[b] tokens of sequence b (0: none) goes to its slot ckpt_slots[b]: the
+            sequence is chunked in two parts, split there, as two forwards would.
     Returns:
         o [1, N, HV, V] (v's dtype), final_state [B, HV, V, K] (compute dtype).
     """
@@ -102,7 +106,8 @@ def gdn_chunk(q, k, v, g, beta, scale=None, initial_state=None, state_indices=No
     if cu[0] != 0 or cu[-1] != N or any(b < a for a, b in pairwise(cu)):
         raise ValueError(f"cu_seqlens {cu} does not partition {N} tokens")
     init = _initial_states(initial_state, state_indices, B, vf, kf, dt)
-    if B == N and all(b - a == 1 for a, b in pairwise(cu)):
+    ckpt = checkpoint_ends(ckpt_ends, ckpt_slots, B) if ckpt_state is not None else {}
+    if B == N and not ckpt and all(b - a == 1 for a, b in pairwise(cu)):
         o, final = _single_step(qf, kf, vf, gf, bf, init)
         return o.to(v.dtype)[None], final
     o = torch.empty(N, HV, V, dtype=dt, device=q.device)
@@ -110,9 +115,13 @@ def gdn_chunk(q, k, v, g, beta, scale=None, initial_state=None, state_indices=No
     for b in range(B):
         s, e = cu[b], cu[b + 1]
         S = init[b].transpose(1, 2)  # [HV, K, V]
-        if e > s:
-            ob, S = _chunk_sequence(qf[s:e].transpose(0, 1), kf[s:e].transpose(0, 1),
-                                    vf[s:e].transpose(0, 1), gf[s:e].T, bf[s:e].T, S, chunk_size)
-            o[s:e] = ob.transpose(0, 1)
+        cut = s + ckpt[b][0] if b in ckpt else s
+        for lo, hi in ((s, cut), (cut, e)):
+            if hi > lo:
+                ob, S = _chunk_sequence(qf[lo:hi].transpose(0, 1), kf[lo:hi].transpose(0, 1),
+                                        vf[lo:hi].transpose(0, 1), gf[lo:hi].T, bf[lo:hi].T, S, chunk_size)
+                o[lo:hi] = ob.transpose(0, 1)
+            if hi == cut and b in ckpt:
+                ckpt_state[ckpt[b][1]] = S.transpose(1, 2).to(ckpt_state.dtype)
         finals.append(S.transpose(1, 2))
     return o.to(v.dtype)[None], torch.stack(finals).contiguous()

@@ -427,16 +427,27 @@ def test_min_tokens_suppresses_stop_tokens_in_every_mode(ckpt):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_prompt_tail_past_the_last_checkpoint_runs_in_the_same_step(ckpt, mode):
-    """A prompt's chunk ends at a GDN checkpoint boundary (8 of 11 tokens at block_size 4); the 3-token
-    rest runs in a second forward of the same step (``SchedulerOutput.prefill_tails``): the first token
-    comes out of the first step, the boundary's checkpoint is taken in between (a later request with the
-    same prompt restores 8 tokens), and the outputs are those of an engine without a prefix cache."""
+@pytest.mark.parametrize("one_forward", [True, False])
+def test_prompt_tail_past_the_last_checkpoint_runs_in_the_same_step(ckpt, mode, one_forward, monkeypatch):
+    """A prompt's chunk ends at a GDN checkpoint boundary (8 of 11 tokens at block_size 4) and its 3-token
+    rest (``SchedulerOutput.prefill_tails``) runs in the same step: in the same forward, which writes the
+    boundary's state into a checkpoint slot (``LLMEngine._one_forward``), or, where the runner cannot, in a
+    second forward after the boundary's checkpoint is taken. Either way the first token comes out of the
+    first step, a later request with the same prompt restores 8 tokens, and the outputs are those of an
+    engine without a prefix cache."""
     path, _ = ckpt("dense")
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     eng = engine(path, mode)
+    if not one_forward:
+        monkeypatch.setattr(eng.runner, "checkpoints_in_forward", lambda chunks: False)
+    forwards = []
+    prefill = eng.runner.prefill
+    monkeypatch.setattr(eng.runner, "prefill", lambda chunks, *a, **kw: forwards.append(
+        ([n for _, n in chunks], kw.get("checkpoints"))) or prefill(chunks, *a, **kw))
     rid = eng.add_request(PROMPTS[2], params)
     outs = eng.step()
+    assert [n for n, _ in forwards] == ([[11]] if one_forward else [[8], [3]])
+    assert (forwards[0][1] is not None and forwards[0][1][0][0] == 8) == one_forward
     assert [len(o.output_token_ids) for o in outs if o.request_id == rid] == [1]
     assert eng.metrics.prefill_tokens == 11
     while eng.has_unfinished():

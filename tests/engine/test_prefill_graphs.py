@@ -116,6 +116,60 @@ def test_static_prefill_matches_eager_triton_kernels(ckpt):
     _compare(ckpt, "cpu", "triton", capture=False, tol=1e-5, plans=PLANS[2:])
 
 
+def _checkpointed(path, device, backend, capture, tol):
+    """Prefills that write prefix-cache checkpoints inside their chunks (``ModelRunner.prefill``'s
+    ``checkpoints``), eagerly and through the static / captured graphs, in one step of three prompts (one
+    without a checkpoint) and a step that continues two of them: every checkpoint equals the state a
+    third runner has after prefilling just the tokens up to it, within ``tol``; the graph's equal the
+    eager's; slots nobody named stay as they were."""
+    from bole.cache.state_pool import StatePool
+    model = load_model(path, dtype="float32", device=device, backend=backend)
+    runners = [_runner(model, device) for _ in range(3)]   # eager, graphed, the prefixes alone
+    pg = runners[1].enable_prefill_graphs((1, 2, 4), capture=capture, min_kv=8)
+    pools = [StatePool.like(r.state_pool, 5) for r in runners[:2]]
+    for r, pool in zip(runners, pools):
+        pool.ssm.fill_(7.0)
+        pool.conv.fill_(7.0)
+        r.enable_prefill_checkpoints(pool)
+    plan = [[(2, 10, 8), (0, 3, 0), (1, 6, 2)], [(2, 4, 1), (1, 3, 2)]]   # (prompt, tokens, checkpoint end)
+    reqs = [_requests(r, PROMPTS) for r in runners]
+    want, slot = {}, 0
+    for step in plan:
+        cks = []
+        for i, n, end in step:
+            cks.append((end, slot) if end else None)
+            if end:   # the third runner: the chunk to the boundary alone, then the rest
+                r3 = reqs[2][i]
+                runners[2].prefill([(r3, end)], keep_hidden=False)
+                want[slot] = (runners[2].state_pool.ssm[:, r3.state_slot].clone(),
+                              runners[2].state_pool.conv[:, r3.state_slot].clone())
+                runners[2].prefill([(r3, n - end)], keep_hidden=False)
+                slot += 1
+            else:
+                runners[2].prefill([(reqs[2][i], n)], keep_hidden=False)
+        le = runners[0].prefill([(reqs[0][i], n) for i, n, _ in step], keep_hidden=False, checkpoints=cks)
+        lg = runners[1].prefill([(reqs[1][i], n) for i, n, _ in step], keep_hidden=False, checkpoints=cks)
+        assert runners[1].prefill_graphed and not runners[0].prefill_graphed
+        for k in le:
+            assert _rel(lg[k], le[k]) <= tol
+    for pool in pools:
+        for s_, (ssm, conv) in want.items():
+            assert _rel(pool.ssm[:, s_], ssm) <= tol and _rel(pool.conv[:, s_], conv) <= tol, s_
+        assert (pool.ssm[:, slot:] == 7).all() and (pool.conv[:, slot:] == 7).all()
+    # and the requests' own states: those of the runner that ran chunk and rest apart
+    used = [0, 1, 2]
+    for a, b in zip(_state(runners[2], [reqs[2][i] for i in used]), _state(runners[1], [reqs[1][i] for i in used])):
+        for x, y in zip(a, b, strict=True):
+            assert _rel(y, x) <= tol
+    return pg
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_static_prefill_writes_checkpoints_as_eager(ckpt, backend):
+    pg = _checkpointed(ckpt, "cpu", backend, capture=False, tol=1e-5)
+    assert pg.replays == 2 and pg.num_captured == 0
+
+
 # prompts past the eager path's fla threshold (bole.backend.FLA_MIN_TOKENS): eagerly the long prefill (the
 # torch chunk on the CPU), in the static forward the recurrence and the one-launch attention (sync_free)
 LONG_PROMPTS = [[(7 * i) % 61 + 1 for i in range(100)], [(5 * i) % 53 + 2 for i in range(40)]]
@@ -332,6 +386,12 @@ def test_graphed_prefill_matches_eager_cuda(ckpt):
     pg = _compare(ckpt, "cuda", "triton", capture=True, tol=1e-4)
     assert pg.num_captured == len(pg.graphs) >= 3
     assert pg.replays > len(pg.graphs)
+
+
+@pytest.mark.gpu
+def test_graphed_prefill_writes_checkpoints_cuda(ckpt):
+    pg = _checkpointed(ckpt, "cuda", "triton", capture=True, tol=1e-4)
+    assert pg.num_captured >= 1 and pg.replays == 2
 
 
 def _outputs(model, device, plan, prompts, graphs: str | None) -> list[torch.Tensor]:

@@ -126,7 +126,10 @@ def test_chat_logprobs_streamed_and_not(oai, hf):
     chunks = list(oai.chat.completions.create(model=MODEL, messages=msgs, logprobs=True, top_logprobs=2,
                                               stream=True, **greedy(5)))
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-    assert [(e.token, e.logprob, e.bytes) for e in streamed] == [(e.token, e.logprob, e.bytes) for e in content]
+    # the streamed request restores the first one's prefix-cache checkpoint and runs only the prompt's rest,
+    # the first ran it whole: the same tokens, logprobs equal to rounding (other GEMM shapes)
+    assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
     plain = oai.chat.completions.create(model=MODEL, messages=msgs, **greedy(2))
     assert plain.choices[0].logprobs is None
 

@@ -31,7 +31,8 @@ at each: a 512-token bucket would beat fla's call per layer, 1024 would not; whe
 (the padded GEMM rows, start time, graph memory) is not measured.
 
 Static inputs (``StaticRows``, one pinned host-to-device copy each): per row its token count, its
-committed length, its GDN slot and its block table; the packed token ids. Everything else is derived
+committed length, its GDN slot, its prefix-cache checkpoint (tokens to it, 0: none, and its slot, with
+``enable_checkpoints``) and its block table; the packed token ids. Everything else is derived
 inside the graph: offsets, positions, KV slots, the rows' key slots, each row's last token.
 
 With ``capture=False`` the same static forward runs without a graph (any device, any backend): the
@@ -48,10 +49,10 @@ import torch
 from bole.config import PREFILL_GRAPH_MAX_TOKENS as MAX_TOKENS
 from bole.config import token_buckets
 from bole.engine.graphs import base
-from bole.models.context import ForwardContext
+from bole.models.context import ForwardContext, PrefillCheckpoints
 
 DEFAULT_TOKEN_SIZES = token_buckets(256)
-_CNT, _POS, _SLOT, _TABLE = 0, 1, 2, 3  # columns of the per-row input buffer
+_CNT, _POS, _SLOT, _CKEND, _CKSLOT, _TABLE = 0, 1, 2, 3, 4, 5  # columns of the per-row input buffer
 
 
 def prefill_graphs_unsupported(model) -> str | None:
@@ -93,6 +94,14 @@ class PrefillGraphs(base.GraphFamily):
         dtype = self.model.lm_head.weight.dtype
         self.out_hidden = torch.zeros(tokens[-1], H, dtype=dtype, device=dev)
         self.out_logits = torch.zeros(sizes[-1] + 1, V, dtype=dtype, device=dev)
+        self.checkpoints = None   # the prefix cache's checkpoint pool (``enable_checkpoints``)
+
+    def enable_checkpoints(self, pool) -> None:
+        """Let the captured prefills write prefix-cache checkpoints into ``pool`` (``ModelRunner.prefill``'s
+        ``checkpoints``): before any graph is built, as every graph then carries them."""
+        if self.graphs:
+            raise ValueError("enable_checkpoints must precede the first graph")
+        self.checkpoints = pool
 
     # -- selection -------------------------------------------------------------------------------
     def key(self, chunks) -> tuple[int, int, int] | None:
@@ -130,6 +139,8 @@ class PrefillGraphs(base.GraphFamily):
             slot_mapping=slot_mapping, kv_slots=[], state_slots=state_slots, block_tables=[],
             cu_host=[0] * R + [Nc], num_cached_host=[0] * R, kv_cache=runner.kv_cache,
             state_pool=runner.state_pool, state_slots_host=[self.pad_slot] * R, sync_free=True)
+        if self.checkpoints is not None:   # rows with an end of 0 (padding among them) write nothing
+            ctx.checkpoints = PrefillCheckpoints(self.checkpoints, z(R, dtype=torch.int32), z(R, dtype=torch.int32))
         ctx._memo["keys"] = kv_index  # the rows' key slots (``ForwardContext.key_index``), laid out below
         model, out_h, out_l = self.model, self.out_hidden, self.out_logits
 
@@ -144,6 +155,9 @@ class PrefillGraphs(base.GraphFamily):
             num_cached.copy_(nc)
             state_slots.copy_(inp[:, _SLOT])
             kv_index.copy_(tables[:, key_block] * bs + key_off)
+            if ctx.checkpoints is not None:
+                ctx.checkpoints.ends.copy_(inp[:, _CKEND])
+                ctx.checkpoints.slots.copy_(inp[:, _CKSLOT])
             ids.copy_(tok)
             hidden = model(ids, ctx)
             out_h[:Nc].copy_(hidden)
@@ -154,19 +168,22 @@ class PrefillGraphs(base.GraphFamily):
     def _load_padding(self, g: base.Graph) -> None:
         self._load([], g)
 
-    def _load(self, chunks, g: base.Graph) -> None:
+    def _load(self, chunks, g: base.Graph, checkpoints=None) -> None:
         """The step's rows, then the padding rows, into the static inputs (and, uncaptured, the
-        context's host lists)."""
+        context's host lists); ``checkpoints``: per chunk (tokens to its checkpoint, slot), 0 for none."""
         Bc, Nc, Lc = g.key
         R, nb = Bc + 1, Lc // self.block_size
         h, ids = self.rows.begin(), self.ids.begin()
         h[:R, _CNT] = 1
         h[:R, _POS] = 0
         h[:R, _SLOT] = self.pad_slot
+        h[:R, _CKEND] = h[:R, _CKSLOT] = 0
         h[:R, _TABLE:] = self.pad_block
         at = 0
         for b, (r, n) in enumerate(chunks):
             h[b, _CNT], h[b, _POS], h[b, _SLOT] = n, r.num_computed, r.state_slot
+            if checkpoints is not None:
+                h[b, _CKEND], h[b, _CKSLOT] = checkpoints[b]
             tbl = r.block_table[:nb]
             h[b, _TABLE:_TABLE + len(tbl)] = tbl
             ids[0, at:at + n] = r.all_token_ids[r.num_computed:r.num_computed + n]
@@ -198,12 +215,16 @@ class PrefillGraphs(base.GraphFamily):
                 for Lc in base.sizes_upto(self.kv_lengths, None if max_len is None else max(Nc, max_len)) if Lc >= Nc]
 
     @torch.inference_mode()
-    def run(self, chunks) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, chunks, checkpoints=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefill forward of ``chunks`` (``supports(chunks)`` must hold): K/V written, GDN states
-        and conv windows advanced as in the eager prefill (num_computed is not advanced). Returns
-        (hidden [N, H] of the chunks' packed tokens, logits [B, V] of each chunk's last token), copies."""
+        and conv windows advanced as in the eager prefill (num_computed is not advanced), and with
+        ``checkpoints`` (per chunk: tokens to its checkpoint, 0 for none, and its slot) the states there
+        written to the checkpoint pool. Returns (hidden [N, H] of the chunks' packed tokens, logits
+        [B, V] of each chunk's last token), copies."""
+        if checkpoints is not None and self.checkpoints is None:
+            raise ValueError("these prefill graphs write no checkpoints (enable_checkpoints)")
         g = self.graph(self.key(chunks))
-        self._load(chunks, g)
+        self._load(chunks, g, checkpoints)
         self.replay(g)
         N = sum(n for _, n in chunks)
         return self.out_hidden[:N].clone(), self.out_logits[:len(chunks)].clone()
