@@ -154,6 +154,15 @@ class PrefixCache:
                 best = len(chain)
         return chain[:best]
 
+    def has_checkpoint(self, token_ids: Sequence[int]) -> bool:
+        """Whether the cached block ending ``token_ids`` (a whole number of blocks) holds a checkpoint."""
+        B, node = self.block_size, self.root
+        for i in range(len(token_ids) // B):
+            node = node.children.get(tuple(token_ids[i * B:(i + 1) * B]))
+            if node is None:
+                return False
+        return node is not self.root and node.checkpoint is not None
+
     def share(self, req, chain: list[CachedBlock]) -> None:
         """Start a fresh request on ``chain`` (a reference on each block); ``restore`` fills its state."""
         for node in chain:

@@ -338,14 +338,14 @@ class LLMEngine:
                     [p and (p.end - starts[r.request_id], p.slot) for (r, _), p in zip(wave, pending)]
                 try:
                     last.update(self.runner.prefill(wave, keep_hidden=spec, position_logits=scored, checkpoints=inside))
+                    stats.eager_prefill |= not self.runner.prefill_graphed
+                    for rid, lg in (scored or {}).items():
+                        sampler.score_prompt(self.requests[rid], starts[rid], lg)
                 except BaseException:
                     for p in pending or ():   # reserved, never attached
                         if p is not None:
                             self.prefix_cache.checkpoints.free(p.slot)
                     raise
-                stats.eager_prefill |= not self.runner.prefill_graphed
-                for rid, lg in (scored or {}).items():
-                    sampler.score_prompt(self.requests[rid], starts[rid], lg)
                 publish_committed(self.prefix_cache, [r for r, _ in wave], pending)
         done = [r for r, _ in chunks if r.request_id in last]
         for r in done:
@@ -380,10 +380,16 @@ class LLMEngine:
         joined = [(r, n + tail_of.get(id(r), 0)) for r, n in chunks]
         if not self.runner.checkpoints_in_forward(joined):
             return None
-        pending = []
+        pending, seen = [], set()
         for r, n in chunks:
-            slot = self.prefix_cache.reserve_checkpoint() if id(r) in tail_of else None
-            pending.append(None if slot is None else PendingCheckpoint(r.num_computed + n, slot))
+            end = r.num_computed + n
+            prefix = tuple(r.all_token_ids[:end]) if id(r) in tail_of else None
+            # as ``PrefixCache.checkpoint``: none for a boundary that has one (cached, or another request's
+            # in this step), so no live checkpoint is evicted for a slot that attach would give back
+            wanted = prefix is not None and prefix not in seen and not self.prefix_cache.has_checkpoint(prefix)
+            slot = self.prefix_cache.reserve_checkpoint() if wanted else None
+            seen.add(prefix)
+            pending.append(None if slot is None else PendingCheckpoint(end, slot))
         return joined, pending
 
     def _finish(self) -> None:

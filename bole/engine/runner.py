@@ -275,15 +275,22 @@ class ModelRunner:
         (its table repeats it), so the rows write garbage there only; the slot is zeroed when a request
         next takes it. Call before any request holds memory."""
         (block,), slot = self.allocator.allocate(1), self.state_pool.allocate()
+        # eager checkpointing prefills (no prefill graphs): their kernels' variants too, writing checkpoint
+        # slot 0 (no checkpoint exists yet)
+        ckpt = [False] + ([True] if self.checkpoint_pool is not None and self.prefill_graphs is None else [])
         try:
-            for rows in row_lengths:
+            for rows, ck in ((rows, ck) for rows in row_lengths for ck in ckpt):
                 rows = [int(n) for n in rows]
+                if ck and (max(rows) < 2 or sum(rows) > INLINE_CHECKPOINT_TOKENS):
+                    continue
                 table = [block] * -(-max(rows) // self.block_size)
+                ends = [1 if n == max(rows) and ck else 0 for n in rows]
                 ctx = ForwardContext.build("prefill", rows, [0] * len(rows), [slot] * len(rows), [table] * len(rows),
-                                           self.kv_cache, self.state_pool, device=self.device)
+                                           self.kv_cache, self.state_pool, device=self.device,
+                                           checkpoints=(self.checkpoint_pool, ends, [0] * len(rows)) if ck else None)
                 ids = torch.zeros(sum(rows), dtype=torch.long, device=self.device)
                 hidden = self.model(ids, ctx)   # (the lm_head is a cuBLAS GEMM: nothing to compile)
-                if drafter and self.model.mtp is not None:
+                if drafter and self.model.mtp is not None and not ck:   # (the drafter has no GDN layer)
                     mctx = ForwardContext.build("prefill", rows, [0] * len(rows), [0] * len(rows), [table] * len(rows),
                                                 self.mtp_cache, None, device=self.device)
                     self.model.mtp(ids, hidden, mctx)

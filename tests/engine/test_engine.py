@@ -437,32 +437,66 @@ def test_prompt_tail_past_the_last_checkpoint_runs_in_the_same_step(ckpt, mode, 
     engine without a prefix cache."""
     path, _ = ckpt("dense")
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    eng = engine(path, mode)
-    if not one_forward:
-        monkeypatch.setattr(eng.runner, "checkpoints_in_forward", lambda chunks: False)
-    forwards = []
-    prefill = eng.runner.prefill
-    monkeypatch.setattr(eng.runner, "prefill", lambda chunks, *a, **kw: forwards.append(
-        ([n for _, n in chunks], kw.get("checkpoints"))) or prefill(chunks, *a, **kw))
-    rid = eng.add_request(PROMPTS[2], params)
-    outs = eng.step()
+    prompt = PROMPTS[4] + [7, 5, 8]   # 11 distinct-ish tokens: a checkpoint a token off would differ
+
+    def first_step(one: bool):
+        eng = engine(path, mode)
+        if not one:
+            monkeypatch.setattr(eng.runner, "checkpoints_in_forward", lambda chunks: False)
+        forwards = []
+        prefill = eng.runner.prefill
+        monkeypatch.setattr(eng.runner, "prefill", lambda chunks, *a, **kw: forwards.append(
+            ([n for _, n in chunks], kw.get("checkpoints"))) or prefill(chunks, *a, **kw))
+        rid = eng.add_request(prompt, params)
+        outs = eng.step()
+        slot = eng.requests[rid].prefix_nodes[1].checkpoint   # the block ending at token 8
+        pool = eng.prefix_cache.checkpoints
+        return eng, rid, outs, forwards, (pool.ssm[:, slot].clone(), pool.conv[:, slot].clone())
+
+    eng, rid, outs, forwards, state = first_step(one_forward)
     assert [n for n, _ in forwards] == ([[11]] if one_forward else [[8], [3]])
     assert (forwards[0][1] is not None and forwards[0][1][0][0] == 8) == one_forward
+    if one_forward:   # the checkpoint written inside the forward is the one the chunk's forward left
+        ssm, conv = first_step(False)[4]
+        assert float((state[0] - ssm).abs().max()) <= 1e-5 * float(ssm.abs().max()) and torch.equal(state[1], conv)
     assert [len(o.output_token_ids) for o in outs if o.request_id == rid] == [1]
     assert eng.metrics.prefill_tokens == 11
     while eng.has_unfinished():
         eng.step()
     first = eng.pop_finished(rid).output_token_ids
-    again = eng.add_request(PROMPTS[2], params)
+    again = eng.add_request(prompt, params)
     while eng.has_unfinished():
         eng.step()
     req = eng.pop_finished(again)
     assert req.metrics.prefix_hit_tokens == 8
     plain = engine(path, mode, enable_prefix_cache=False)
-    ref = plain.add_request(PROMPTS[2], params)
+    ref = plain.add_request(prompt, params)
     while plain.has_unfinished():
         plain.step()
     assert first == req.output_token_ids == plain.pop_finished(ref).output_token_ids
+
+
+def test_identical_prompts_in_one_step_take_one_checkpoint_and_evict_nothing_more(ckpt):
+    """Three identical prompts past a boundary in one step, the checkpoint pool full of other prompts'
+    checkpoints: one slot is reserved for the shared boundary (not three, which would evict two live
+    checkpoints only for ``attach`` to give their slots back), as the chunk-and-tail path takes one."""
+    path, _ = ckpt("dense")
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    eng = engine(path, "ar", num_checkpoint_slots=3, max_num_batched_tokens=64)
+    cache = eng.prefix_cache
+    for p in ([1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 8, 7, 6, 5, 4, 3, 2, 1], [4, 4, 2, 2, 1, 1, 3, 3, 5]):
+        eng.add_request(p, params)
+    while eng.has_unfinished():
+        eng.step()
+    assert cache.num_checkpoints == 3 and cache.evicted_checkpoints == 0
+    prompt = PROMPTS[4] + [7, 5, 8]
+    for _ in range(3):
+        eng.add_request(prompt, params)
+    eng.step()
+    assert cache.num_checkpoints == 3 and cache.evicted_checkpoints == 1
+    assert cache.has_checkpoint(prompt[:8])
+    while eng.has_unfinished():
+        eng.step()
 
 
 def test_prompt_tail_waits_when_its_blocks_are_short(ckpt):
