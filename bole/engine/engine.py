@@ -314,39 +314,43 @@ class LLMEngine:
     def _prefill(self, chunks: list[tuple[Request, int]], tails: list[tuple[Request, int]], stats: StepStats,
                  emit_early: Callable[[list[RequestOutput]], None] | None, t0: float) -> list[RequestOutput]:
         """Prefill ``chunks`` and their ``tails`` (the prompts' rest past the checkpoint boundary their
-        chunks end at): in one forward that writes the boundaries' states into checkpoint slots when the
-        runner can (``_one_forward``), else the chunks, then the tails (publish_committed has checkpointed
-        the boundaries by then), each as one forward or, with ``cuda_graph_prefill_split``, as the
-        runner's graphed waves; sample the first tokens of the prompts that completed
-        (``StepStats.prefill_time`` counts the seconds from ``t0`` to them). Their outputs: those that
-        go on go to ``emit_early`` when given (and are not returned); a request that ended on its first
-        token is handed back at the end of the step, once released."""
+        chunks end at): joined, the boundaries' states written into checkpoint slots from inside the
+        forward that passes them, when the runner can (``_one_forward``); else the chunks, then the tails
+        (publish_committed has checkpointed the boundaries by then). Each as one forward or, with
+        ``cuda_graph_prefill_split``, as the runner's graphed waves; sample the first tokens of the
+        prompts that completed (``StepStats.prefill_time`` counts the seconds from ``t0`` to them). Their
+        outputs: those that go on go to ``emit_early`` when given (and are not returned); a request that
+        ended on its first token is handed back at the end of the step, once released."""
         spec, V = self.mode != "ar", self.model.config.vocab_size
+        split = self.config.cuda_graph_prefill_split
         outputs: list[RequestOutput] = []
         last = {}
-        one = self._one_forward(chunks, tails)
-        parts = [(chunks, None), (tails, None)] if one is None else [one]
-        for part, pending in parts:
-            if not part:
-                continue
-            # several graphed forwards rather than one eager one (cuda_graph_prefill_split)
-            split = pending is None and self.config.cuda_graph_prefill_split
-            for wave in self.runner.prefill_waves(part) if split else [part]:
+        one = self._one_forward(chunks, tails, split)
+        pending = one[1] if one is not None else {}   # request id -> its boundary's reserved checkpoint
+
+        def waves():   # each part's waves planned when it starts (a chunk's forward moves the tail's keys)
+            if one is not None:
+                yield from one[0]
+                return
+            for part in (chunks, tails):
+                if part:
+                    yield from self.runner.prefill_waves(part) if split else [part]
+        try:
+            for wave in waves():
                 starts = {r.request_id: r.num_computed for r, _ in wave}
                 scored = {} if any(r.needs_prompt_logits for r, _ in wave) else None
-                inside = None if pending is None else \
-                    [p and (p.end - starts[r.request_id], p.slot) for (r, _), p in zip(wave, pending)]
-                try:
-                    last.update(self.runner.prefill(wave, keep_hidden=spec, position_logits=scored, checkpoints=inside))
-                    stats.eager_prefill |= not self.runner.prefill_graphed
-                    for rid, lg in (scored or {}).items():
-                        sampler.score_prompt(self.requests[rid], starts[rid], lg)
-                except BaseException:
-                    for p in pending or ():   # reserved, never attached
-                        if p is not None:
-                            self.prefix_cache.checkpoints.free(p.slot)
-                    raise
-                publish_committed(self.prefix_cache, [r for r, _ in wave], pending)
+                inside, attach = self._wave_checkpoints(wave, starts, pending) if one is not None else (None, None)
+                last.update(self.runner.prefill(wave, keep_hidden=spec, position_logits=scored, checkpoints=inside))
+                stats.eager_prefill |= not self.runner.prefill_graphed
+                for rid, lg in (scored or {}).items():
+                    sampler.score_prompt(self.requests[rid], starts[rid], lg)
+                for (r, _), p in zip(wave, attach or ()):
+                    if p is not None:   # written: ``publish_committed`` attaches it (or gives it back)
+                        del pending[r.request_id]
+                publish_committed(self.prefix_cache, [r for r, _ in wave], attach)
+        finally:
+            for p in pending.values():   # reserved, never written (a failed forward)
+                self.prefix_cache.checkpoints.free(p.slot)
         done = [r for r, _ in chunks if r.request_id in last]
         for r in done:
             r.prefilled = True
@@ -368,29 +372,54 @@ class LLMEngine:
             outputs = [o for o in outputs if o.finished]
         return outputs
 
-    def _one_forward(self, chunks: list[tuple[Request, int]], tails: list[tuple[Request, int]]
-                     ) -> tuple[list[tuple[Request, int]], list[PendingCheckpoint | None]] | None:
-        """Each chunk joined with its tail, and per chunk the checkpoint its boundary gets (a slot reserved
-        now, None where no slot could be had, as ``PrefixCache.checkpoint`` would take none): the state
-        there is written from inside the one forward (``ModelRunner.checkpoints_in_forward``), which saves
-        the tail's forward, a read of every weight. None: no tails, or the runner cannot."""
+    def _one_forward(self, chunks: list[tuple[Request, int]], tails: list[tuple[Request, int]], split: bool
+                     ) -> tuple[list[list[tuple[Request, int]]], dict[str, PendingCheckpoint]] | None:
+        """Each chunk joined with its tail, as the forwards that will run them (one, or with ``split`` the
+        runner's graphed waves), and the checkpoint slot reserved now for each boundary that needs one
+        (none where the block has one already, cached or another request's in this step, or no slot
+        could be had: as ``PrefixCache.checkpoint`` would take none). The forward passing a boundary
+        writes its state there (``ModelRunner.checkpoints_in_forward``): the tail's forward, a read of
+        every weight, is saved. None: no tails, or the runner cannot write them inside every forward."""
         if not tails:
             return None
         tail_of = {id(r): n for r, n in tails}
         joined = [(r, n + tail_of.get(id(r), 0)) for r, n in chunks]
-        if not self.runner.checkpoints_in_forward(joined):
+        waves = self.runner.prefill_waves(joined) if split else [joined]
+        if not all(self.runner.checkpoints_in_forward(w) for w in waves):
             return None
-        pending, seen = [], set()
+        pending, seen = {}, set()
         for r, n in chunks:
+            if id(r) not in tail_of:
+                continue
             end = r.num_computed + n
-            prefix = tuple(r.all_token_ids[:end]) if id(r) in tail_of else None
-            # as ``PrefixCache.checkpoint``: none for a boundary that has one (cached, or another request's
-            # in this step), so no live checkpoint is evicted for a slot that attach would give back
-            wanted = prefix is not None and prefix not in seen and not self.prefix_cache.has_checkpoint(prefix)
-            slot = self.prefix_cache.reserve_checkpoint() if wanted else None
+            prefix = tuple(r.all_token_ids[:end])
+            # no live checkpoint is evicted for a slot that ``attach`` would give back
+            slot = None if prefix in seen or self.prefix_cache.has_checkpoint(prefix) else \
+                self.prefix_cache.reserve_checkpoint()
             seen.add(prefix)
-            pending.append(None if slot is None else PendingCheckpoint(end, slot))
-        return joined, pending
+            if slot is not None:
+                pending[r.request_id] = PendingCheckpoint(end, slot)
+        return waves, pending
+
+    def _wave_checkpoints(self, wave: list[tuple[Request, int]], starts: dict[str, int],
+                          pending: dict[str, PendingCheckpoint]):
+        """For one forward of ``_one_forward``'s plan: per row, (tokens to its boundary, slot) where the
+        boundary lies inside the row's part (the runner's ``checkpoints``), and the checkpoints to attach
+        after it (``publish_committed``). A part that ends on its boundary leaves the state in the
+        request's slot, checkpointed by copy after the forward (``PrefixCache.checkpoint``): its reserved
+        slot is given back now."""
+        inside, attach = [], []
+        for r, k in wave:
+            p, s = pending.get(r.request_id), starts[r.request_id]
+            if p is not None and s < p.end < s + k:
+                inside.append((p.end - s, p.slot))
+                attach.append(p)
+                continue
+            if p is not None and p.end == s + k:
+                self.prefix_cache.checkpoints.free(pending.pop(r.request_id).slot)
+            inside.append(None)
+            attach.append(None)
+        return inside, attach
 
     def _finish(self) -> None:
         """Release the requests that finished this step. With a prefix cache in a speculative mode,

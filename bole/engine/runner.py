@@ -154,12 +154,12 @@ class ModelRunner:
             self.prefill_graphs.enable_checkpoints(pool)
 
     def checkpoints_in_forward(self, chunks: list[tuple[Request, int]]) -> bool:
-        """Whether one prefill forward of ``chunks`` can write checkpoints inside them, at the speed of
-        today's chunk-and-tail: a captured prefill fits them, or, without prefill graphs, they total at
-        most ``INLINE_CHECKPOINT_TOKENS`` (eager: the checkpointing GDN layers take the recurrence, which
-        outran fla's chunk per layer to 512 tokens at the 9B shape, ``bole.engine.graphs.prefill``). With
-        graphs on, a step no graph fits keeps the chunk and tail as graphed waves: an eager 9B-cost
-        prefill took 80-90 ms against ~10 ms captured."""
+        """Whether one prefill forward of ``chunks`` can write checkpoints inside them, at the speed of a
+        chunk and then its tail: a captured prefill fits them (the engine asks per graphed wave), or,
+        without prefill graphs, they total at most ``INLINE_CHECKPOINT_TOKENS`` (eager: the checkpointing
+        GDN layers take the recurrence, which outran fla's chunk per layer to 512 tokens at the 9B shape,
+        ``bole.engine.graphs.prefill``). With graphs on, a forward no graph fits keeps the chunk and tail:
+        an eager 9B-cost prefill took 80-90 ms against ~10 ms captured."""
         if self.checkpoint_pool is None or not chunks:
             return False
         if self.prefill_graphs is not None:

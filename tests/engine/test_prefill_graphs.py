@@ -378,6 +378,50 @@ def test_engine_split_prefill_runs_every_wave_graphed_and_keeps_the_tokens(ckpt,
         assert [t for t, _ in x.top] == [t for t, _ in y.top]
 
 
+def _checkpoint_at(cache, tokens):
+    """The checkpoint slot of the cached block ending ``tokens`` (None: no such block or checkpoint)."""
+    node = cache.root
+    for i in range(len(tokens) // cache.block_size):
+        node = node.children.get(tuple(tokens[i * cache.block_size:(i + 1) * cache.block_size]))
+        if node is None:
+            return None
+    return node.checkpoint
+
+
+def test_split_prefill_writes_each_boundary_inside_its_wave(ckpt, monkeypatch):
+    """Prompts past their boundary prefilled as several graphed waves (buckets of 32 tokens): each prompt's
+    chunk and tail are joined and its boundary's state is written inside whichever wave passes it (a wave
+    that ends on it checkpoints by copy), so the step takes fewer forwards than chunks and then tails, every
+    checkpoint equals that path's, the tokens are a plain engine's, and no checkpoint slot leaks."""
+    prompts = [[(7 * i + j) % 61 + 1 for i in range(n)] for j, n in enumerate((45, 20, 70, 9))]
+    runs = {}
+    for one in (True, False):
+        eng = _engine(ckpt, "ar", max_num_batched_tokens=256)
+        eng.runner.enable_prefill_graphs((1, 2, 4), capture=False, min_kv=8, token_sizes=(16, 32))
+        if not one:
+            monkeypatch.setattr(eng.runner, "checkpoints_in_forward", lambda chunks: False)
+        pg, cache = eng.runner.prefill_graphs, eng.prefix_cache
+        ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)) for p in prompts]
+        eng.step()   # every prompt prefilled in this step
+        bounds = [len(p) // cache.interval * cache.interval for p in prompts]
+        slots = [_checkpoint_at(cache, p[:b]) for p, b in zip(prompts, bounds)]
+        assert None not in slots, slots
+        pool = cache.checkpoints
+        runs[one] = dict(replays=pg.replays, eager=eng.metrics.eager_prefills,
+                         states=[(pool.ssm[:, sl].clone(), pool.conv[:, sl].clone()) for sl in slots])
+        while eng.has_unfinished():
+            eng.step()
+        runs[one]["tokens"] = [eng.pop_finished(r).output_token_ids for r in ids]
+        cache.clear()
+        assert pool.num_free == pool.num_slots - 1   # all back but the graphs' scratch slot
+    a, b = runs[True], runs[False]
+    assert a["eager"] == b["eager"] == 0 and a["replays"] < b["replays"], (a["replays"], b["replays"])
+    for (s1, c1), (s2, c2) in zip(a["states"], b["states"], strict=True):
+        assert _rel(s1, s2) <= 1e-5 and _rel(c1, c2) <= 1e-6
+    plain = _engine(ckpt, "ar", max_num_batched_tokens=256, enable_prefix_cache=False)
+    assert a["tokens"] == b["tokens"] == run_arrivals(plain, prompts, [5] * 4)
+
+
 # ------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 def test_graphed_prefill_matches_eager_cuda(ckpt):
