@@ -344,6 +344,10 @@ class LLMEngine:
                 stats.eager_prefill |= not self.runner.prefill_graphed
                 for rid, lg in (scored or {}).items():
                     sampler.score_prompt(self.requests[rid], starts[rid], lg)
+                cache = self.prefix_cache
+                for (r, _), p, ck in zip(wave, attach or (), inside or ()):
+                    if p is not None and ck is None:   # the part ended on its boundary: the state is the request's
+                        cache.state_pool.copy_slot(r.state_slot, cache.checkpoints, p.slot)
                 for (r, _), p in zip(wave, attach or ()):
                     if p is not None:   # written: ``publish_committed`` attaches it (or gives it back)
                         del pending[r.request_id]
@@ -406,19 +410,12 @@ class LLMEngine:
         """For one forward of ``_one_forward``'s plan: per row, (tokens to its boundary, slot) where the
         boundary lies inside the row's part (the runner's ``checkpoints``), and the checkpoints to attach
         after it (``publish_committed``). A part that ends on its boundary leaves the state in the
-        request's slot, checkpointed by copy after the forward (``PrefixCache.checkpoint``): its reserved
-        slot is given back now."""
+        request's slot: attached too (no checkpoint written inside: ``_prefill`` copies the slot into it)."""
         inside, attach = [], []
         for r, k in wave:
             p, s = pending.get(r.request_id), starts[r.request_id]
-            if p is not None and s < p.end < s + k:
-                inside.append((p.end - s, p.slot))
-                attach.append(p)
-                continue
-            if p is not None and p.end == s + k:
-                self.prefix_cache.checkpoints.free(pending.pop(r.request_id).slot)
-            inside.append(None)
-            attach.append(None)
+            inside.append((p.end - s, p.slot) if p is not None and s < p.end < s + k else None)
+            attach.append(p if p is not None and s < p.end <= s + k else None)
         return inside, attach
 
     def _finish(self) -> None:

@@ -388,12 +388,14 @@ def _checkpoint_at(cache, tokens):
     return node.checkpoint
 
 
-def test_split_prefill_writes_each_boundary_inside_its_wave(ckpt, monkeypatch):
+@pytest.mark.parametrize("lengths", [(45, 20, 70, 9), (7, 26)])
+def test_split_prefill_writes_each_boundary_inside_its_wave(ckpt, monkeypatch, lengths):
     """Prompts past their boundary prefilled as several graphed waves (buckets of 32 tokens): each prompt's
-    chunk and tail are joined and its boundary's state is written inside whichever wave passes it (a wave
-    that ends on it checkpoints by copy), so the step takes fewer forwards than chunks and then tails, every
+    chunk and tail are joined and its boundary's state is written inside whichever wave passes it (with
+    (7, 26) the first wave ends on the 26-token prompt's boundary, 24: its slot is copied into the reserved
+    checkpoint), so the step takes fewer forwards than chunks and then tails (as many there), every
     checkpoint equals that path's, the tokens are a plain engine's, and no checkpoint slot leaks."""
-    prompts = [[(7 * i + j) % 61 + 1 for i in range(n)] for j, n in enumerate((45, 20, 70, 9))]
+    prompts = [[(7 * i + j) % 61 + 1 for i in range(n)] for j, n in enumerate(lengths)]
     runs = {}
     for one in (True, False):
         eng = _engine(ckpt, "ar", max_num_batched_tokens=256)
@@ -415,11 +417,37 @@ def test_split_prefill_writes_each_boundary_inside_its_wave(ckpt, monkeypatch):
         cache.clear()
         assert pool.num_free == pool.num_slots - 1   # all back but the graphs' scratch slot
     a, b = runs[True], runs[False]
-    assert a["eager"] == b["eager"] == 0 and a["replays"] < b["replays"], (a["replays"], b["replays"])
+    # (7, 26): 33 joined tokens take two waves, as 28 of chunks and 5 of tails do
+    fewer = a["replays"] < b["replays"] if len(prompts) == 4 else a["replays"] == b["replays"] == 2
+    assert a["eager"] == b["eager"] == 0 and fewer, (a["replays"], b["replays"])
     for (s1, c1), (s2, c2) in zip(a["states"], b["states"], strict=True):
         assert _rel(s1, s2) <= 1e-5 and _rel(c1, c2) <= 1e-6
     plain = _engine(ckpt, "ar", max_num_batched_tokens=256, enable_prefix_cache=False)
-    assert a["tokens"] == b["tokens"] == run_arrivals(plain, prompts, [5] * 4)
+    assert a["tokens"] == b["tokens"] == run_arrivals(plain, prompts, [5] * len(prompts))
+
+
+@pytest.mark.parametrize("fail_at", [1, 2])
+def test_split_prefill_that_fails_keeps_the_checkpoint_slots(ckpt, monkeypatch, fail_at):
+    """A graphed wave's forward raises mid-step: the step fails, and every checkpoint slot is either free
+    or holds an attached checkpoint (the reserved, unwritten ones given back)."""
+    prompts = [[(7 * i + j) % 61 + 1 for i in range(n)] for j, n in enumerate((45, 70))]
+    eng = _engine(ckpt, "ar", max_num_batched_tokens=256)
+    eng.runner.enable_prefill_graphs((1, 2, 4), capture=False, min_kv=8, token_sizes=(16, 32))
+    calls, prefill = [], eng.runner.prefill
+
+    def failing(chunks, *a, **kw):
+        calls.append(kw.get("checkpoints"))
+        if len(calls) == fail_at:
+            raise RuntimeError("a forward failed")
+        return prefill(chunks, *a, **kw)
+    monkeypatch.setattr(eng.runner, "prefill", failing)
+    for p in prompts:
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    with pytest.raises(RuntimeError, match="a forward failed"):
+        eng.step()
+    pool, cache = eng.prefix_cache.checkpoints, eng.prefix_cache
+    assert any(c is not None and any(c) for c in calls[:fail_at]) or fail_at == 1
+    assert pool.num_free == pool.num_slots - 1 - cache.num_checkpoints   # the scratch slot aside
 
 
 # ------------------------------------------------------------------------------------------- GPU
