@@ -344,13 +344,12 @@ class LLMEngine:
                 stats.eager_prefill |= not self.runner.prefill_graphed
                 for rid, lg in (scored or {}).items():
                     sampler.score_prompt(self.requests[rid], starts[rid], lg)
-                cache = self.prefix_cache
                 for (r, _), p, ck in zip(wave, attach or (), inside or ()):
-                    if p is not None and ck is None:   # the part ended on its boundary: the state is the request's
-                        cache.state_pool.copy_slot(r.state_slot, cache.checkpoints, p.slot)
-                for (r, _), p in zip(wave, attach or ()):
-                    if p is not None:   # written: ``publish_committed`` attaches it (or gives it back)
-                        del pending[r.request_id]
+                    if p is None:
+                        continue
+                    if ck is None:   # the part ended on its boundary: the state is the request's slot
+                        self.prefix_cache.state_pool.copy_slot(r.state_slot, self.prefix_cache.checkpoints, p.slot)
+                    del pending[r.request_id]   # written: ``publish_committed`` attaches it (or gives it back)
                 publish_committed(self.prefix_cache, [r for r, _ in wave], attach)
         finally:
             for p in pending.values():   # reserved, never written (a failed forward)
