@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 
@@ -154,14 +154,14 @@ class PrefixCache:
                 best = len(chain)
         return chain[:best]
 
-    def has_checkpoint(self, token_ids: Sequence[int]) -> bool:
-        """Whether the cached block ending ``token_ids`` (a whole number of blocks) holds a checkpoint."""
+    def checkpointed(self, token_ids: Sequence[int]) -> CachedBlock | None:
+        """The cached block ending ``token_ids`` (a whole number of blocks) if it holds a checkpoint."""
         B, node = self.block_size, self.root
         for i in range(len(token_ids) // B):
             node = node.children.get(tuple(token_ids[i * B:(i + 1) * B]))
             if node is None:
-                return False
-        return node is not self.root and node.checkpoint is not None
+                return None
+        return node if node is not self.root and node.checkpoint is not None else None
 
     def share(self, req, chain: list[CachedBlock]) -> None:
         """Start a fresh request on ``chain`` (a reference on each block); ``restore`` fills its state."""
@@ -251,16 +251,16 @@ class PrefixCache:
         inside it (0 = none; a commit landing on a boundary is checkpointed by ``checkpoint``)."""
         return boundary_cut(start, n, self.interval)
 
-    def reserve_checkpoint(self, evict: bool = True) -> int | None:
-        """A free checkpoint slot (contents undefined), evicting the LRU checkpoint if the pool is
-        full (``evict``); None if none is free (or every slot is taken by this step's checkpoints).
+    def reserve_checkpoint(self, evict: bool = True, keep: Collection[CachedBlock] = ()) -> int | None:
+        """A free checkpoint slot (contents undefined), evicting a checkpoint if the pool is full
+        (``evict``; in eviction order, never one on a block of ``keep``: those a caller found and counts
+        on); None if none is free (or every slot is taken by this step's or ``keep``'s checkpoints).
         ``attach`` or free it."""
         if not self.checkpoints.can_allocate(1):
-            if not evict:
+            victims = [n for n in self._by_checkpoint.values() if n not in keep] if evict else []
+            if not victims:
                 return None
-            if not self._by_checkpoint:
-                return None
-            self._drop_checkpoint(min(self._by_checkpoint.values(), key=_victim_order))
+            self._drop_checkpoint(min(victims, key=_victim_order))
             self.evicted_checkpoints += 1
         return self.checkpoints.allocate(zero=False)
 

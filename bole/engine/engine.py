@@ -380,7 +380,8 @@ class LLMEngine:
         """Each chunk joined with its tail, as the forwards that will run them (one, or with ``split`` the
         runner's graphed waves), and the checkpoint slot reserved now for each boundary that needs one
         (none where the block has one already, cached or another request's in this step, or no slot
-        could be had: as ``PrefixCache.checkpoint`` would take none). The forward passing a boundary
+        could be had: as ``PrefixCache.checkpoint`` would take none); a reservation evicts no checkpoint
+        that another boundary of the step relies on. The forward passing a boundary
         writes its state there (``ModelRunner.checkpoints_in_forward``): the tail's forward, a read of
         every weight, is saved. None: no tails, or the runner cannot write them inside every forward."""
         if not tails:
@@ -390,18 +391,18 @@ class LLMEngine:
         waves = self.runner.prefill_waves(joined) if split else [joined]
         if not all(self.runner.checkpoints_in_forward(w) for w in waves):
             return None
+        cache = self.prefix_cache
+        boundaries = [(r, tuple(r.all_token_ids[:r.num_computed + n])) for r, n in chunks if id(r) in tail_of]
+        found = {prefix: cache.checkpointed(prefix) for _, prefix in boundaries}
+        # a reservation evicts none of these: a request here counts on its boundary's checkpoint
+        keep = {node for node in found.values() if node is not None}
         pending, seen = {}, set()
-        for r, n in chunks:
-            if id(r) not in tail_of:
-                continue
-            end = r.num_computed + n
-            prefix = tuple(r.all_token_ids[:end])
+        for r, prefix in boundaries:
             # no live checkpoint is evicted for a slot that ``attach`` would give back
-            slot = None if prefix in seen or self.prefix_cache.has_checkpoint(prefix) else \
-                self.prefix_cache.reserve_checkpoint()
+            slot = None if prefix in seen or found[prefix] is not None else cache.reserve_checkpoint(keep=keep)
             seen.add(prefix)
             if slot is not None:
-                pending[r.request_id] = PendingCheckpoint(end, slot)
+                pending[r.request_id] = PendingCheckpoint(len(prefix), slot)
         return waves, pending
 
     def _wave_checkpoints(self, wave: list[tuple[Request, int]], starts: dict[str, int],

@@ -201,6 +201,26 @@ def test_superseded_checkpoints_are_evicted_before_older_leaves():
     h.assert_accounted()
 
 
+def test_a_reservation_never_evicts_a_kept_checkpoint():
+    """``reserve_checkpoint(keep=...)`` takes the next victim in eviction order past the kept blocks (the
+    engine keeps those a request of the step found at its boundary), and nothing when all are kept."""
+    h = Harness(num_blocks=32, num_ckpts=2)
+    for k in (1, 2):                             # X4 the older checkpoint, then Y4
+        r = h.admit([k] * 5)
+        h.compute(r, 4)
+        h.finish(r)
+    x, y = h.cache.checkpointed([1] * 4), h.cache.checkpointed([2] * 4)
+    assert x is not None and y is not None and h.cache.checkpointed([3] * 4) is None
+    assert h.cache.checkpointed([1] * 3) is None   # not a whole block
+    slot = h.cache.reserve_checkpoint(keep={x})   # LRU would take X4: Y4 goes
+    assert slot is not None and h.cache.checkpointed([1] * 4) is x and h.cache.checkpointed([2] * 4) is None
+    assert h.cache.reserve_checkpoint(keep={x}) is None and h.cache.checkpointed([1] * 4) is x
+    assert h.cache.reserve_checkpoint(evict=False) is None
+    h.cache.checkpoints.free(slot)
+    assert h.cache.evicted_checkpoints == 1
+    h.assert_accounted()
+
+
 def test_a_branch_point_is_kept_like_a_leaf():
     h = Harness(num_blocks=32, num_ckpts=3)
     y = h.admit([2] * 9)

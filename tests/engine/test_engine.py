@@ -494,7 +494,34 @@ def test_identical_prompts_in_one_step_take_one_checkpoint_and_evict_nothing_mor
         eng.add_request(prompt, params)
     eng.step()
     assert cache.num_checkpoints == 3 and cache.evicted_checkpoints == 1
-    assert cache.has_checkpoint(prompt[:8])
+    assert cache.checkpointed(prompt[:8]) is not None
+    while eng.has_unfinished():
+        eng.step()
+
+
+def test_a_boundary_found_checkpointed_keeps_its_checkpoint_when_another_reserves(ckpt, monkeypatch):
+    """Two prompts past a boundary in one step, the checkpoint pool full: A's boundary block holds a
+    checkpoint A did not restore from (as a speculative match stops at a block the drafter has not
+    covered), so A writes none; C's reservation must then evict another checkpoint, not A's (the least
+    recently used), which would leave A's boundary without one."""
+    path, _ = ckpt("dense")
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    eng = engine(path, "ar", num_checkpoint_slots=2, max_num_batched_tokens=64)
+    cache = eng.prefix_cache
+    x, y = [1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 8, 7, 6, 5, 4, 3, 2, 1]
+    for p in (x, y):   # X's checkpoint at 8 is the least recently used
+        eng.add_request(p, params)
+        while eng.has_unfinished():
+            eng.step()
+    assert cache.num_checkpoints == 2 and cache.evicted_checkpoints == 0
+    a, c = x[:8] + [7, 5, 8], PROMPTS[4] + [7, 5, 8]
+    match = cache.match
+    monkeypatch.setattr(cache, "match", lambda t: [] if list(t) == a else match(t))
+    ra, rc = eng.add_request(a, params), eng.add_request(c, params)
+    outs = eng.step()
+    assert {o.request_id for o in outs} == {ra, rc} and eng.metrics.prefill_tokens >= 22
+    assert cache.checkpointed(x[:8]) is not None and cache.checkpointed(c[:8]) is not None
+    assert cache.checkpointed(y[:8]) is None and cache.evicted_checkpoints == 1
     while eng.has_unfinished():
         eng.step()
 
