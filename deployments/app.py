@@ -207,6 +207,7 @@ def _ingress_class():
     @serve.ingress()
     class OpenAIIngress:
         def __init__(self, replicas: dict, config: dict):
+            from bole.engine.async_engine import freeze_startup_heap
             from deployments.serve_client import ServeEngineClient
 
             self.config = cfg = AppConfig(**config)
@@ -216,6 +217,7 @@ def _ingress_class():
             retry = RetryPolicy(budget_s=cfg.retry_budget_s)
             # the view this process's routers publish into (routing_policy.process_fleet says why)
             self.client = ServeEngineClient(replicas, model_tokenizer(cfg.model), process_fleet(), policy, retry)
+            freeze_startup_heap()   # Ray, the tokenizer, the app: no full collection walks them again
 
         def __serve_build_asgi_app__(self):
             from deployments.ingress import openai_app

@@ -352,7 +352,7 @@ def main(argv=None) -> int:
     import uvicorn
 
     from bole.config import ENGINE_MODES, CacheConfig, EngineConfig
-    from bole.engine.async_engine import AsyncEngine
+    from bole.engine.async_engine import AsyncEngine, freeze_startup_heap
     from bole.llm import build_engine
     from deployments.engine_client import LocalEngineClient
 
@@ -380,6 +380,7 @@ def main(argv=None) -> int:
     name = a.served_model_name or os.path.basename(os.path.normpath(a.model))
     app = openai_app(client, name, api_key=a.api_key, default_max_tokens=a.default_max_tokens,
                     request_timeout_s=a.request_timeout)
+    freeze_startup_heap()
     uvicorn.run(app, host=a.host, port=a.port, log_level="info", timeout_graceful_shutdown=30)
     return 0
 

@@ -179,7 +179,7 @@ def main(argv=None) -> int:
 def _serve_without_ray(cfg, host: str, port: int, url: str, name: str) -> int:
     import uvicorn
 
-    from bole.engine.async_engine import AsyncEngine
+    from bole.engine.async_engine import AsyncEngine, freeze_startup_heap
     from bole.llm import build_engine
     from deployments.engine_client import LocalEngineClient
     from deployments.ingress import openai_app
@@ -192,6 +192,7 @@ def _serve_without_ray(cfg, host: str, port: int, url: str, name: str) -> int:
     app = openai_app(client, name, api_key=os.environ.get(cfg.api_key_env, ""),
                     max_body_bytes=cfg.max_body_bytes, default_max_tokens=cfg.default_max_tokens,
                     request_timeout_s=cfg.request_timeout_s, protect_metrics=cfg.protect_metrics or None)
+    freeze_startup_heap()   # no full collection walks the model, graphs and app again (it says why)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
                                            timeout_graceful_shutdown=30))
 

@@ -52,7 +52,7 @@ import os
 from dataclasses import replace
 
 from bole.cache.block_hash import prefix_block_hashes
-from bole.engine.async_engine import AsyncEngine
+from bole.engine.async_engine import AsyncEngine, freeze_startup_heap
 from bole.hardware import resolve_calibration
 from bole.llm import build_engine, resolve_repo_path
 from bole.spec.budget import CalibrationTable
@@ -94,6 +94,7 @@ class BoleReplica:
         self.model_name = os.path.basename(os.path.normpath(model_path))  # the id recalibrated tables carry
         logger.info("replica %s up: %s on %s (tp %d), table %s", self.replica_id, model_path,
                     self.hardware_class, tp_size, engine.calibration.table_id)
+        freeze_startup_heap()   # no full collection walks the model and graphs again (it says why)
 
     def _check_target(self, target_replica: str | None) -> None:
         if target_replica is not None and target_replica != self.replica_id:

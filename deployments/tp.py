@@ -58,6 +58,7 @@ class TPWorker:
     def setup(self, port: int, model_path: str, engine_options: dict) -> dict:
         import torch
 
+        from bole.engine.async_engine import freeze_startup_heap
         from bole.llm import build_engine
         from bole.parallel import init_tp_group
 
@@ -69,6 +70,7 @@ class TPWorker:
         # every rank decodes text: stop strings end requests, and all ranks must end them alike
         self.engine = build_engine(model_path, tokenizer=True, tp_rank=self.rank,
                                    tp_group=group.group, **{**engine_options, "tp_size": self.tp_size})
+        freeze_startup_heap()   # a rank's pause would stall every rank's collective
         return {"calibration": self.engine.calibration.to_dict(), "limits": self.engine.limits(),
                 "stats": self.engine.stats()}
 

@@ -20,6 +20,7 @@ import asyncio
 import collections
 import dataclasses
 import functools
+import gc
 import itertools
 import logging
 import threading
@@ -250,6 +251,18 @@ class AsyncEngine:
                 self._deliver(out.request_id, out)
             if not busy:
                 self._wake.wait()
+
+
+def freeze_startup_heap() -> None:
+    """End a serving process's start: collect once, then move every object alive (imports, the model,
+    tokenizer, graphs, the app) into the collector's permanent generation (``gc.freeze``), which no
+    later collection walks. Without it every full collection walks them all with the whole process
+    stopped (the engine thread, every stream): a ``--no-ray`` server of the embedded model on a 2-core
+    CPU tracked ~0.39 M objects and, serving 300 requests, ran 3 full collections of 148-185 ms
+    (2026-12-06, a ``gc.callbacks`` probe). Objects made later are collected as before; start-up's
+    objects freed later go by reference counting. vLLM freezes after its start for the same reason."""
+    gc.collect()
+    gc.freeze()
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:

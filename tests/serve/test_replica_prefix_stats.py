@@ -1,6 +1,7 @@
 """The replica's routing stats report the engine prefix cache's real block hashes (no Ray needed)."""
 
 import asyncio
+import gc
 from dataclasses import replace
 
 from conftest import ENGINE_OPTIONS
@@ -13,8 +14,10 @@ from deployments.replica_stats import ReplicaStats
 
 
 def test_routing_stats_carry_the_engine_prefix_cache(tiny_model):
+    gc.unfreeze()
     replica = BoleReplica(tiny_model, dict(ENGINE_OPTIONS), hardware="cpu")
     try:
+        assert gc.get_freeze_count() > 0   # the replica's start froze its heap (freeze_startup_heap)
         stats = ReplicaStats.from_dict(replica.record_routing_stats())   # Serve's dict, read back as the router does
         assert stats.prefix_blocks == () and stats.prefix_source == "recent_prompts"
         assert stats == replace(replica.stats(), prefix_source="recent_prompts")
@@ -33,3 +36,4 @@ def test_routing_stats_carry_the_engine_prefix_cache(tiny_model):
         assert raw["num_prefix_blocks"] == len(stats.prefix_blocks) >= 4
     finally:
         replica.engine.shutdown()
+        gc.unfreeze()   # this test process's later tests collect as before
