@@ -217,7 +217,7 @@ def _ingress_class():
             retry = RetryPolicy(budget_s=cfg.retry_budget_s)
             # the view this process's routers publish into (routing_policy.process_fleet says why)
             self.client = ServeEngineClient(replicas, model_tokenizer(cfg.model), process_fleet(), policy, retry)
-            freeze_startup_heap()   # Ray, the tokenizer, the app: no full collection walks them again
+            freeze_startup_heap()   # Ray, the tokenizer, the client: no full collection walks them again
 
         def __serve_build_asgi_app__(self):
             from deployments.ingress import openai_app

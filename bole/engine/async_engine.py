@@ -259,8 +259,10 @@ def freeze_startup_heap() -> None:
     later collection walks. Without it every full collection walks them all with the whole process
     stopped (the engine thread, every stream): a ``--no-ray`` server of the embedded model on a 2-core
     CPU tracked ~0.39 M objects and, serving 300 requests, ran 3 full collections of 148-185 ms
-    (2026-12-06, a ``gc.callbacks`` probe). Objects made later are collected as before; start-up's
-    objects freed later go by reference counting. vLLM freezes after its start for the same reason."""
+    (2026-12-06, a ``gc.callbacks`` probe). Objects made later are collected as before; a frozen object
+    freed later goes by reference counting only, so frozen cycles that become garbage stay (nothing made
+    at start is dropped while serving but the first calibration table a reconfigure replaces). vLLM
+    freezes after its start for the same reason."""
     gc.collect()
     gc.freeze()
 

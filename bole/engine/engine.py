@@ -380,8 +380,9 @@ class LLMEngine:
         """Each chunk joined with its tail, as the forwards that will run them (one, or with ``split`` the
         runner's graphed waves), and the checkpoint slot reserved now for each boundary that needs one
         (none where the block has one already, cached or another request's in this step, or no slot
-        could be had: as ``PrefixCache.checkpoint`` would take none); a reservation evicts no checkpoint
-        that another boundary of the step relies on. The forward passing a boundary
+        could be had: as ``PrefixCache.checkpoint`` would take none); these reservations evict no checkpoint
+        that another boundary planned here relies on (the step's later ones, ``publish_committed``'s
+        and a speculative tail's, evict in the cache's order as before). The forward passing a boundary
         writes its state there (``ModelRunner.checkpoints_in_forward``): the tail's forward, a read of
         every weight, is saved. None: no tails, or the runner cannot write them inside every forward."""
         if not tails:
