@@ -388,6 +388,11 @@ class EngineConfig:
     # decode forward and, in the speculative modes, between its draft and verify forward, within the
     # step's token budget (``LLMEngine.step``'s ``admit``); off: only between steps, as vLLM and SGLang
     admit_mid_step: bool = True
+    # with admit_mid_step, one more admission point: while the GPU runs the step's forwards, the engine
+    # thread polls for arrivals and prefills them at once on a stream of the highest priority beside the
+    # forwards in flight (``LLMEngine._admit_while_busy``); the GPU idles for up to a polling interval
+    # between the decode / verify forward and what follows it, every step
+    admit_during_forward: bool = False
     # the most tree rows one verify forward holds across the batch, every tree padded to the step's widest
     # (``bole.spec.budget.verify_rows_limit``): it sizes the verify factor buffer, the verify graphs'
     # static logits and the memory plan's verify logits, and every step's drafts per request are capped
@@ -416,7 +421,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
             raise ValueError(f"tp_size must be an int >= 1, got {self.tp_size!r}")
-        for name in ("enable_cuda_graphs", "cuda_graph_prefill", "cuda_graph_prefill_split", "admit_mid_step"):
+        for name in ("enable_cuda_graphs", "cuda_graph_prefill", "cuda_graph_prefill_split", "admit_mid_step",
+                     "admit_during_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         try:

@@ -65,6 +65,10 @@ from bole.spec.tree import MAX_TREE_NODES, tree_widths
 
 logger = logging.getLogger(__name__)
 
+# the polling interval of ``LLMEngine._admit_while_busy`` (Linux sleeps ~50 µs longer); it releases the GIL
+# for the event loop that receives the requests
+ADMIT_POLL_S = 50e-6
+
 
 class LLMEngine:
     """The continuous-batching engine over one model: requests in, ``step()`` -> their output deltas."""
@@ -127,7 +131,8 @@ class LLMEngine:
                                   if spec_graphs else None,
                                   # the same buckets in every mode: a prefill runs at the same padded shapes
                                   prefill_graph_sizes=spec_sizes if config.prefill_graphs else None,
-                                  prefill_graph_tokens=config.prefill_graph_tokens)
+                                  prefill_graph_tokens=config.prefill_graph_tokens,
+                                  prefill_beside=config.admit_mid_step and config.admit_during_forward)
         cc = config.cache
         self.prefix_cache = PrefixCache(self.runner.allocator, self.runner.state_pool, cc.block_size,
                                         cc.checkpoint_interval_blocks, cc.num_checkpoint_slots,
@@ -141,6 +146,8 @@ class LLMEngine:
             self.warm_up()
         if config.cuda_graph_capture_len is not None:  # after enable_checkpoints: it must precede any graph
             self.capture_graphs(config.cuda_graph_capture_len)
+        # recorded before a step's forwards: prefills beside them (``_admit_while_busy``) follow it
+        self._fence = torch.cuda.Event() if self.runner.prefill_stream is not None else None
         self.spec_step = SpeculativeStep(self.runner, spec, V, self.max_draft_nodes, self.prefix_cache,
                                          self.verify_rows) \
             if self.mode != "ar" else None
@@ -260,7 +267,9 @@ class LLMEngine:
         before the decode forward and, in the speculative modes, between the draft and the verify forward.
         The arrivals are prefilled there, within what is left of the step's token budget, and their first
         tokens emitted early; the step's decode batch is not changed (``Scheduler.admit_arrivals``). An
-        arrival then waits for the step's next admission point, not its end."""
+        arrival then waits for the step's next admission point, not its end. With
+        ``EngineConfig.admit_during_forward`` there is one more, while the GPU runs the decode or verify
+        forward (``_admit_while_busy``)."""
         self._finish()  # requests a failed step left finishing
         sched = self.scheduler.schedule(self.lookahead)
         outputs: list[RequestOutput] = []
@@ -270,22 +279,32 @@ class LLMEngine:
             outputs += self._prefill(sched.prefill, sched.prefill_tails, stats, emit_early, stats.start)
         ending = {id(r) for r, _ in self._finishing}  # finished by this step's prefill sampling
         decode = [r for r in sched.decode if not r.is_finished and id(r) not in ending]
-        between = None
+        between = during = None
         if admit is not None and emit_early is not None and self.config.admit_mid_step:
             def between() -> None:   # requests sent since the step began: prefilled here, not after it
+                n = stats.admitted_mid_step
                 outputs.extend(self._admit(admit, len(decode), stats, emit_early))
+                if self._fence is not None and stats.admitted_mid_step > n:
+                    self._fence.record()   # a prefill beside the forward starts after this one
             between()
+            if self.config.admit_during_forward:
+                def during() -> None:   # while the GPU runs the decode / verify forward
+                    outputs.extend(self._admit_while_busy(admit, len(decode), stats, emit_early))
+                if self._fence is not None:
+                    self._fence.record()   # what a prefill beside this step's forwards must follow
         if decode:
             t0 = time.perf_counter()
             if self.mode == "ar":
                 logits = self.runner.decode(decode, keep_hidden=False)
+                if during is not None:
+                    during()
                 publish_committed(self.prefix_cache, decode)
                 toks, lps = sampler.sample_next(decode, logits, sampler.penalties(decode, V, self.runner.device))
                 emitted = [[t] for t in toks]
                 stats.tree_nodes = len(decode)
                 stats.eager_forward = not self.runner.decode_graphed
             else:
-                emitted, lps = self.spec_step.run(decode, stats, self.calibration, between=between)
+                emitted, lps = self.spec_step.run(decode, stats, self.calibration, between=between, during=during)
             stats.verify_time = time.perf_counter() - t0   # admissions between draft and verify included
             for i, (r, toks) in enumerate(zip(decode, emitted)):
                 r.metrics.num_steps += 1
@@ -300,16 +319,44 @@ class LLMEngine:
         return outputs
 
     def _admit(self, admit: Callable[[], int], num_decode: int, stats: StepStats,
-               emit_early: Callable[[list[RequestOutput]], None]) -> list[RequestOutput]:
-        """An admission point inside a step: ``admit()`` adds the requests sent since the step began; the
-        scheduler admits those that fit what is left of the step's token budget without touching the
-        step's batch (``Scheduler.admit_arrivals``); they are prefilled now (``_prefill``)."""
-        if not admit():
+               emit_early: Callable[[list[RequestOutput]], None], polled: bool = False) -> list[RequestOutput]:
+        """An admission point inside a step: ``admit()`` adds the requests sent since the step began (or,
+        ``polled``, the caller has just added some); the scheduler admits those that fit what is left of
+        the step's token budget without touching the step's batch (``Scheduler.admit_arrivals``); they
+        are prefilled now (``_prefill``)."""
+        if not polled and not admit():
             return []
         t0 = time.perf_counter()
         late = self.scheduler.admit_arrivals(self.config.max_num_batched_tokens - num_decode - stats.prefill_tokens)
         stats.admitted_mid_step += len(late.prefill)   # one chunk per admitted request
         return self._prefill(late.prefill, late.prefill_tails, stats, emit_early, t0) if late.prefill else []
+
+    def _admit_while_busy(self, admit: Callable[[], int], num_decode: int, stats: StepStats,
+                          emit_early: Callable[[list[RequestOutput]], None]) -> list[RequestOutput]:
+        """The admission point while the GPU runs the step's forwards (the draft and verify, or the decode),
+        called right after the last is launched: until that work is done (a CUDA event), poll for arrivals
+        and prefill each at once on the runner's prefill stream (``ModelRunner.beside``), whose highest
+        priority lets its blocks go ahead of the forwards' blocks not yet scheduled: an arrival waits for
+        its own prefill (slowed by what it shares the GPU with), not for the step. The forwards' requests
+        wait for the prefill as they would at the next step's start. The price, every step: the GPU idles
+        between the forward and what follows (the sampling, or the acceptance tail) for up to a polling
+        interval and that launch. Safe at this point: the verify forward hands the tail its outputs in
+        buffers outside the graph pool and its factors in the runner's buffer, which prefills never
+        touch; the tail's checkpoint slots (which may be cached checkpoints an arrival could hit or evict)
+        are reserved after it, and ar's step checkpoints after it too. On the CPU (no prefill stream) the
+        forward has run already: one admission point, the prefill after it."""
+        if self.runner.prefill_stream is None:
+            return self._admit(admit, num_decode, stats, emit_early)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.runner.device))
+        out: list[RequestOutput] = []
+        while True:
+            if admit():
+                with self.runner.beside(self._fence):
+                    out += self._admit(admit, num_decode, stats, emit_early, polled=True)
+            if done.query():
+                return out
+            time.sleep(ADMIT_POLL_S)
 
     def _prefill(self, chunks: list[tuple[Request, int]], tails: list[tuple[Request, int]], stats: StepStats,
                  emit_early: Callable[[list[RequestOutput]], None] | None, t0: float) -> list[RequestOutput]:

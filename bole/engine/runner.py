@@ -27,6 +27,7 @@ forest so far (``ForwardContext.suffix``): every node attends to the committed p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Sequence
@@ -69,7 +70,7 @@ class ModelRunner:
                  max_batch_nodes: int, kv_dtype: torch.dtype, device, snapshot_verify: bool = False,
                  cuda_graph_batch_sizes: Sequence[int] | None = None, verify_graph_spec: dict | None = None,
                  draft_graph_spec: dict | None = None, prefill_graph_sizes: Sequence[int] | None = None,
-                 prefill_graph_tokens: Sequence[int] = DEFAULT_TOKEN_SIZES):
+                 prefill_graph_tokens: Sequence[int] = DEFAULT_TOKEN_SIZES, prefill_beside: bool = False):
         cfg = getattr(model, "local_config", model.config)  # this TP rank's head counts (bole.parallel)
         self.model, self.cfg, self.device = model, cfg, torch.device(device)
         self.block_size = block_size
@@ -98,6 +99,12 @@ class ModelRunner:
         # whether the last decode_forward / draft_batch / prefill replayed a graph
         self.decode_graphed = self.draft_graphed = self.prefill_graphed = False
         self._pad: tuple[int, int] | None = None
+        # ``prefill_beside``: a stream of the device's highest priority for prefills run while a decode /
+        # verify forward is in flight (``beside``); the prefill graphs then get a memory pool of their own
+        self.prefill_stream = None
+        if prefill_beside and self.device.type == "cuda":
+            self.prefill_stream = torch.cuda.Stream(self.device, priority=torch.cuda.Stream.priority_range()[1])
+        self._beside: torch.cuda.Stream | None = None   # the stream a ``beside`` block left (its kept hiddens')
         if graphs and cuda_graph_batch_sizes:
             self.enable_cuda_graphs(cuda_graph_batch_sizes)
         if graphs and verify_graph_spec:
@@ -139,8 +146,10 @@ class ModelRunner:
 
     def enable_prefill_graphs(self, batch_sizes: Sequence[int], capture: bool = True, **kw) -> PrefillGraphs:
         """Route short ``prefill`` steps through ``PrefillGraphs``; shares the padding block and slot and
-        the decode graphs' memory pool."""
+        (unless prefills may run ``beside`` the other graphs) the decode graphs' memory pool."""
         pool = next((g.pool for g in (self.graphs, self.verify_graphs, self.draft_graphs) if g is not None), None)
+        if self.prefill_stream is not None:   # replayed while a verify / draft / decode graph runs
+            pool = None
         self.prefill_graphs = PrefillGraphs(self, batch_sizes, *self.padding(), capture=capture, pool=pool, **kw)
         if self.checkpoint_pool is not None:
             self.prefill_graphs.enable_checkpoints(self.checkpoint_pool)
@@ -152,6 +161,28 @@ class ModelRunner:
         self.checkpoint_pool = pool
         if self.prefill_graphs is not None:
             self.prefill_graphs.enable_checkpoints(pool)
+
+    @contextlib.contextmanager
+    def beside(self, fence: "torch.cuda.Event"):
+        """Run the block's GPU work (an admission's prefills) on ``prefill_stream`` while the current stream
+        runs a forward already launched: it starts after ``fence`` (recorded on the current stream before
+        that forward, so it never meets the work queued earlier) and, with the device's highest priority,
+        ahead of the forward's blocks not yet scheduled; the current stream's later work waits for it.
+        Safe beside a draft / verify / decode forward: those touch only their own requests' KV blocks and
+        state slots, the verify factors and their graphs' pool and buffers, none of which a prefill reads
+        or writes (its graphs have their own pool; padding rows write garbage into the shared padding
+        block either way). Kept hiddens are marked used by the current stream (the caching allocator
+        keeps them from the prefill stream's next allocation until that stream's work is done)."""
+        main = torch.cuda.current_stream(self.device)
+        side = self.prefill_stream
+        side.wait_event(fence)
+        self._beside = main
+        try:
+            with torch.cuda.stream(side):
+                yield
+        finally:
+            self._beside = None
+            main.wait_stream(side)
 
     def checkpoints_in_forward(self, chunks: list[tuple[Request, int]]) -> bool:
         """Whether one prefill forward of ``chunks`` can write checkpoints inside them, at the speed of a
@@ -226,6 +257,8 @@ class ModelRunner:
                 position_logits[req.request_id] = self.model.compute_logits(hidden[cu[b]:cu[b + 1]])
             if keep_hidden:
                 req.queue_hidden(hidden[cu[b]:cu[b + 1]])
+                if self._beside is not None:   # read by the drafter on the main stream (``beside``)
+                    req.pending_hidden.record_stream(self._beside)
             req.num_computed += n
             if req.num_computed == req.num_tokens:
                 out[req.request_id] = logits_of(b)

@@ -40,12 +40,14 @@ class SpeculativeStep:
         self.widths = tree_widths(1 + max_draft_nodes)  # the verify graphs' tree widths (root included)
 
     def run(self, reqs: list[Request], stats: StepStats, calibration: CalibrationTable,
-            between: Callable[[], None] | None = None
+            between: Callable[[], None] | None = None, during: Callable[[], None] | None = None
             ) -> tuple[list[list[int]], list[list[TokenLogprob] | None] | None]:
         """Draft, verify, accept, commit, with ``calibration``'s budget; per request the emitted tokens,
         and their logprobs (None overall when no request asked). ``between`` runs after the draft, before
         the verify forward (the engine's mid-step admission: other requests' prefills, which touch
-        neither these requests' memory nor the drafted trees)."""
+        neither these requests' memory nor the drafted trees); ``during`` right after the verify forward is
+        launched, before the acceptance tail and its checkpoint reservations (the engine's admission while
+        the GPU verifies: their prefills touch neither the verify outputs nor the commit factors)."""
         spec = self.spec
         kv_len = max(r.num_computed for r in reqs)
         B = len(reqs)
@@ -78,6 +80,8 @@ class SpeculativeStep:
         if between is not None:
             between()
         res = self.runner.verify(reqs, batch)
+        if during is not None:
+            during()
         stats.eager_draft, stats.eager_forward = not self.runner.draft_graphed, res.graph is None
         if plain and self.runner.can_accept_in_graph(res, sampled=not greedy):
             # acceptance (greedy, or sampled with each request's parameters and seed), commit and

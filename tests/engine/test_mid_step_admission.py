@@ -1,5 +1,6 @@
 """Requests admitted inside a step under way (``EngineConfig.admit_mid_step``): before its decode forward
-and, in the speculative modes, between its draft and its verify forward. The arrivals' first tokens come
+and, in the speculative modes, between its draft and its verify forward (with ``admit_during_forward``
+also while its decode / verify forward runs). The arrivals' first tokens come
 out in that step, every request's greedy tokens stay those of a plain run, the step's decode batch is
 never preempted for an arrival, and everything is given back at the end."""
 
@@ -70,6 +71,7 @@ def drive(eng, arrivals: dict[tuple[int, int], list[str]]):
         return len(ids)
 
     while arrivals or eng.has_unfinished():
+        assert step < 100, f"arrivals never reached their admission point: {arrivals}"
         point[0], early = 0, []
         outs = eng.step(emit_early=early.extend, admit=admit)
         early_ids.append([o.request_id for o in early])
@@ -131,6 +133,48 @@ def test_arrivals_prefilled_inside_the_step_keep_every_output(path, mode, device
         assert accepted(eng) == accepted(again) and sum(accepted(eng).values()) > 0
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("mode", MODES)
+def test_arrivals_admitted_while_the_forward_runs_keep_every_output(path, mode, device):
+    """``admit_during_forward``: an arrival at the admission point after the step's decode / verify forward
+    is launched is prefilled behind that forward, before the step's sampling or acceptance tail; its first
+    token comes out in that step, and every request's tokens are a plain run's. On the GPU every forward
+    replays a graph: a prefill graph runs between the verify graph and its tail's graph."""
+    opts = dict(device=device, enable_cuda_graphs=device == "cuda")
+    eng, log = engine(path, mode, max_num_seqs=6, admit_during_forward=True, **opts), []
+    trace(eng, log)
+    eng.add_request(PROMPTS["old"], PARAMS, request_id="old")
+    eng.step()
+    spec = mode != "ar"
+    during = 2 if spec else 1   # the step's admission points: before its forward, (after the draft,) during
+    arrivals = {(0, during): ["mid"], (1, during): ["late"], (2, during): ["one", "again"]}
+    log.clear()
+    early, tokens = drive(eng, arrivals)
+    assert not arrivals
+    assert early[0] == ["mid"] and early[1] == ["late"] and early[2] == ["again"]  # "one" finished: returned
+    assert eng.metrics.mid_step_admissions == 4 and eng.metrics.preemptions == 0
+    if device == "cuda":
+        assert eng.metrics.eager_forwards == eng.metrics.eager_drafts == eng.metrics.eager_prefills == 0
+        assert eng.metrics.eager_tails == 0
+    ref = plain_outputs(path, **opts)
+    assert {rid: tokens[rid] for rid in PROMPTS if rid != "old"} == {r: ref[r] for r in PROMPTS if r != "old"}
+    assert tokens["old"] == ref["old"][1:]
+    # each step: (the draft,) the forward, then the arrival's prefill (a chunk and its tail: one or two)
+    forward = "verify" if spec else "decode"
+    steps, cur = [], []
+    for kind, ids in log:
+        if kind == ("draft_batch" if spec else "decode") and cur:
+            steps.append(cur)
+            cur = []
+        cur.append((kind, ids))
+    head = lambda ids: ([("draft_batch", ids)] if spec else []) + [(forward, ids)]
+    for i, (batch, arrival) in enumerate(((("old",), "mid"), (("old", "mid"), "late"))):
+        assert steps[i][:len(head(batch))] == head(batch)
+        assert steps[i][len(head(batch)):] and set(steps[i][len(head(batch)):]) == {("prefill", (arrival,))}
+    eng.prefix_cache.clear()
+    assert eng.runner.allocator.num_free == eng.config.cache.num_blocks
+
+
 @pytest.mark.parametrize("mode", ["ar", "bole"])
 def test_an_arrival_that_does_not_fit_waits_without_preempting(path, mode):
     """No KV block is free when a request arrives inside a step (the running requests have theirs): it is
@@ -186,6 +230,8 @@ def test_option_off_never_admits_inside_a_step(path):
     assert calls == [] and eng.metrics.mid_step_admissions == 0
     with pytest.raises(ValueError, match="admit_mid_step"):
         EngineConfig(admit_mid_step=1)
+    with pytest.raises(ValueError, match="admit_during_forward"):
+        EngineConfig(admit_during_forward="yes")
 
 
 def test_async_engine_admits_a_request_sent_during_the_draft(path):
@@ -223,6 +269,69 @@ def test_async_engine_admits_a_request_sent_during_the_draft(path):
     ref = plain_outputs(path)
     assert (old, new) == (ref["old"], ref["late"])
     assert eng.metrics.mid_step_admissions == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["ar", "bole"])
+def test_prefills_beside_the_forward_keep_every_output_under_random_arrivals(path, mode):
+    """``admit_during_forward`` on the GPU, through ``AsyncEngine``: requests sent at random moments (multi-turn
+    prompts sharing prefixes, so prefix hits, checkpoints and evictions happen) are prefilled on the
+    runner's high-priority stream beside the forwards in flight (``ModelRunner.beside``); every request's
+    greedy tokens are those of a plain offline run, and the stream was used."""
+    import random
+    import time
+
+    import torch
+
+    rng = random.Random(7)
+    prompts, conv = [], [[rng.randrange(1, 16) for _ in range(5)] for _ in range(4)]
+    for _turn in range(6):
+        for c in conv:
+            c += [rng.randrange(1, 16) for _ in range(rng.randrange(2, 9))]
+            prompts.append(list(c))
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    opts = dict(device="cuda", enable_cuda_graphs=True, num_blocks=160, max_num_seqs=6, max_num_batched_tokens=64)
+    ref = engine(path, "ar", **opts)
+    for i, p in enumerate(prompts):
+        ref.add_request(p, params, request_id=str(i))
+    while ref.has_unfinished():
+        ref.step()
+    want = {str(i): ref.pop_finished(str(i)).output_token_ids for i in range(len(prompts))}
+    # every graph captured at start: a capture inside a step would hold back every arrival
+    eng = engine(path, mode, admit_during_forward=True, cuda_graph_capture_len=64, **opts)
+    assert eng.runner.prefill_stream is not None and eng.runner.prefill_stream.priority < 0
+    beside, calls = eng.runner.beside, []
+    eng.runner.beside = lambda fence: calls.append(1) or beside(fence)
+    # the GPU spins ~10 ms after each decode / verify forward (an eager verify of this model reads its
+    # depth from the device), so arrivals land while it is busy and their prefills run beside the spin
+    forward = "decode" if mode == "ar" else "verify"
+    launch = getattr(eng.runner, forward)
+
+    def spun(*a, **kw):
+        out = launch(*a, **kw)
+        torch.cuda._sleep(20_000_000)
+        return out
+    setattr(eng.runner, forward, spun)
+    aeng = AsyncEngine(eng)
+
+    async def one(i, delay):
+        await asyncio.sleep(delay)
+        return [t async for o in aeng.generate(prompts[i], params, request_id=str(i)) for t in o.new_token_ids]
+
+    async def main():
+        t, jobs = 0.0, []
+        for i in range(len(prompts)):
+            t += rng.uniform(0, 0.03)
+            jobs.append(one(i, t))
+        return await asyncio.gather(*jobs)
+
+    try:
+        start = time.monotonic()
+        got = asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        aeng.shutdown()
+    assert {str(i): g for i, g in enumerate(got)} == want, f"after {time.monotonic() - start:.1f} s"
+    assert calls and eng.metrics.mid_step_admissions > 0 and eng.metrics.preemptions == 0
 
 
 async def collect(aeng, rid):
