@@ -18,10 +18,13 @@ themselves, ``PagedKVCache`` / ``StatePool`` / ``TreeFactors``, so the figures f
   activations  one forward's transients: max_num_batched_tokens (or the largest prefill graph's token
                bucket, if larger, with prefill graphs) × hidden × ACTIVATION_WIDTHS, the
                chunked GDN prefill's per-chunk states, one request's gathered K / V at the model's
-               longest position (the per-request prefill attention repeats them to every query head)
+               longest position (the per-request prefill attention repeats them to every query head);
+               twice that with ``admit_during_forward`` (a prefill beside the step's forward, on a stream
+               whose cached blocks the other stream never reuses)
   logits       the widest lm_head call: max(verify rows, max_num_batched_tokens)
                rows × vocab × LOGITS_BYTES (the verify logits, their padded copy or a graph's static
-               output, the fp32 upcast and one fp32 working buffer of the processing)
+               output, the fp32 upcast and one fp32 working buffer of the processing); with
+               ``admit_during_forward`` the sum of the two (a prefill's prompt logprobs beside the verify's)
   workspace    WORKSPACE_BYTES for cuBLAS / Triton workspaces and allocator fragmentation
   checkpoints  prefix-cache checkpoint slots: CHECKPOINT_SHARE of what is left, at most one per
                checkpoint boundary of the KV blocks (plus the scratch slot)
@@ -159,12 +162,15 @@ def _fixed(cfg, config, u: _Unit, seqs: int, lookahead: int, spare: int) -> dict
     # in the graphs' own pool): the largest bucket can exceed the step's token budget
     A = max(T, config.prefill_graph_tokens[-1]) if config.prefill_graphs else T
     gather = 2 * P * cfg.num_attention_heads * cfg.head_dim * dt + T * P  # K, V per query head; bool mask
+    beside = config.admit_mid_step and config.admit_during_forward   # a prefill beside the step's forward
     return {
         "state": (seqs + 1 + spare) * u.slot,
         "factors": nodes * u.node,
         "snapshots": nodes * u.snapshot,
-        "activations": A * cfg.hidden_size * ACTIVATION_WIDTHS * dt + -(-A // GDN_CHUNK) * u.ssm_layer + gather,
-        "logits": max(nodes, T) * cfg.vocab_size * (LOGITS_NATIVE_COPIES * dt + LOGITS_FP32_COPIES * 4),
+        "activations": (1 + beside) * (A * cfg.hidden_size * ACTIVATION_WIDTHS * dt + -(-A // GDN_CHUNK) * u.ssm_layer
+                                       + gather),
+        "logits": (nodes + T if beside else max(nodes, T)) * cfg.vocab_size
+        * (LOGITS_NATIVE_COPIES * dt + LOGITS_FP32_COPIES * 4),
         "workspace": WORKSPACE_BYTES,
     }
 

@@ -285,13 +285,13 @@ class LLMEngine:
                 n = stats.admitted_mid_step
                 outputs.extend(self._admit(admit, len(decode), stats, emit_early))
                 if self._fence is not None and stats.admitted_mid_step > n:
-                    self._fence.record()   # a prefill beside the forward starts after this one
+                    self._mark_fence()   # a prefill beside the forward starts after this one
             between()
             if self.config.admit_during_forward:
                 def during() -> None:   # while the GPU runs the decode / verify forward
                     outputs.extend(self._admit_while_busy(admit, len(decode), stats, emit_early))
                 if self._fence is not None:
-                    self._fence.record()   # what a prefill beside this step's forwards must follow
+                    self._mark_fence()   # what a prefill beside this step's forwards must follow
         if decode:
             t0 = time.perf_counter()
             if self.mode == "ar":
@@ -330,6 +330,10 @@ class LLMEngine:
         late = self.scheduler.admit_arrivals(self.config.max_num_batched_tokens - num_decode - stats.prefill_tokens)
         stats.admitted_mid_step += len(late.prefill)   # one chunk per admitted request
         return self._prefill(late.prefill, late.prefill_tails, stats, emit_early, t0) if late.prefill else []
+
+    def _mark_fence(self) -> None:
+        """Record the fence on the engine device's current stream (not the thread's current device's)."""
+        self._fence.record(torch.cuda.current_stream(self.runner.device))
 
     def _admit_while_busy(self, admit: Callable[[], int], num_decode: int, stats: StepStats,
                           emit_early: Callable[[list[RequestOutput]], None]) -> list[RequestOutput]:

@@ -194,6 +194,24 @@ def test_prefill_graph_buckets_past_the_token_budget_are_planned():
         plan_memory(cfg, cuda_config("bole", **within), free, TOTAL).activations
 
 
+def test_prefills_beside_the_forward_are_planned():
+    """``admit_during_forward``: a prefill runs beside the step's forward, on a stream whose cached blocks the
+    other stream never reuses: twice one forward's activations, and the prefill's logits beside the verify's."""
+    from bole.cache.memory_plan import LOGITS_FP32_COPIES, LOGITS_NATIVE_COPIES
+
+    cfg, free = shapes("qwen3.5-9b"), TOTAL - 60 * GiB
+    opts = dict(max_num_seqs=8, max_num_batched_tokens=512, max_verify_rows=256, enable_cuda_graphs=True)
+    for mode, rows in (("ar", 8 + 512), ("bole", 256 + 512)):   # ar's decode rows: one a sequence
+        alone = plan_memory(cfg, cuda_config(mode, **opts), free, TOTAL)
+        beside = plan_memory(cfg, cuda_config(mode, admit_during_forward=True, **opts), free, TOTAL)
+        assert beside.activations == 2 * alone.activations
+        assert beside.logits == rows * cfg.vocab_size * (LOGITS_NATIVE_COPIES * 2 + LOGITS_FP32_COPIES * 4)
+        assert beside.num_blocks < alone.num_blocks and beside.total_bytes <= beside.budget
+        # without mid-step admissions nothing runs beside: as planned before
+        off = plan_memory(cfg, cuda_config(mode, admit_during_forward=True, admit_mid_step=False, **opts), free, TOTAL)
+        assert (off.activations, off.logits) == (alone.activations, alone.logits)
+
+
 def test_the_refusal_names_the_option_that_shrinks_the_largest_buffer():
     """Verify logits are sized by the larger of the verify rows and max_num_batched_tokens: at bole's default
     (rows = the token budget) or below it, lowering max_verify_rows frees nothing, so the refusal names the
