@@ -112,6 +112,8 @@ def server_delta(before: dict, after: dict) -> dict:
         "eager_prefill_share": round(d["bole_engine_eager_prefills"] / prefills, 4) if prefills else None,
         # requests admitted inside a step under way (EngineConfig.admit_mid_step), not at its end
         "mid_step_admissions": int(d["bole_engine_mid_step_admissions"]),
+        # of those, prefilled beside the step's forwards (EngineConfig.admit_during_forward)
+        "beside_admissions": int(d.get("bole_engine_beside_admissions", 0)),
         # graphs captured during the phase (lazily, inside steps) and the seconds of steps they took
         "graph_captures": int(d["bole_engine_graph_captures"]),
         "capture_s": round(d["bole_engine_capture_seconds"], 3),
@@ -272,6 +274,7 @@ def summary_rows(doc: dict) -> list[dict]:
                          if s.get("engine_step_s") is not None and c.get("duration_s") else None,
                          **{f"eager_{k}": s.get(f"eager_{k}_share") for k in ("forward", "draft", "tail", "prefill")},
                          "prefill_ms": s.get("mean_prefill_ms"), "mid_step": s.get("mid_step_admissions"),
+                         "beside": s.get("beside_admissions"),
                          "captures": s.get("graph_captures"), "capture_s": s.get("capture_s")})
     return rows
 
@@ -280,7 +283,7 @@ def print_table(rows: list[dict]) -> None:
     cols = ("mode", "rate", "req_per_s", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p50_ms",
             "tpot_p99_ms", "prefix_hit_rate", "preemptions", "mean_mat", "step_ms", "decode_ms", "busy_share",
             "queue_wait_ms", "eager_forward", "eager_draft", "eager_tail", "prefill_ms", "eager_prefill", "mid_step",
-            "captures", "capture_s")
+            "beside", "captures", "capture_s")
     print(" ".join(f"{c:>13}" for c in cols))
     for r in rows:
         cells = " ".join(f"{'-' if r.get(c) is None else r[c]!s:>13}" for c in cols)

@@ -50,6 +50,8 @@ TOTALS = (
      "first tokens (a step's start, or an admission inside it) to those tokens (prefill forwards and sampling)"),
     ("mid_step_admissions", "bole_engine_mid_step_admissions", "Requests admitted inside an engine step under way "
      "(before its decode forward, or between its draft and verify), not at its end"),
+    ("beside_admissions", "bole_engine_beside_admissions", "Of the requests admitted inside a step, those prefilled "
+     "on the priority stream while the step's forwards ran (admit_during_forward)"),
     ("graph_captures", "bole_engine_graph_captures", "CUDA graphs captured (at start, or inside the step that "
      "first needed one)"),
     ("capture_time_s", "bole_engine_capture_seconds", "Seconds spent capturing CUDA graphs, Triton compiles inside "

@@ -83,6 +83,7 @@ class EngineStats:
     first_token_steps: int = 0
     prefill_time_s: float = 0.0
     mid_step_admissions: int = 0   # requests admitted inside a step under way (EngineConfig.admit_mid_step)
+    beside_admissions: int = 0     # of those, prefilled beside the step's forwards (admit_during_forward)
     graph_captures: int = 0        # CUDA graphs captured since start (ModelRunner.graph_captures)
     capture_time_s: float = 0.0    # host seconds in those captures, at start or inside steps
     running: int = 0

@@ -356,8 +356,10 @@ class LLMEngine:
         out: list[RequestOutput] = []
         while True:
             if admit():
+                before = stats.admitted_mid_step
                 with self.runner.beside(self._fence):
                     out += self._admit(admit, num_decode, stats, emit_early, polled=True)
+                stats.admitted_beside += stats.admitted_mid_step - before
             if done.query():
                 return out
             time.sleep(ADMIT_POLL_S)

@@ -25,6 +25,7 @@ class StepStats:
     prefill_time: float = 0.0
     first_tokens: int = 0
     admitted_mid_step: int = 0
+    admitted_beside: int = 0       # of those, prefilled beside the step's forwards (admit_during_forward)
     eager_prefill: bool = False    # a prefill forward of the step ran eagerly (no captured graph fits it)
     preempted: int = 0
     # which parts of the decode step ran eagerly, not from a captured CUDA graph (always, without graphs)
@@ -52,6 +53,7 @@ class EngineMetrics:
     first_token_steps: int = 0     # steps that sampled first tokens
     prefill_time: float = 0.0      # StepStats.prefill_time over them
     mid_step_admissions: int = 0   # requests admitted inside a step under way (EngineConfig.admit_mid_step)
+    beside_admissions: int = 0     # of those, prefilled beside the step's forwards (admit_during_forward)
     preemptions: int = 0
     eager_forwards: int = 0        # decode steps whose forward ran eagerly (StepStats.eager_*)
     eager_drafts: int = 0
@@ -76,6 +78,7 @@ class EngineMetrics:
             self.first_token_steps += 1
             self.prefill_time += s.prefill_time
         self.mid_step_admissions += s.admitted_mid_step
+        self.beside_admissions += s.admitted_beside
         self.preemptions += s.preempted
         if s.decode_requests:
             self.decode_steps += 1
@@ -154,4 +157,5 @@ class EngineMetrics:
             "first_token_steps": self.first_token_steps,
             "prefill_time_s": self.prefill_time,
             "mid_step_admissions": self.mid_step_admissions,
+            "beside_admissions": self.beside_admissions,
         }

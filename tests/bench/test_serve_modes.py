@@ -38,19 +38,21 @@ def test_prompt_slices_and_deltas():
                   bole_engine_eager_forwards=8, bole_engine_eager_drafts=0, bole_engine_eager_tails=2,
                   bole_engine_graph_captures=40, bole_engine_capture_seconds=30.0,
                   bole_engine_prefill_steps=4, bole_engine_prefill_seconds=0.2, bole_engine_eager_prefills=1,
-                  bole_engine_first_token_steps=3, bole_engine_mid_step_admissions=2)
+                  bole_engine_first_token_steps=3, bole_engine_mid_step_admissions=2,
+                  bole_engine_beside_admissions=1)
     after.update(bole_engine_steps=30, bole_engine_step_seconds=1.5, bole_engine_decode_steps=18,
                  bole_engine_decode_seconds=0.7,
                  bole_engine_eager_forwards=8, bole_engine_eager_drafts=5, bole_engine_eager_tails=4,
                  bole_engine_graph_captures=43, bole_engine_capture_seconds=30.25,
                  bole_engine_prefill_steps=8, bole_engine_prefill_seconds=0.25, bole_engine_eager_prefills=2,
-                 bole_engine_first_token_steps=5, bole_engine_mid_step_admissions=9)
+                 bole_engine_first_token_steps=5, bole_engine_mid_step_admissions=9,
+                 bole_engine_beside_admissions=5)
     d = server_delta(before, after)
     assert (d["steps"], d["mean_step_ms"], d["engine_step_s"], d["mean_decode_ms"]) == (20, 25.0, 0.5, 20.0)
     assert (d["eager_forward_share"], d["eager_draft_share"], d["eager_tail_share"]) == (0.0, 0.5, 0.2)
     assert (d["graph_captures"], d["capture_s"]) == (3, 0.25)   # captured inside this phase's steps
     assert (d["prefill_steps"], d["mean_prefill_ms"], d["eager_prefill_share"]) == (4, 25.0, 0.25)
-    assert d["mid_step_admissions"] == 7
+    assert (d["mid_step_admissions"], d["beside_admissions"]) == (7, 4)
 
 
 def test_serve_modes_on_the_cpu(tmp_path):

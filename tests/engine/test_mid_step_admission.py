@@ -153,6 +153,8 @@ def test_arrivals_admitted_while_the_forward_runs_keep_every_output(path, mode, 
     assert not arrivals
     assert early[0] == ["mid"] and early[1] == ["late"] and early[2] == ["again"]  # "one" finished: returned
     assert eng.metrics.mid_step_admissions == 4 and eng.metrics.preemptions == 0
+    # on the GPU each on the priority stream, beside the forward; on the CPU (no stream) after it
+    assert eng.metrics.beside_admissions == eng.stats().beside_admissions == (4 if device == "cuda" else 0)
     if device == "cuda":
         assert eng.metrics.eager_forwards == eng.metrics.eager_drafts == eng.metrics.eager_prefills == 0
         assert eng.metrics.eager_tails == 0
@@ -331,7 +333,7 @@ def test_prefills_beside_the_forward_keep_every_output_under_random_arrivals(pat
     finally:
         aeng.shutdown()
     assert {str(i): g for i, g in enumerate(got)} == want, f"after {time.monotonic() - start:.1f} s"
-    assert calls and eng.metrics.mid_step_admissions > 0 and eng.metrics.preemptions == 0
+    assert calls and eng.metrics.beside_admissions > 0 and eng.metrics.preemptions == 0
 
 
 async def collect(aeng, rid):
