@@ -7,7 +7,8 @@
 #      $WHEELS (default .gpuwhl, made by `pip download --no-deps --only-binary=:all: --python-version
 #      3.12 ...`), installed into $SITE (default /tmp/site), first on PYTHONPATH. Skipped where they
 #      all import already (the CPU machines' venv).
-#   2. benchmarks/serve_modes.py: per mode of $MODES (ar serial_tree bole) a fresh
+#   2. benchmarks/serve_modes.py: per mode of $MODES (ar serial_tree bole; a mode may carry options of its
+#      own for an A/B in one run: MODES="bole bole+admit_during_forward=true") a fresh
 #      `python -m deployments.launch cluster_configs/local.yaml --no-ray` server on $MODEL (default the
 #      embedded model; e.g. a widened checkpoint) on $DEVICE with CUDA graphs, a warm-up phase, then
 #      serve_load.py's multi-turn coding workload at each of $RATES conversations/s: TTFT, TPOT (mean,

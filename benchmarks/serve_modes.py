@@ -5,7 +5,9 @@ counted (``/metrics``).
 
     python benchmarks/serve_modes.py --device cuda --rates 4 16 64 --out benchmarks/results/serve_modes_h200.json
 
-Per mode (``--modes``, each a fresh server, so no mode inherits another's prefix cache):
+Per mode (``--modes``, each a fresh server, so no mode inherits another's prefix cache; a mode may carry
+engine options of its own, ``MODE+KEY=VALUE[,KEY=VALUE...]``, e.g. ``bole+admit_during_forward=true``, for an
+A/B inside one run; they apply after ``--engine-option``):
   1. start the server on a free port (engine options: ``--device``, ``--dtype``, CUDA graphs on a GPU,
      ``--num-blocks``, ``--max-num-seqs``, any ``--engine-option KEY=VALUE``), wait for /health;
   2. a warm-up phase at every rate, highest first (``--warmup-requests`` each, not reported with the
@@ -129,7 +131,25 @@ def prompt_slices(prompts: list[str], sizes: list[int]) -> tuple[list[list[str]]
     return out, k > len(prompts)
 
 
-def overlay(args, mode: str, port: int) -> dict:
+def split_mode(label: str) -> tuple[str, dict]:
+    """``MODE`` or ``MODE+KEY=VALUE[,KEY=VALUE...]`` -> (the engine mode, its own options, YAML values);
+    ValueError naming the label otherwise."""
+    mode, _, extra = label.partition("+")
+    if mode not in MODES:
+        raise ValueError(f"--modes {label!r}: the mode must be one of {', '.join(MODES)}")
+    opts = {}
+    for kv in filter(None, extra.split(",")):
+        key, eq, value = kv.partition("=")
+        if not key or not eq:
+            raise ValueError(f"--modes {label!r}: {kv!r} is not KEY=VALUE")
+        opts[key] = yaml.safe_load(value)
+    if "+" in label and not opts:
+        raise ValueError(f"--modes {label!r}: no KEY=VALUE after '+'")
+    return mode, opts
+
+
+def overlay(args, label: str, port: int) -> dict:
+    mode, own = split_mode(label)
     opts = {"mode": mode, "device": args.device, "dtype": args.dtype, "num_blocks": args.num_blocks,
             "max_num_seqs": args.max_num_seqs, "enable_cuda_graphs": args.device.startswith("cuda")}
     if opts["enable_cuda_graphs"]:   # as served (cluster_configs/mixed.yaml): no capture inside a served step
@@ -137,6 +157,7 @@ def overlay(args, mode: str, port: int) -> dict:
     for kv in args.engine_option:
         key, _, value = kv.partition("=")
         opts[key] = yaml.safe_load(value)
+    opts.update(own)
     group = {"name": "bole-local", "engine_options": opts}
     if args.calibration_table:
         group["calibration_table"] = args.calibration_table
@@ -144,6 +165,11 @@ def overlay(args, mode: str, port: int) -> dict:
             # served_model_name null: the model folder's name (the overlay removes the base's)
             "applications": [{"name": "bole", "args": {"model": args.model, "served_model_name": None,
                                                        "groups": [group]}}]}
+
+
+def file_name(label: str) -> str:
+    """A mode label as a file name part (its options' ``+ = ,`` become ``_``)."""
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in label)
 
 
 def child_env() -> dict:
@@ -163,7 +189,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         from deployments.overlay import load_config
 
-        cfg = workdir / f"overlay_{mode}.yaml"
+        cfg = workdir / f"overlay_{file_name(mode)}.yaml"
         cfg.write_text(yaml.safe_dump(overlay(args, mode, self.port)))
         app = load_config(str(ROOT / BASE_CONFIG), [str(cfg)], serve_schema=False)["applications"][0]["args"]
         self.engine_options = {**app["groups"][0]["engine_options"],
@@ -225,7 +251,7 @@ def run_phase(args, url: str, label: str, prompts: list[str], rate: float, workd
 def run_mode(args, mode: str, slices: list[list[str]], workdir: Path, doc: dict, save) -> None:
     rec = doc["modes"][mode] = {"rates": []}
     t0 = time.perf_counter()
-    server = Server(args, mode, workdir, Path(args.log_dir) / f"server_{mode}.log")
+    server = Server(args, mode, workdir, Path(args.log_dir) / f"server_{file_name(mode)}.log")
     rec["engine_options"] = server.engine_options
     try:
         why = server.wait_healthy(args.start_timeout_s)
@@ -241,7 +267,7 @@ def run_mode(args, mode: str, slices: list[list[str]], workdir: Path, doc: dict,
                 rec.setdefault("skipped", []).append(name)
                 continue
             before = scrape(server.url + "/metrics")
-            client = run_phase(args, server.url, f"{mode}@{name}", prompts, rate, workdir)
+            client = run_phase(args, server.url, f"{file_name(mode)}@{name}", prompts, rate, workdir)
             row = {"rate": rate, "client": client, "server": server_delta(before, scrape(server.url + "/metrics"))}
             if name.startswith("warmup"):
                 rec.setdefault("warmup", []).append(row)
@@ -342,7 +368,8 @@ def versions() -> dict:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="models/bole-tiny-coder")
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--modes", nargs="+", default=list(MODES),
+                    help=f"{', '.join(MODES)}, each optionally MODE+KEY=VALUE[,KEY=VALUE...] (its own engine options)")
     ap.add_argument("--rates", nargs="+", type=float, default=[4.0, 16.0, 64.0], help="conversations per second")
     ap.add_argument("--num-requests", type=int, default=48, help="requests (turns) per rate")
     ap.add_argument("--warmup-requests", type=int, default=24)
@@ -366,6 +393,13 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    for label in args.modes:
+        try:
+            split_mode(label)
+        except ValueError as e:
+            ap.error(str(e))
+    if len(set(args.modes)) != len(args.modes):
+        ap.error(f"--modes repeats a mode: {args.modes}")
     if any(not (r > 0) or math.isinf(r) for r in args.rates):
         ap.error("--rates must be finite and > 0")
     if min(args.num_requests, args.warmup_requests, args.turns) < 1:

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "serve"))
 
 from tiny_model import make_tiny_model  # noqa: E402
 
-from benchmarks.serve_modes import prompt_slices, server_delta  # noqa: E402
+from benchmarks.serve_modes import overlay, parse_args, prompt_slices, server_delta, split_mode  # noqa: E402
 
 
 def test_prompt_slices_and_deltas():
@@ -60,7 +60,8 @@ def test_serve_modes_on_the_cpu(tmp_path):
         pytest.importorskip(module)
     model = make_tiny_model(tmp_path / "model")
     out = tmp_path / "serve_modes.json"
-    cmd = [sys.executable, "benchmarks/serve_modes.py", "--model", model, "--device", "cpu", "--modes", "ar",
+    cmd = [sys.executable, "benchmarks/serve_modes.py", "--model", model, "--device", "cpu",
+           "--modes", "ar+max_num_batched_tokens=512",
            "--rates", "8", "--num-requests", "4", "--warmup-requests", "2", "--turns", "2", "--max-tokens", "6",
            "--num-blocks", "256", "--max-num-seqs", "4", "--calibration-table", "calibration_tables/default.yaml",
            "--engine-option", "block_size=4", "--log-dir", str(tmp_path / "logs"), "--out", str(out)]
@@ -69,9 +70,10 @@ def test_serve_modes_on_the_cpu(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     doc = json.loads(r.stdout.strip().splitlines()[-1])
     assert json.loads(out.read_text()) == doc
-    rec = doc["modes"]["ar"]
+    rec = doc["modes"]["ar+max_num_batched_tokens=512"]   # a mode with an option of its own
     assert "error" not in rec and rec["exit_code"] == 0, rec
     assert rec["engine_options"]["mode"] == "ar" and rec["engine_options"]["block_size"] == 4
+    assert rec["engine_options"]["max_num_batched_tokens"] == 512
     (warm,) = rec["warmup"]   # one warm-up phase per rate
     assert warm["client"]["completed"] == 2 and warm["rate"] == 8
     (row,) = rec["rates"]
@@ -91,7 +93,25 @@ def test_serve_modes_on_the_cpu(tmp_path):
     for key in ("ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms"):
         assert summary[key] > 0, key
     assert summary["req_per_s"] > 0 and not doc["settings"]["prompt_slices_overlap"]
-    assert (tmp_path / "logs" / "server_ar.log").exists()
+    assert (tmp_path / "logs" / "server_ar_max_num_batched_tokens_512.log").exists()
     # the distributions behind the summaries, and their CDF plot beside the JSON
     assert len(c["samples_ms"]["ttft"]) == 4 and c["samples_ms"]["ttft"] == sorted(c["samples_ms"]["ttft"])
     assert (tmp_path / "serve_modes.png").stat().st_size > 0
+
+
+def test_modes_carry_options_of_their_own():
+    """``MODE+KEY=VALUE[,KEY=VALUE]``: the engine mode and options of its own (YAML values), applied after
+    ``--engine-option``; anything else is refused naming the label."""
+    assert split_mode("bole") == ("bole", {})
+    assert split_mode("bole+admit_during_forward=true,depth=4") == ("bole", {"admit_during_forward": True, "depth": 4})
+    args = parse_args(["--modes", "ar", "ar+depth=4", "--engine-option", "depth=8", "--engine-option", "topk=4"])
+    opts = overlay(args, "ar+depth=4", 1234)["applications"][0]["args"]["groups"][0]["engine_options"]
+    assert (opts["mode"], opts["depth"], opts["topk"]) == ("ar", 4, 4)
+    assert overlay(args, "ar", 1234)["applications"][0]["args"]["groups"][0]["engine_options"]["depth"] == 8
+    for bad, why in (("fast", "must be one of"), ("bole+", "no KEY=VALUE"), ("bole+depth", "is not KEY=VALUE")):
+        with pytest.raises(ValueError, match=why):
+            split_mode(bad)
+        with pytest.raises(SystemExit):
+            parse_args(["--modes", bad])
+    with pytest.raises(SystemExit):
+        parse_args(["--modes", "ar", "ar"])
