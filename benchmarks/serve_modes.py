@@ -115,7 +115,7 @@ def server_delta(before: dict, after: dict) -> dict:
         # requests admitted inside a step under way (EngineConfig.admit_mid_step), not at its end
         "mid_step_admissions": int(d["bole_engine_mid_step_admissions"]),
         # of those, prefilled beside the step's forwards (EngineConfig.admit_during_forward)
-        "beside_admissions": int(d.get("bole_engine_beside_admissions", 0)),
+        "beside_admissions": int(d["bole_engine_beside_admissions"]),
         # graphs captured during the phase (lazily, inside steps) and the seconds of steps they took
         "graph_captures": int(d["bole_engine_graph_captures"]),
         "capture_s": round(d["bole_engine_capture_seconds"], 3),

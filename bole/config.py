@@ -443,6 +443,12 @@ class EngineConfig:
                              f"{self.max_num_batched_tokens} must be >= 1")
 
     @property
+    def prefills_beside_forward(self) -> bool:
+        """Whether an arrival may be prefilled while the step's forwards run (``admit_during_forward``, which
+        needs ``admit_mid_step``): the runner's priority stream, and the memory plan's second prefill."""
+        return self.admit_mid_step and self.admit_during_forward
+
+    @property
     def prefill_graphs(self) -> bool:
         """Whether prefills replay captured graphs: asked for, on a GPU (the model's backend may still
         turn them off: ``bole.engine.graphs.prefill.prefill_graphs_unsupported``)."""

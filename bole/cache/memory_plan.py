@@ -162,7 +162,7 @@ def _fixed(cfg, config, u: _Unit, seqs: int, lookahead: int, spare: int) -> dict
     # in the graphs' own pool): the largest bucket can exceed the step's token budget
     A = max(T, config.prefill_graph_tokens[-1]) if config.prefill_graphs else T
     gather = 2 * P * cfg.num_attention_heads * cfg.head_dim * dt + T * P  # K, V per query head; bool mask
-    beside = config.admit_mid_step and config.admit_during_forward   # a prefill beside the step's forward
+    beside = config.prefills_beside_forward   # a prefill beside the step's forward
     return {
         "state": (seqs + 1 + spare) * u.slot,
         "factors": nodes * u.node,

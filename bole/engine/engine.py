@@ -132,7 +132,7 @@ class LLMEngine:
                                   # the same buckets in every mode: a prefill runs at the same padded shapes
                                   prefill_graph_sizes=spec_sizes if config.prefill_graphs else None,
                                   prefill_graph_tokens=config.prefill_graph_tokens,
-                                  prefill_beside=config.admit_mid_step and config.admit_during_forward)
+                                  prefill_beside=config.prefills_beside_forward)
         cc = config.cache
         self.prefix_cache = PrefixCache(self.runner.allocator, self.runner.state_pool, cc.block_size,
                                         cc.checkpoint_interval_blocks, cc.num_checkpoint_slots,
