@@ -57,7 +57,8 @@ BASE_CONFIG = "cluster_configs/local.yaml"
 # the ingress names them, and the request histograms' sums and counts
 TOTALS = tuple(name for _, name, _ in server_metrics.TOTALS) + (
     "bole_request_mean_accepted_tokens_sum", "bole_request_mean_accepted_tokens_count",
-    "bole_queue_wait_seconds_sum", "bole_queue_wait_seconds_count", "bole_generation_tokens_total")
+    "bole_queue_wait_seconds_sum", "bole_queue_wait_seconds_count", "bole_engine_queue_seconds_sum",
+    "bole_engine_queue_seconds_count", "bole_generation_tokens_total")
 
 
 TERMINATED: list[int] = []   # the signal that ended the run, once one has
@@ -96,6 +97,9 @@ def server_delta(before: dict, after: dict) -> dict:
         "prefix_hit_rate": round(d["bole_prefix_cache_hit_tokens"] / prompt, 4) if prompt else None,
         "mean_mat": round(d["bole_request_mean_accepted_tokens_sum"] / n_mat, 3) if n_mat else None,
         "mean_queue_wait_ms": round(1000 * d["bole_queue_wait_seconds_sum"] / n_wait, 2) if n_wait else None,
+        # of that wait, the part in the engine's own queue (the rest: the ingress and the transit to the engine)
+        "mean_engine_queue_ms": round(1000 * d["bole_engine_queue_seconds_sum"] / d["bole_engine_queue_seconds_count"],
+                                      2) if d["bole_engine_queue_seconds_count"] else None,
         "generation_tokens": int(d["bole_generation_tokens_total"]),
         "peak_batch_since_start": int(after.get("bole_engine_peak_batch", 0)),
         # the engine's own time: seconds inside steps, the mean step, and the share of decode steps whose
@@ -295,6 +299,7 @@ def summary_rows(doc: dict) -> list[dict]:
                          **{f"{k}_{q}_ms": c[k][f"{q}_ms"] for k in ("ttft", "tpot") for q in ("mean", "p50", "p99")},
                          "prefix_hit_rate": s["prefix_hit_rate"], "preemptions": s["preemptions"],
                          "mean_mat": s["mean_mat"], "queue_wait_ms": s["mean_queue_wait_ms"],
+                         "engine_queue_ms": s.get("mean_engine_queue_ms"),
                          "step_ms": s.get("mean_step_ms"), "decode_ms": s.get("mean_decode_ms"),
                          "busy_share": round(s["engine_step_s"] / c["duration_s"], 3)
                          if s.get("engine_step_s") is not None and c.get("duration_s") else None,
@@ -308,8 +313,8 @@ def summary_rows(doc: dict) -> list[dict]:
 def print_table(rows: list[dict]) -> None:
     cols = ("mode", "rate", "req_per_s", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p50_ms",
             "tpot_p99_ms", "prefix_hit_rate", "preemptions", "mean_mat", "step_ms", "decode_ms", "busy_share",
-            "queue_wait_ms", "eager_forward", "eager_draft", "eager_tail", "prefill_ms", "eager_prefill", "mid_step",
-            "beside", "captures", "capture_s")
+            "queue_wait_ms", "engine_queue_ms", "eager_forward", "eager_draft", "eager_tail", "prefill_ms",
+            "eager_prefill", "mid_step", "beside", "captures", "capture_s")
     print(" ".join(f"{c:>13}" for c in cols))
     for r in rows:
         cells = " ".join(f"{'-' if r.get(c) is None else r[c]!s:>13}" for c in cols)

@@ -117,7 +117,7 @@ class OpenAIServer:
                     c.hardware_class = out.hardware_class
                     if first:
                         metrics.observe_first_token(c.hardware_class, c.first_token_time - arrival,
-                                                    out.prefill_s)
+                                                    out.prefill_s, out.engine_queue_s)
                         first = False
                 c.num_tokens += len(out.new_token_ids)
                 c.text += out.new_text

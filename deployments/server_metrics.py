@@ -10,6 +10,9 @@ middleware, before the body is read or validated; ``deployments.http_guards.ARRI
                                      so it holds the wait in the ingress, for a replica, and in the
                                      engine's queue behind a full batch (durations only, so no clock is
                                      compared across processes)
+  bole_engine_queue_seconds          of that wait, the part in the engine's own queue: the engine's
+                                     receipt of the request -> its scheduling (``ServedOutput.engine_queue_s``);
+                                     the rest is the ingress, the transit to the engine and its inbox
   bole_time_per_output_token_seconds after the first token, per later token
   bole_aborted_requests_total        requests ended before they finished, by reason: client_disconnected
                                      (non-streaming client went away), stream_closed (a streaming
@@ -77,6 +80,9 @@ class ServerMetrics:
         self.queue_wait = Histogram("bole_queue_wait_seconds", "Arrival at the ingress to the start of the "
                                     "engine's work on the request (TTFT less the prefill compute)", hw,
                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.engine_queue = Histogram("bole_engine_queue_seconds", "The engine's receipt of the request to its "
+                                      "scheduling (the part of the queue wait in the engine's own queue)", hw,
+                                      buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("bole_time_per_output_token_seconds", "TPOT after the first token", hw,
                               buckets=LATENCY_BUCKETS, registry=r)
         self.mat = Histogram("bole_request_mean_accepted_tokens", "Tokens per decode step of a request (MAT)",
@@ -114,11 +120,14 @@ class ServerMetrics:
                             "(kv, state, checkpoints, factors, snapshots, activations, logits, workspace)",
                             rep + ["category"], registry=r)
 
-    def observe_first_token(self, hardware_class: str, ttft_s: float, prefill_s: float | None) -> None:
+    def observe_first_token(self, hardware_class: str, ttft_s: float, prefill_s: float | None,
+                            engine_queue_s: float | None = None) -> None:
         labels = (self.model_name, hardware_class)
         self.ttft.labels(*labels).observe(ttft_s)
         if prefill_s is not None:
             self.queue_wait.labels(*labels).observe(max(ttft_s - prefill_s, 0.0))
+        if engine_queue_s is not None:
+            self.engine_queue.labels(*labels).observe(max(engine_queue_s, 0.0))
 
     def observe_choice(self, hardware_class: str, num_prompt_tokens: int, num_tokens: int,
                        first_token_time: float | None, num_steps: int, end: float) -> None:

@@ -31,6 +31,7 @@ def test_prompt_slices_and_deltas():
     d = server_delta(before, after)
     assert (d["preemptions"], d["prefix_hit_tokens"], d["prompt_tokens"]) == (2, 30, 60)
     assert d["prefix_hit_rate"] == 0.5 and d["mean_mat"] == 3.0 and d["mean_queue_wait_ms"] is None
+    assert d["mean_engine_queue_ms"] is None
     assert d["mean_step_ms"] is None and d["eager_forward_share"] is None   # no steps in the interval
     assert d["mean_prefill_ms"] is None and d["eager_prefill_share"] is None
     before.update(bole_engine_steps=10, bole_engine_step_seconds=1.0, bole_engine_decode_steps=8,
@@ -39,20 +40,23 @@ def test_prompt_slices_and_deltas():
                   bole_engine_graph_captures=40, bole_engine_capture_seconds=30.0,
                   bole_engine_prefill_steps=4, bole_engine_prefill_seconds=0.2, bole_engine_eager_prefills=1,
                   bole_engine_first_token_steps=3, bole_engine_mid_step_admissions=2,
-                  bole_engine_beside_admissions=1)
+                  bole_engine_beside_admissions=1, bole_queue_wait_seconds_sum=0.5, bole_queue_wait_seconds_count=4,
+                  bole_engine_queue_seconds_sum=0.25, bole_engine_queue_seconds_count=4)
     after.update(bole_engine_steps=30, bole_engine_step_seconds=1.5, bole_engine_decode_steps=18,
                  bole_engine_decode_seconds=0.7,
                  bole_engine_eager_forwards=8, bole_engine_eager_drafts=5, bole_engine_eager_tails=4,
                  bole_engine_graph_captures=43, bole_engine_capture_seconds=30.25,
                  bole_engine_prefill_steps=8, bole_engine_prefill_seconds=0.25, bole_engine_eager_prefills=2,
                  bole_engine_first_token_steps=5, bole_engine_mid_step_admissions=9,
-                 bole_engine_beside_admissions=5)
+                 bole_engine_beside_admissions=5, bole_queue_wait_seconds_sum=0.6, bole_queue_wait_seconds_count=8,
+                 bole_engine_queue_seconds_sum=0.27, bole_engine_queue_seconds_count=8)
     d = server_delta(before, after)
     assert (d["steps"], d["mean_step_ms"], d["engine_step_s"], d["mean_decode_ms"]) == (20, 25.0, 0.5, 20.0)
     assert (d["eager_forward_share"], d["eager_draft_share"], d["eager_tail_share"]) == (0.0, 0.5, 0.2)
     assert (d["graph_captures"], d["capture_s"]) == (3, 0.25)   # captured inside this phase's steps
     assert (d["prefill_steps"], d["mean_prefill_ms"], d["eager_prefill_share"]) == (4, 25.0, 0.25)
     assert (d["mid_step_admissions"], d["beside_admissions"]) == (7, 4)
+    assert (d["mean_queue_wait_ms"], d["mean_engine_queue_ms"]) == (25.0, 5.0)
 
 
 def test_serve_modes_on_the_cpu(tmp_path):

@@ -136,6 +136,11 @@ def test_ttft_counts_the_wait_behind_a_full_batch_and_aborts_are_counted(tiny_mo
         assert metric(text, "bole_time_to_first_token_seconds_bucket", le="0.25", **labels) <= 4
         assert metric(text, "bole_time_to_first_token_seconds_sum", **labels) >= \
             metric(text, "bole_queue_wait_seconds_sum", **labels)
+        # that wait was in the engine's own queue (its receipt to its scheduling), which is counted apart
+        assert metric(text, "bole_engine_queue_seconds_count", **labels) == 5
+        assert metric(text, "bole_engine_queue_seconds_bucket", le="0.25", **labels) <= 4
+        assert metric(text, "bole_queue_wait_seconds_sum", **labels) >= \
+            metric(text, "bole_engine_queue_seconds_sum", **labels)
 
         # aborted requests: a streaming client going away, a non-streaming one timing out; 500 tokens
         # each (what the 512-token KV cache admits: ~2 s alone, longer together) so that neither can
