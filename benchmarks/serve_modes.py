@@ -87,6 +87,7 @@ def server_delta(before: dict, after: dict) -> dict:
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in TOTALS}
     prompt, n_mat, n_wait = d["bole_engine_prompt_tokens"], d["bole_request_mean_accepted_tokens_count"], \
         d["bole_queue_wait_seconds_count"]
+    n_queue = d["bole_engine_queue_seconds_count"]
     steps, decode_steps = d["bole_engine_steps"], d["bole_engine_decode_steps"]
     share = lambda k: round(d[k] / decode_steps, 4) if decode_steps else None
     prefills, first = d["bole_engine_prefill_steps"], d["bole_engine_first_token_steps"]
@@ -98,8 +99,7 @@ def server_delta(before: dict, after: dict) -> dict:
         "mean_mat": round(d["bole_request_mean_accepted_tokens_sum"] / n_mat, 3) if n_mat else None,
         "mean_queue_wait_ms": round(1000 * d["bole_queue_wait_seconds_sum"] / n_wait, 2) if n_wait else None,
         # of that wait, the part in the engine's own queue (the rest: the ingress and the transit to the engine)
-        "mean_engine_queue_ms": round(1000 * d["bole_engine_queue_seconds_sum"] / d["bole_engine_queue_seconds_count"],
-                                      2) if d["bole_engine_queue_seconds_count"] else None,
+        "mean_engine_queue_ms": round(1000 * d["bole_engine_queue_seconds_sum"] / n_queue, 2) if n_queue else None,
         "generation_tokens": int(d["bole_generation_tokens_total"]),
         "peak_batch_since_start": int(after.get("bole_engine_peak_batch", 0)),
         # the engine's own time: seconds inside steps, the mean step, and the share of decode steps whose

@@ -357,6 +357,8 @@ class LLMEngine:
         while True:
             if admit():
                 before = stats.admitted_mid_step
+                # the whole admission inside: its slot zeroing and checkpoint restores are GPU work the
+                # prefill reads, so they go on the prefill stream too (not behind the forward on the main one)
                 with self.runner.beside(self._fence):
                     out += self._admit(admit, num_decode, stats, emit_early, polled=True)
                 stats.admitted_beside += stats.admitted_mid_step - before
