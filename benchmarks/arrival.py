@@ -1,0 +1,212 @@
+"""An arrival's time to first token inside the engine while a batch decodes: per mode, with and without
+``admit_during_forward``; no HTTP, no tokenizer, no event loop (``serve_modes.py`` measures those too).
+
+Per cell (mode x option), over one loaded model:
+  1. ``--batch`` background requests (held-out prompts, greedy, long outputs) are prefilled, then the
+     background step is timed (``--settle`` steps, no arrival): T;
+  2. ``--arrivals`` times, one fresh request of ``--arrival-tokens`` tokens (no prefix-cache hit, one more
+     output token asked so it goes on) arrives at a uniformly random moment of a step, ``u ~ U(0, T)``
+     after that step's start. It is handed to the engine as ``AsyncEngine`` would: at the step's admission
+     points (``LLMEngine.step``'s ``admit``) once its moment has passed, or at the next step's start. Its
+     time to first token is the moment to its first token's emission (``emit_early``); where it was
+     admitted (a step's start, inside a step, beside the step's forwards) and its admission to first
+     token (``prefill_ms``; the rest of its TTFT is the wait for an admission point) are read from the
+     engine's counters. The arrival is then aborted and the batch steps on (``--settle`` steps);
+  3. the same arrivals on the idle engine (the background aborted): the prefill alone.
+The background steps' wall times beside the arrivals are the price the running batch pays (TPOT).
+
+    python benchmarks/arrival.py --model /tmp/bole-widened/qwen3.5-9b --draft-vocab 32768 \\
+        --calibration-table calibration_tables/h100-qwen3.5-9b.yaml --out benchmarks/results/arrival_h100.json
+    python benchmarks/arrival.py --smoke          # CPU, the embedded model: times mean nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.serve_load import heldout_prompts  # noqa: E402
+
+
+def stats_ms(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    if not xs:
+        return dict(n=0)
+    q = lambda p: xs[min(len(xs) - 1, int(p * len(xs)))]
+    return dict(n=len(xs), mean=round(1e3 * statistics.fmean(xs), 2), p50=round(1e3 * q(0.5), 2),
+                p90=round(1e3 * q(0.9), 2), max=round(1e3 * xs[-1], 2))
+
+
+class Arrival:
+    """One arrival: handed to the engine at its admission points once ``at`` has passed."""
+
+    def __init__(self, eng, tokens: list[int], rid: str, at: float):
+        self.eng, self.tokens, self.rid, self.at = eng, tokens, rid, at
+        self.added = self.first = None
+
+    def admit(self) -> int:   # LLMEngine.step's ``admit`` (and the step's start)
+        if self.added is None and time.perf_counter() >= self.at:
+            from bole.sampling_params import SamplingParams
+
+            self.eng.add_request(self.tokens, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                                 request_id=self.rid)
+            self.added = time.perf_counter()
+            return 1
+        return 0
+
+    def emitted(self, outputs) -> None:   # ``emit_early``
+        if self.first is None and any(o.request_id == self.rid for o in outputs):
+            self.first = time.perf_counter()
+
+
+def step(eng, arrival: Arrival | None = None) -> float:
+    t0 = time.perf_counter()
+    if arrival is None:
+        eng.step()
+    else:
+        arrival.admit()
+        eng.step(emit_early=arrival.emitted, admit=arrival.admit)
+    if eng.runner.device.type == "cuda":
+        torch.cuda.synchronize(eng.runner.device)
+    return time.perf_counter() - t0
+
+
+def arrivals(eng, tokens: list[list[int]], step_s: float, settle: int, rng: random.Random, tag: str,
+             warm: int = 0) -> dict:
+    """Each arrival at a random moment of a step; its TTFT, where it was admitted, the steps' wall times.
+    The first ``warm`` arrivals, and any during whose steps a CUDA graph was captured, are not counted."""
+    m = eng.metrics
+    ttft, prefill, where, walls = [], [], {"start": 0, "mid_step": 0, "beside": 0}, []
+    excluded = 0
+    for i, toks in enumerate(tokens):
+        mid, beside, pt = m.mid_step_admissions, m.beside_admissions, m.prefill_time
+        captures = eng.runner.graph_captures()[0]
+        a = Arrival(eng, [1000 + rng.randrange(4000)] + toks[1:], f"{tag}-{i}", 0.0)
+        a.at = time.perf_counter() + rng.uniform(0, step_s)
+        for _ in range(1000):
+            walls.append(step(eng, a))
+            if a.first is not None:
+                break
+        if a.first is None:
+            raise RuntimeError(f"arrival {a.rid} got no first token in 1000 steps")
+        eng.abort(a.rid)
+        if i < warm or eng.runner.graph_captures()[0] > captures:   # a graph captured meanwhile: not timed
+            excluded += i >= warm
+            continue
+        ttft.append(a.first - a.at)
+        prefill.append(m.prefill_time - pt)   # its admission to its first token (the batch prefills nothing)
+        kind = "beside" if m.beside_admissions > beside else "mid_step" if m.mid_step_admissions > mid else "start"
+        where[kind] += 1
+        for _ in range(settle):
+            walls.append(step(eng))
+    return dict(ttft_ms=stats_ms(ttft), prefill_ms=stats_ms(prefill), admitted=where, step_ms=stats_ms(walls),
+                excluded_for_captures=excluded)
+
+
+def run_cell(model, args, mode: str, during: bool, prompts: list[list[int]], arrival_tokens: list[list[int]]) -> dict:
+    from bole.llm import build_engine
+    from bole.sampling_params import SamplingParams
+
+    cuda = args.device == "cuda"
+    longest = max(len(p) for p in prompts[:args.batch])
+    blocks = args.batch * ((longest + args.max_tokens + 64) // 16 + 2) + 4 * (args.arrival_tokens // 16 + 4) + 64
+    eng = build_engine(args.model, tokenizer=False, model=model, mode=mode, device=args.device,
+                       dtype="bfloat16" if cuda else "float32", depth=args.depth, topk=args.topk, beam=args.beam,
+                       draft_vocab=args.draft_vocab, calibration_table=args.calibration_table,
+                       max_num_seqs=args.batch + 1, num_blocks=blocks, enable_cuda_graphs=cuda,
+                       cuda_graph_capture_len=args.capture_len if cuda else None, admit_during_forward=during)
+    rng = random.Random(args.seed)
+    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    for i in range(args.batch):
+        eng.add_request(prompts[i], sp, request_id=f"bg-{i}")
+    while any(not r.prefilled for r in eng.requests.values()):
+        eng.step()
+    for _ in range(3):   # warm: anything lazily captured or compiled
+        step(eng)
+    t = statistics.median(step(eng) for _ in range(max(3, args.settle)))
+    cell = dict(mode=mode, admit_during_forward=during, background_step_ms=round(1e3 * t, 2))
+    cell.update(arrivals(eng, arrival_tokens, t, args.settle, rng, "busy", warm=args.warm))
+    for i in range(args.batch):
+        eng.abort(f"bg-{i}")
+    alone = arrivals(eng, arrival_tokens[:max(3, len(arrival_tokens) // 4)], 0.0, 0, rng, "idle", warm=1)
+    cell["idle_ttft_ms"] = alone["ttft_ms"]
+    del eng
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return cell
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=str(ROOT / "models" / "bole-tiny-coder"))
+    ap.add_argument("--modes", nargs="+", default=["ar", "bole"])
+    ap.add_argument("--options", nargs="+", default=["off", "on"], choices=["off", "on"],
+                    help="admit_during_forward per cell")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--arrivals", type=int, default=40)
+    ap.add_argument("--arrival-tokens", type=int, default=192)
+    ap.add_argument("--max-tokens", type=int, default=2000, help="the background requests' outputs")
+    ap.add_argument("--settle", type=int, default=2, help="background steps after each arrival")
+    ap.add_argument("--capture-len", type=int, default=None,
+                    help="cuda_graph_capture_len (every graph at start); default: captured when first needed, the "
+                         "arrivals meanwhile not counted")
+    ap.add_argument("--warm", type=int, default=3, help="arrivals first, not counted (their graphs captured)")
+    ap.add_argument("--calibration-table", default="calibration_tables/default.yaml")
+    ap.add_argument("--draft-vocab", type=int, default=None)
+    ap.add_argument("--depth", type=int, default=8)
+    ap.add_argument("--topk", type=int, default=4)
+    ap.add_argument("--beam", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="CPU, small: batch 2, 3 arrivals, depth 3")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.batch, args.arrivals, args.arrival_tokens, args.max_tokens, args.warm = 2, 4, 24, 64, 1
+        args.depth, args.topk, args.beam, args.settle = 3, 2, 2, 1
+    args.device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    from transformers import AutoTokenizer
+
+    from bole.models.loader import load_model
+
+    tok = AutoTokenizer.from_pretrained(str(ROOT / "models" / "bole-tiny-coder"))
+    texts = heldout_prompts()
+    prompts = [tok.encode(t) for t in texts[:args.batch]]
+    joined = tok.encode("\n".join(texts[args.batch:args.batch + 64]))
+    n = args.arrival_tokens
+    arrival_tokens = [joined[i * n:(i + 1) * n] for i in range(args.warm + args.arrivals)]
+    if len(arrival_tokens[-1]) < n:
+        raise ValueError(f"--arrival-tokens {n} x {len(arrival_tokens)} arrivals: the held-out prompts are too short")
+    model = load_model(args.model, dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device)
+    doc = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,
+               date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), command=" ".join(sys.argv),
+               model=args.model, batch=args.batch, arrival_tokens=n, cells=[])
+    for mode in args.modes:
+        for opt in args.options:
+            cell = run_cell(model, args, mode, opt == "on", prompts, arrival_tokens)
+            doc["cells"].append(cell)
+            print(json.dumps(cell), flush=True)
+            if args.out:
+                Path(args.out).write_text(json.dumps(doc, indent=1))
+    print(f"{'mode':>6} {'option':>6} {'bg step':>8} {'ttft mean':>9} {'p50':>7} {'p90':>7} {'prefill':>7} {'idle':>7}"
+          "  admitted")
+    for c in doc["cells"]:
+        t, opt = c["ttft_ms"], "on" if c["admit_during_forward"] else "off"
+        print(f"{c['mode']:>6} {opt:>6} {c['step_ms']['mean']:>8} {t['mean']:>9} {t['p50']:>7} {t['p90']:>7} "
+              f"{c['prefill_ms']['mean']:>7} {c['idle_ttft_ms']['mean']:>7}  {c['admitted']}")
+    return doc
+
+
+if __name__ == "__main__":
+    main()
