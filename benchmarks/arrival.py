@@ -1,5 +1,6 @@
 """An arrival's time to first token inside the engine while a batch decodes: per mode, with and without
-``admit_during_forward``; no HTTP, no tokenizer, no event loop (``serve_modes.py`` measures those too).
+``admit_during_forward`` (and with it, but each prefill queued behind the forward instead of beside it); no
+HTTP, no tokenizer, no event loop (``serve_modes.py`` measures those too).
 
 Per cell (mode x option), over one loaded model:
   1. ``--batch`` background requests (held-out prompts, greedy, long outputs) are prefilled, then the
@@ -23,6 +24,7 @@ The background steps' wall times beside the arrivals are the price the running b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import random
@@ -114,7 +116,7 @@ def arrivals(eng, tokens: list[list[int]], step_s: float, settle: int, rng: rand
                 excluded_for_captures=excluded)
 
 
-def run_cell(model, args, mode: str, during: bool, prompts: list[list[int]], arrival_tokens: list[list[int]]) -> dict:
+def run_cell(model, args, mode: str, option: str, prompts: list[list[int]], arrival_tokens: list[list[int]]) -> dict:
     from bole.llm import build_engine
     from bole.sampling_params import SamplingParams
 
@@ -125,7 +127,10 @@ def run_cell(model, args, mode: str, during: bool, prompts: list[list[int]], arr
                        dtype="bfloat16" if cuda else "float32", depth=args.depth, topk=args.topk, beam=args.beam,
                        draft_vocab=args.draft_vocab, calibration_table=args.calibration_table,
                        max_num_seqs=args.batch + 1, num_blocks=blocks, enable_cuda_graphs=cuda,
-                       cuda_graph_capture_len=args.capture_len if cuda else None, admit_during_forward=during)
+                       cuda_graph_capture_len=args.capture_len if cuda else None,
+                       admit_during_forward=option != "off")
+    if option == "main":   # the same polling, each prefill queued behind the forward on its stream
+        eng.runner.beside = lambda fence: contextlib.nullcontext()
     rng = random.Random(args.seed)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for i in range(args.batch):
@@ -135,7 +140,7 @@ def run_cell(model, args, mode: str, during: bool, prompts: list[list[int]], arr
     for _ in range(3):   # warm: anything lazily captured or compiled
         step(eng)
     t = statistics.median(step(eng) for _ in range(max(3, args.settle)))
-    cell = dict(mode=mode, admit_during_forward=during, background_step_ms=round(1e3 * t, 2))
+    cell = dict(mode=mode, option=option, background_step_ms=round(1e3 * t, 2))
     cell.update(arrivals(eng, arrival_tokens, t, args.settle, rng, "busy", warm=args.warm))
     for i in range(args.batch):
         eng.abort(f"bg-{i}")
@@ -152,8 +157,9 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(ROOT / "models" / "bole-tiny-coder"))
     ap.add_argument("--modes", nargs="+", default=["ar", "bole"])
-    ap.add_argument("--options", nargs="+", default=["off", "on"], choices=["off", "on"],
-                    help="admit_during_forward per cell")
+    ap.add_argument("--options", nargs="+", default=["off", "on", "main"], choices=["off", "on", "main"],
+                    help="admit_during_forward per cell; main: on, but each prefill queued on the forward's stream "
+                         "behind it (not beside it on the prefill stream)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--arrivals", type=int, default=40)
     ap.add_argument("--arrival-tokens", type=int, default=192)
@@ -194,7 +200,7 @@ def main(argv=None) -> dict:
                model=args.model, batch=args.batch, arrival_tokens=n, cells=[])
     for mode in args.modes:
         for opt in args.options:
-            cell = run_cell(model, args, mode, opt == "on", prompts, arrival_tokens)
+            cell = run_cell(model, args, mode, opt, prompts, arrival_tokens)
             doc["cells"].append(cell)
             print(json.dumps(cell), flush=True)
             if args.out:
@@ -202,7 +208,7 @@ def main(argv=None) -> dict:
     print(f"{'mode':>6} {'option':>6} {'bg step':>8} {'ttft mean':>9} {'p50':>7} {'p90':>7} {'prefill':>7} {'idle':>7}"
           "  admitted")
     for c in doc["cells"]:
-        t, opt = c["ttft_ms"], "on" if c["admit_during_forward"] else "off"
+        t, opt = c["ttft_ms"], c["option"]
         print(f"{c['mode']:>6} {opt:>6} {c['step_ms']['mean']:>8} {t['mean']:>9} {t['p50']:>7} {t['p90']:>7} "
               f"{c['prefill_ms']['mean']:>7} {c['idle_ttft_ms']['mean']:>7}  {c['admitted']}")
     return doc

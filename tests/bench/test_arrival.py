@@ -17,14 +17,14 @@ def test_smoke_times_every_counted_arrival(tmp_path):
     arrival.main(["--smoke", "--out", str(out)])
     doc = json.loads(out.read_text())
     assert doc["device"] == "cpu" and doc["batch"] == 2
-    assert [(c["mode"], c["admit_during_forward"]) for c in doc["cells"]] == \
-        [("ar", False), ("ar", True), ("bole", False), ("bole", True)]
+    assert [(c["mode"], c["option"]) for c in doc["cells"]] == \
+        [(m, o) for m in ("ar", "bole") for o in ("off", "on", "main")]
     for c in doc["cells"]:
         counted = c["ttft_ms"]["n"]
         assert counted + c["excluded_for_captures"] == 4 and counted == sum(c["admitted"].values())
         assert c["admitted"]["beside"] == 0   # no prefill stream on the CPU
         # without the option ar admits at a step's start only (bole between its draft and verify too)
-        if not c["admit_during_forward"] and c["mode"] == "ar":
+        if c["option"] == "off" and c["mode"] == "ar":
             assert c["admitted"]["mid_step"] == 0
         assert 0 < c["prefill_ms"]["mean"] <= c["ttft_ms"]["mean"] and c["idle_ttft_ms"]["n"] >= 2
 
