@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import gzip
 import json
 import random
 import statistics
@@ -103,13 +104,13 @@ def arrivals(eng, tokens: list[list[int]], step_s: float, settle: int, rng: rand
         if a.first is None:
             raise RuntimeError(f"arrival {a.rid} got no first token in 1000 steps")
         eng.abort(a.rid)
-        if i < warm or eng.runner.graph_captures()[0] > captures:   # a graph captured meanwhile: not timed
-            excluded += i >= warm
-            continue
-        ttft.append(a.first - a.at)
-        prefill.append(m.prefill_time - pt)   # its admission to its first token (the batch prefills nothing)
-        kind = "beside" if m.beside_admissions > beside else "mid_step" if m.mid_step_admissions > mid else "start"
-        where[kind] += 1
+        counted = i >= warm and eng.runner.graph_captures()[0] == captures   # no graph captured meanwhile
+        if counted:
+            ttft.append(a.first - a.at)
+            prefill.append(m.prefill_time - pt)   # its admission to its first token (the batch prefills nothing)
+            kind = "beside" if m.beside_admissions > beside else "mid_step" if m.mid_step_admissions > mid else "start"
+            where[kind] += 1
+        excluded += i >= warm and not counted
         for _ in range(settle):
             walls.append(step(eng))
     return dict(ttft_ms=stats_ms(ttft), prefill_ms=stats_ms(prefill), admitted=where, step_ms=stats_ms(walls),
@@ -142,6 +143,17 @@ def run_cell(model, args, mode: str, option: str, prompts: list[list[int]], arri
     t = statistics.median(step(eng) for _ in range(max(3, args.settle)))
     cell = dict(mode=mode, option=option, background_step_ms=round(1e3 * t, 2))
     cell.update(arrivals(eng, arrival_tokens, t, args.settle, rng, "busy", warm=args.warm))
+    if args.trace:   # one more arrival under torch.profiler: the streams' kernels, for a timeline viewer
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if cuda else [])) as prof:
+            arrivals(eng, arrival_tokens[:1], t, 1, rng, "traced")
+        path = Path(args.trace) / f"arrival_{mode}_{option}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+        with open(path, "rb") as f, gzip.open(f"{path}.gz", "wb") as g:
+            g.write(f.read())
+        path.unlink()
+        cell["trace"] = f"{path.name}.gz"
     for i in range(args.batch):
         eng.abort(f"bg-{i}")
     alone = arrivals(eng, arrival_tokens[:max(3, len(arrival_tokens) // 4)], 0.0, 0, rng, "idle", warm=1)
@@ -175,6 +187,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--beam", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trace", default=None, help="a folder: one more arrival per cell under torch.profiler, its "
+                                                  "chrome trace there (gzipped)")
     ap.add_argument("--smoke", action="store_true", help="CPU, small: batch 2, 3 arrivals, depth 3")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
