@@ -25,6 +25,8 @@
 #              on a fresh H100, the 27B widening 170 s of it)
 #   split      cuda_graph_prefill_split at 9B cost: ar and bole at batches 16 8 4 2 1 with --no-prefill-split,
 #              then with the default (one process each, the same machine and table)  (~6 min: 226 + 108 s)
+#   arrival    benchmarks/arrival.py at 9B cost: ar / bole, admit_during_forward off / on / main, batch 15,
+#              30 arrivals a cell, one traced ($ARRIVAL_FLAGS appended); the widening first        (~6 min)
 # $OUT receives results.tar.gz (every step's files, one folder per step) and summary.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -124,6 +126,16 @@ step_split() {
       bash benchmarks/run_gpu_scale.sh --models qwen3.5-9b --batches 16 8 4 2 1 --modes ar --draft-vocab 32768 \
       --depth 8 --topk 4 --beam 4 --calibration-table "calibration_tables/$hw-qwen3.5-9b.yaml" $f ${SCALE_FLAGS:-}
   done
+}
+step_arrival() {
+  local hw w=/tmp/bole-widened/qwen3.5-9b
+  hw=$(python3 -c "from bole.hardware import detect_hardware; print(detect_hardware('cuda'))")
+  [ -f "$w/config.json" ] || python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from e2e_scale import widened; \
+widened('models/bole-tiny-coder', 'qwen3.5-9b', '/tmp/bole-widened')" || return 1
+  # shellcheck disable=SC2086
+  timeout -k 10 "${ARRIVAL_S:-420}" python3 benchmarks/arrival.py --model "$w" --draft-vocab 32768 \
+    --calibration-table "calibration_tables/$hw-qwen3.5-9b.yaml" --batch 15 --arrivals 30 --settle 1 \
+    --max-tokens 900 --trace "$1/traces" --out "$1/arrival_$hw.json" ${ARRIVAL_FLAGS:-}
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee -a "$OUT/summary.log"
