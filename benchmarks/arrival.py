@@ -1,6 +1,8 @@
 """An arrival's time to first token inside the engine while a batch decodes: per mode, with and without
-``admit_during_forward`` (and with it, but each prefill queued behind the forward instead of beside it); no
-HTTP, no tokenizer, no event loop (``serve_modes.py`` measures those too).
+``admit_during_forward``; no HTTP, no tokenizer, no event loop (``serve_modes.py`` measures those too).
+Two variants of the option ask where an arrival's prefill is best run while the batch's forwards are on the
+GPU (``--options``): ``main`` queues it behind the forward instead of beside it; ``hold`` (speculative
+modes) admits between the draft and the verify until the draft is done, the verify launched after.
 
 Per cell (mode x option), over one loaded model:
   1. ``--batch`` background requests (held-out prompts, greedy, long outputs) are prefilled, then the
@@ -117,6 +119,29 @@ def arrivals(eng, tokens: list[list[int]], step_s: float, settle: int, rng: rand
                 excluded_for_captures=excluded)
 
 
+def hold_verify(eng) -> None:
+    """Option ``hold`` (speculative modes, a GPU): the step's admission between its draft and verify polls
+    until the draft's GPU work is done, each arrival prefilled then on the forward's stream behind the
+    draft (alone on the GPU), and only then launches the verify forward; beside the verify as ``on``."""
+    from bole.engine.engine import ADMIT_POLL_S
+
+    run = eng.spec_step.run
+
+    def held(reqs, stats, calibration, between=None, during=None):
+        once = between
+
+        def polled() -> None:
+            drafted = torch.cuda.Event()
+            drafted.record(torch.cuda.current_stream(eng.runner.device))
+            while True:
+                once()
+                if drafted.query():
+                    return
+                time.sleep(ADMIT_POLL_S)
+        return run(reqs, stats, calibration, between=polled if between is not None else None, during=during)
+    eng.spec_step.run = held
+
+
 def run_cell(model, args, mode: str, option: str, prompts: list[list[int]], arrival_tokens: list[list[int]]) -> dict:
     from bole.llm import build_engine
     from bole.sampling_params import SamplingParams
@@ -132,6 +157,8 @@ def run_cell(model, args, mode: str, option: str, prompts: list[list[int]], arri
                        admit_during_forward=option != "off")
     if option == "main":   # the same polling, each prefill queued behind the forward on its stream
         eng.runner.beside = lambda fence: contextlib.nullcontext()
+    if option == "hold" and cuda and eng.spec_step is not None:
+        hold_verify(eng)
     rng = random.Random(args.seed)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for i in range(args.batch):
@@ -169,9 +196,12 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(ROOT / "models" / "bole-tiny-coder"))
     ap.add_argument("--modes", nargs="+", default=["ar", "bole"])
-    ap.add_argument("--options", nargs="+", default=["off", "on", "main"], choices=["off", "on", "main"],
+    ap.add_argument("--options", nargs="+", default=["off", "on", "main", "hold"],
+                    choices=["off", "on", "main", "hold"],
                     help="admit_during_forward per cell; main: on, but each prefill queued on the forward's stream "
-                         "behind it (not beside it on the prefill stream)")
+                         "behind it (not beside it on the prefill stream); hold: on, and the speculative step's "
+                         "admission between draft and verify polls until the draft is done (hold_verify; the "
+                         "same as on in ar and on the CPU, so not run for ar)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--arrivals", type=int, default=40)
     ap.add_argument("--arrival-tokens", type=int, default=192)
@@ -214,7 +244,15 @@ def main(argv=None) -> dict:
                model=args.model, batch=args.batch, arrival_tokens=n, cells=[])
     for mode in args.modes:
         for opt in args.options:
-            cell = run_cell(model, args, mode, opt, prompts, arrival_tokens)
+            if opt == "hold" and mode == "ar":
+                continue
+            try:
+                cell = run_cell(model, args, mode, opt, prompts, arrival_tokens)
+            except Exception as e:   # recorded; the other cells still run
+                cell = dict(mode=mode, option=opt, error=f"{type(e).__name__}: {e}"[:400])
+                gc.collect()
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
             doc["cells"].append(cell)
             print(json.dumps(cell), flush=True)
             if args.out:
@@ -222,6 +260,9 @@ def main(argv=None) -> dict:
     print(f"{'mode':>6} {'option':>6} {'bg step':>8} {'ttft mean':>9} {'p50':>7} {'p90':>7} {'prefill':>7} {'idle':>7}"
           "  admitted")
     for c in doc["cells"]:
+        if "error" in c:
+            print(f"{c['mode']:>6} {c['option']:>6}  {c['error']}")
+            continue
         t, opt = c["ttft_ms"], c["option"]
         print(f"{c['mode']:>6} {opt:>6} {c['step_ms']['mean']:>8} {t['mean']:>9} {t['p50']:>7} {t['p90']:>7} "
               f"{c['prefill_ms']['mean']:>7} {c['idle_ttft_ms']['mean']:>7}  {c['admitted']}")

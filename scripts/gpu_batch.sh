@@ -25,7 +25,7 @@
 #              on a fresh H100, the 27B widening 170 s of it)
 #   split      cuda_graph_prefill_split at 9B cost: ar and bole at batches 16 8 4 2 1 with --no-prefill-split,
 #              then with the default (one process each, the same machine and table)  (~6 min: 226 + 108 s)
-#   arrival    benchmarks/arrival.py at 9B cost: ar / bole, admit_during_forward off / on / main, batch 15,
+#   arrival    benchmarks/arrival.py at 9B cost: ar / bole, admit_during_forward off / on / main / hold, batch 15,
 #              30 arrivals a cell, one traced ($ARRIVAL_FLAGS appended); the widening first        (~6 min)
 # $OUT receives results.tar.gz (every step's files, one folder per step) and summary.log.
 set -uo pipefail

@@ -18,8 +18,9 @@ def test_smoke_times_every_counted_arrival(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["device"] == "cpu" and doc["batch"] == 2
     assert [(c["mode"], c["option"]) for c in doc["cells"]] == \
-        [(m, o) for m in ("ar", "bole") for o in ("off", "on", "main")]
+        [(m, o) for m in ("ar", "bole") for o in ("off", "on", "main", "hold") if (m, o) != ("ar", "hold")]
     for c in doc["cells"]:
+        assert "error" not in c, c
         counted = c["ttft_ms"]["n"]
         assert counted + c["excluded_for_captures"] == 4 and counted == sum(c["admitted"].values())
         assert c["admitted"]["beside"] == 0   # no prefill stream on the CPU
@@ -47,3 +48,36 @@ def test_an_arrival_is_added_once_and_not_before_its_moment():
     assert a.first is None
     a.emitted([type("O", (), {"request_id": "x"})()])
     assert a.first >= a.added >= a.at
+
+
+def test_hold_polls_the_admission_until_the_draft_is_done(monkeypatch):
+    """``hold``: the speculative step's between-admission is called until the draft's event is done
+    (each call may admit), then the verify goes on; ``during`` passes through; no between stays none."""
+    import torch
+
+    class Event:
+        def __init__(self):
+            self.queries = 0
+
+        def record(self, stream):
+            pass
+
+        def query(self):
+            self.queries += 1
+            return self.queries >= 3
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    seen = []
+
+    class Step:
+        def run(self, reqs, stats, calibration, between=None, during=None):
+            seen.append((between is None, during))
+            if between is not None:
+                between()
+            return "ran"
+    eng = type("E", (), {"spec_step": Step(), "runner": type("R", (), {"device": "cuda"})()})()
+    arrival.hold_verify(eng)
+    calls = []
+    assert eng.spec_step.run([], None, None, between=lambda: calls.append(1), during="d") == "ran"
+    assert calls == [1, 1, 1] and seen == [(False, "d")]
+    assert eng.spec_step.run([], None, None) == "ran" and seen[-1] == (True, None)
