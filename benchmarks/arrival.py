@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import gzip
 import json
 import random
 import statistics
@@ -41,16 +40,14 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.serve_load import heldout_prompts  # noqa: E402
+from benchmarks.serve_load import _pct, heldout_prompts  # noqa: E402
 
 
 def stats_ms(xs: list[float]) -> dict:
-    xs = sorted(xs)
     if not xs:
         return dict(n=0)
-    q = lambda p: xs[min(len(xs) - 1, int(p * len(xs)))]
-    return dict(n=len(xs), mean=round(1e3 * statistics.fmean(xs), 2), p50=round(1e3 * q(0.5), 2),
-                p90=round(1e3 * q(0.9), 2), max=round(1e3 * xs[-1], 2))
+    return dict(n=len(xs), mean=round(1e3 * statistics.fmean(xs), 2), p50=round(1e3 * _pct(xs, 50), 2),
+                p90=round(1e3 * _pct(xs, 90), 2), max=round(1e3 * max(xs), 2))
 
 
 class Arrival:
@@ -97,8 +94,8 @@ def arrivals(eng, tokens: list[list[int]], step_s: float, settle: int, rng: rand
     for i, toks in enumerate(tokens):
         mid, beside, pt = m.mid_step_admissions, m.beside_admissions, m.prefill_time
         captures = eng.runner.graph_captures()[0]
-        a = Arrival(eng, [1000 + rng.randrange(4000)] + toks[1:], f"{tag}-{i}", 0.0)
-        a.at = time.perf_counter() + rng.uniform(0, step_s)
+        a = Arrival(eng, [1000 + rng.randrange(4000)] + toks[1:], f"{tag}-{i}",
+                    time.perf_counter() + rng.uniform(0, step_s))
         for _ in range(1000):
             walls.append(step(eng, a))
             if a.first is not None:
@@ -128,13 +125,11 @@ def hold_verify(eng) -> None:
     run = eng.spec_step.run
 
     def held(reqs, stats, calibration, between=None, during=None):
-        once = between
-
         def polled() -> None:
             drafted = torch.cuda.Event()
             drafted.record(torch.cuda.current_stream(eng.runner.device))
             while True:
-                once()
+                between()
                 if drafted.query():
                     return
                 time.sleep(ADMIT_POLL_S)
@@ -174,13 +169,10 @@ def run_cell(model, args, mode: str, option: str, prompts: list[list[int]], arri
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
                 [torch.profiler.ProfilerActivity.CUDA] if cuda else [])) as prof:
             arrivals(eng, arrival_tokens[:1], t, 1, rng, "traced")
-        path = Path(args.trace) / f"arrival_{mode}_{option}.json"
+        path = Path(args.trace) / f"arrival_{mode}_{option}.json.gz"   # torch gzips a .gz path
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(path))
-        with open(path, "rb") as f, gzip.open(f"{path}.gz", "wb") as g:
-            g.write(f.read())
-        path.unlink()
-        cell["trace"] = f"{path.name}.gz"
+        cell["trace"] = path.name
     for i in range(args.batch):
         eng.abort(f"bg-{i}")
     alone = arrivals(eng, arrival_tokens[:max(3, len(arrival_tokens) // 4)], 0.0, 0, rng, "idle", warm=1)
@@ -219,7 +211,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace", default=None, help="a folder: one more arrival per cell under torch.profiler, its "
                                                   "chrome trace there (gzipped)")
-    ap.add_argument("--smoke", action="store_true", help="CPU, small: batch 2, 3 arrivals, depth 3")
+    ap.add_argument("--smoke", action="store_true", help="CPU, small: batch 2, 4 arrivals, depth 3")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.smoke:

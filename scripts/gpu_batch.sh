@@ -130,7 +130,8 @@ step_split() {
 step_arrival() {
   local hw w=/tmp/bole-widened/qwen3.5-9b
   hw=$(python3 -c "from bole.hardware import detect_hardware; print(detect_hardware('cuda'))")
-  [ -f "$w/config.json" ] || python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from e2e_scale import widened; \
+  # e2e_scale.widened reuses a matching widening (its widen.json record) and rebuilds a stale one
+  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from e2e_scale import widened; \
 widened('models/bole-tiny-coder', 'qwen3.5-9b', '/tmp/bole-widened')" || return 1
   # shellcheck disable=SC2086
   timeout -k 10 "${ARRIVAL_S:-420}" python3 benchmarks/arrival.py --model "$w" --draft-vocab 32768 \
