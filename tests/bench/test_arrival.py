@@ -24,6 +24,7 @@ def test_smoke_times_every_counted_arrival(tmp_path):
         counted = c["ttft_ms"]["n"]
         assert counted + c["excluded_for_captures"] == 4 and counted == sum(c["admitted"].values())
         assert c["admitted"]["beside"] == 0   # no prefill stream on the CPU
+        assert c["background_left"] == 2      # every arrival met the whole batch
         # without the option ar admits at a step's start only (bole between its draft and verify too)
         if c["option"] == "off" and c["mode"] == "ar":
             assert c["admitted"]["mid_step"] == 0
