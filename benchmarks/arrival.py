@@ -229,7 +229,7 @@ def main(argv=None) -> dict:
     tok = AutoTokenizer.from_pretrained(str(ROOT / "models" / "bole-tiny-coder"))
     texts = heldout_prompts()
     prompts = [tok.encode(t) for t in texts[:args.batch]]
-    joined = tok.encode("\n".join(texts[args.batch:args.batch + 64]))
+    joined = tok.encode("\n".join(texts[args.batch:]))
     n = args.arrival_tokens
     arrival_tokens = [joined[i * n:(i + 1) * n] for i in range(args.warm + args.arrivals)]
     if len(arrival_tokens[-1]) < n:
