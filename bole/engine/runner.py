@@ -146,10 +146,16 @@ class ModelRunner:
 
     def enable_prefill_graphs(self, batch_sizes: Sequence[int], capture: bool = True, **kw) -> PrefillGraphs:
         """Route short ``prefill`` steps through ``PrefillGraphs``; shares the padding block and slot and
-        (unless prefills may run ``beside`` the other graphs) the decode graphs' memory pool."""
+        (unless prefills may run ``beside`` the other graphs) the decode graphs' memory pool and capture
+        stream. Beside them they get a pool and a capture stream of their own: the capture stream fixes
+        each graph's cuBLAS workspace (``bole.engine.graphs.base.capture_graph``), and a prefill's GEMMs
+        writing the workspace a verify's GEMMs use at the same moment would corrupt both."""
         pool = next((g.pool for g in (self.graphs, self.verify_graphs, self.draft_graphs) if g is not None), None)
         if self.prefill_stream is not None:   # replayed while a verify / draft / decode graph runs
             pool = None
+            # the prefill stream itself: a high-priority pool stream, never torch's default capture stream
+            # (priority 0), and prefill work never overlaps prefill work
+            kw.setdefault("capture_stream", self.prefill_stream if capture else None)
         self.prefill_graphs = PrefillGraphs(self, batch_sizes, *self.padding(), capture=capture, pool=pool, **kw)
         if self.checkpoint_pool is not None:
             self.prefill_graphs.enable_checkpoints(self.checkpoint_pool)
@@ -170,9 +176,10 @@ class ModelRunner:
         ahead of the forward's blocks not yet scheduled; the current stream's later work waits for it.
         Safe beside a draft / verify / decode forward: those touch only their own requests' KV blocks and
         state slots, the verify factors and their graphs' pool and buffers, none of which a prefill reads
-        or writes (its graphs have their own pool; padding rows write garbage into the shared padding
-        block either way). Kept hiddens are marked used by the current stream (the caching allocator
-        keeps them from the prefill stream's next allocation until that stream's work is done)."""
+        or writes (its graphs have their own pool, and their own capture stream, so their own cuBLAS
+        workspace; padding rows write garbage into the shared padding block either way). Kept hiddens are
+        marked used by the current stream (the caching allocator keeps them from the prefill stream's next
+        allocation until that stream's work is done)."""
         main = torch.cuda.current_stream(self.device)
         side = self.prefill_stream
         side.wait_event(fence)

@@ -257,3 +257,36 @@ def test_capture_survives_a_collection_inside_it():
     torch.cuda.synchronize()
     assert x.tolist() == [1.0] * 4
     gc.collect()
+
+
+@pytest.mark.gpu
+def test_graphs_captured_on_their_own_streams_replay_concurrently_without_meeting():
+    """``capture_graph(..., stream=)``: torch bakes the cuBLAS workspace of the capture stream into each
+    graph, so graphs captured on one stream share it and corrupt each other's GEMMs when replayed at once
+    on two streams (pytorch issue 193402). The engine captures the prefill graphs, which run beside the
+    verify / decode graphs (``admit_during_forward``), on a stream of their own. Two skinny GEMMs with a
+    long reduction (the shape cuBLAS splits over a workspace), each captured on its own stream and
+    replayed together many times on two streams, give exactly their sequential results."""
+    torch.manual_seed(0)
+    a = [torch.randn(8, 8192, device="cuda") for _ in range(2)]
+    w = [torch.randn(8192, 512, device="cuda") for _ in range(2)]
+    out = [torch.empty(8, 512, device="cuda") for _ in range(2)]
+    # one stream from each of torch's pools (priorities): never the same stream
+    low, high = torch.cuda.Stream(), torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1])
+    graphs = [capture_graph(lambda i=i: torch.mm(a[i], w[i], out=out[i]), None, "cuda", s)
+              for i, s in enumerate((low, high))]
+    want = []
+    for g, o in zip(graphs, out):
+        g.replay()
+        torch.cuda.synchronize()
+        want.append(o.clone())
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    for _ in range(200):
+        for g, s in zip(graphs, streams):
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                g.replay()
+        for s in streams:
+            torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, w_) for o, w_ in zip(out, want))

@@ -422,7 +422,7 @@ def test_graph_captures_counted_cpu(ckpt, monkeypatch):
             self.run()
 
     for module in (base, verify):
-        monkeypatch.setattr(module, "capture_graph", lambda run, pool, device: Replays(run))
+        monkeypatch.setattr(module, "capture_graph", lambda run, pool, device, stream=None: Replays(run))
     max_tokens = [12, 5, 20, 9]
     ref = run_arrivals(_engine(ckpt, "cpu", "ar", False, enable_prefix_cache=False), PROMPTS, max_tokens)
     eng = _engine(ckpt, "cpu", "bole", False, enable_prefix_cache=False)

@@ -65,8 +65,12 @@ def sizes_upto(values: Sequence[int], limit: int | None) -> list[int]:
     return [v for v in values if v < limit] + [next((v for v in values if v >= limit), values[-1])]
 
 
-def capture_graph(run: Callable[[], None], pool, device) -> "torch.cuda.CUDAGraph":
-    """Warm ``run`` up twice on a side stream (allocator, Triton autotuning), then capture it into ``pool``."""
+def capture_graph(run: Callable[[], None], pool, device, stream=None) -> "torch.cuda.CUDAGraph":
+    """Warm ``run`` up twice on a side stream (allocator, Triton autotuning), then capture it into ``pool``
+    on ``stream`` (None: torch's one default capture stream). The capture stream is more than a detail:
+    torch keys cuBLAS's workspace by (handle, stream), so every graph captured on one stream bakes in the
+    same workspace address, and two of them replayed at once on different streams share it (pytorch
+    issue 193402). Graphs that may run concurrently must be captured on different streams."""
     side = torch.cuda.Stream(device=device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -80,7 +84,7 @@ def capture_graph(run: Callable[[], None], pool, device) -> "torch.cuda.CUDAGrap
     collecting = gc.isenabled()
     gc.disable()
     try:
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
             run()
     finally:
         if collecting:
@@ -155,7 +159,8 @@ class GraphFamily:
 
     kind = "?"   # the capture log's name of the family
 
-    def __init__(self, runner, batch_sizes: Sequence[int], kv_cache, min_kv: int, capture: bool, pool=None):
+    def __init__(self, runner, batch_sizes: Sequence[int], kv_cache, min_kv: int, capture: bool, pool=None,
+                 capture_stream=None):
         sizes = sorted({int(b) for b in batch_sizes})
         if not sizes or sizes[0] < 1:
             raise ValueError(f"batch sizes must be ints >= 1, got {list(batch_sizes)}")
@@ -169,6 +174,9 @@ class GraphFamily:
         self.max_blocks = self.kv_lengths[-1] // self.block_size
         self.graphs: dict[tuple[int, ...], Graph] = {}
         self.pool = pool
+        # None: torch's default capture stream, and with it the cuBLAS workspace of every family captured
+        # there (``capture_graph``); a family replayed beside the others gets a stream of its own
+        self.capture_stream = capture_stream
         self.replays = 0
         # host seconds of this family's captures (``num_captured`` of them; Triton compiles of kernel
         # variants first met inside a capture included): in serving, a capture inside a step stalls every request
@@ -195,7 +203,7 @@ class GraphFamily:
             self._load_padding(g)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            g.graph = capture_graph(g.run, self.pool, self.runner.device)
+            g.graph = capture_graph(g.run, self.pool, self.runner.device, self.capture_stream)
             self._capture_more(g)
             self.capture_seconds += time.perf_counter() - t0
             logger.info("captured %s graph %s", self.kind, key)

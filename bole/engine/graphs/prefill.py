@@ -74,8 +74,8 @@ class PrefillGraphs(base.GraphFamily):
 
     def __init__(self, runner, batch_sizes: Sequence[int] = base.DEFAULT_BATCH_SIZES, pad_block: int = 0,
                  pad_slot: int = 0, capture: bool = True, min_kv: int = base.DEFAULT_MIN_KV,
-                 token_sizes: Sequence[int] = DEFAULT_TOKEN_SIZES, pool=None):
-        super().__init__(runner, batch_sizes, runner.kv_cache, min_kv, capture, pool)
+                 token_sizes: Sequence[int] = DEFAULT_TOKEN_SIZES, pool=None, capture_stream=None):
+        super().__init__(runner, batch_sizes, runner.kv_cache, min_kv, capture, pool, capture_stream)
         tokens = sorted({int(n) for n in token_sizes})
         if not tokens or tokens[0] < 2 or tokens[-1] > MAX_TOKENS:
             raise ValueError(f"token sizes must be ints in [2, {MAX_TOKENS}], got {list(token_sizes)}")

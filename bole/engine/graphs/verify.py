@@ -169,7 +169,7 @@ class VerifyGraphs(GraphFamily):
     def _capture_more(self, g: VerifyGraph) -> None:
         for tail in (g.tail, g.sampled_tail):
             if tail is not None:
-                tail.graph = capture_graph(tail.run, self.pool, self.runner.device)
+                tail.graph = capture_graph(tail.run, self.pool, self.runner.device, self.capture_stream)
 
     def _load(self, reqs, Bc: int, Lc: int) -> None:
         self.rows.fill_roots(reqs, Bc, Lc // self.block_size, self.pad_slot, self.pad_block)
