@@ -38,7 +38,7 @@ from bole.cache.kv_cache import PagedKVCache
 from bole.cache.state_pool import StatePool
 from bole.engine.acceptance import accept_and_commit
 from bole.engine.drafting import empty_factors, grow_draft_tree
-from bole.engine.graphs.base import graphs_unsupported, smallest_at_least
+from bole.engine.graphs.base import graphs_unsupported, own_stream, smallest_at_least
 from bole.engine.graphs.decode import DecodeGraphs
 from bole.engine.graphs.draft import DraftGraphs
 from bole.engine.graphs.prefill import DEFAULT_TOKEN_SIZES, PrefillGraphs, prefill_graphs_unsupported
@@ -99,11 +99,16 @@ class ModelRunner:
         # whether the last decode_forward / draft_batch / prefill replayed a graph
         self.decode_graphed = self.draft_graphed = self.prefill_graphed = False
         self._pad: tuple[int, int] | None = None
-        # ``prefill_beside``: a stream of the device's highest priority for prefills run while a decode /
-        # verify forward is in flight (``beside``); the prefill graphs then get a memory pool of their own
+        # ``prefill_beside``: a stream of the device's highest priority, this runner's own, for prefills run
+        # while a decode / verify forward is in flight (``beside``); the prefill graphs then get a memory
+        # pool of their own and are captured on it
         self.prefill_stream = None
         if prefill_beside and self.device.type == "cuda":
-            self.prefill_stream = torch.cuda.Stream(self.device, priority=torch.cuda.Stream.priority_range()[1])
+            self.prefill_stream = own_stream(self, self.device)
+            if self.prefill_stream is None:
+                raise ValueError("admit_during_forward needs a stream of the highest priority of its own: every one "
+                                 "is held by a live engine in this process")
+        self._capture_stream: torch.cuda.Stream | None = None   # ``graph_capture_stream``
         self._beside: torch.cuda.Stream | None = None   # the stream a ``beside`` block left (its kept hiddens')
         if graphs and cuda_graph_batch_sizes:
             self.enable_cuda_graphs(cuda_graph_batch_sizes)
@@ -117,6 +122,14 @@ class ModelRunner:
                 logger.warning("prefill graphs off: %s; prefills run eagerly", why)
             else:
                 self.enable_prefill_graphs(prefill_graph_sizes, token_sizes=prefill_graph_tokens)
+
+    def graph_capture_stream(self) -> "torch.cuda.Stream | None":
+        """The stream this runner's graph families capture on (made at the first capture), no other live
+        runner's (``own_stream``: cuBLAS's workspace follows it); the prefill graphs beside the forwards
+        capture on the prefill stream instead (``enable_prefill_graphs``)."""
+        if self._capture_stream is None and self.device.type == "cuda":
+            self._capture_stream = own_stream(self, self.device)
+        return self._capture_stream
 
     def enable_cuda_graphs(self, batch_sizes: Sequence[int], capture: bool = True, **kw) -> DecodeGraphs:
         """Route ``decode`` through ``DecodeGraphs``; takes one KV block and one state slot for padding
@@ -153,8 +166,8 @@ class ModelRunner:
         pool = next((g.pool for g in (self.graphs, self.verify_graphs, self.draft_graphs) if g is not None), None)
         if self.prefill_stream is not None:   # replayed while a verify / draft / decode graph runs
             pool = None
-            # the prefill stream itself: a high-priority pool stream, never torch's default capture stream
-            # (priority 0), and prefill work never overlaps prefill work
+            # the prefill stream itself (``own_stream``: no other runner's, nor the verify / decode graphs'),
+            # as prefill work never overlaps prefill work
             kw.setdefault("capture_stream", self.prefill_stream if capture else None)
         self.prefill_graphs = PrefillGraphs(self, batch_sizes, *self.padding(), capture=capture, pool=pool, **kw)
         if self.checkpoint_pool is not None:

@@ -290,3 +290,26 @@ def test_graphs_captured_on_their_own_streams_replay_concurrently_without_meetin
             torch.cuda.current_stream().wait_stream(s)
         torch.cuda.synchronize()
         assert all(torch.equal(o, w_) for o, w_ in zip(out, want))
+
+
+@pytest.mark.gpu
+def test_each_live_runner_captures_on_a_stream_of_its_own(ckpt):
+    """``own_stream``: torch frees a capture stream's cuBLAS workspace when any graph captured on it is
+    destroyed, so two live runners never capture on one stream (a dropped engine, or the calibration
+    sweep's runner inside a serving process, would leave the other's graphs a freed workspace); a runner's
+    stream is given back when it is collected, and none is torch's default capture stream."""
+    import torch.cuda.graphs
+
+    from bole.engine.graphs import base
+
+    model = load_model(ckpt, dtype="float32", device="cuda")
+    runners = [ModelRunner(model, 16, 4, 4, 16, torch.float32, "cuda", cuda_graph_batch_sizes=(1, 2))
+               for _ in range(3)]
+    streams = [r.graph_capture_stream() for r in runners]
+    assert all(s is not None for s in streams) and len({s.cuda_stream for s in streams}) == 3
+    assert all(r.graphs.capture_stream == s for r, s in zip(runners, streams))
+    assert torch.cuda.graphs.graph.default_capture_stream not in streams
+    held = streams[0].cuda_stream
+    del runners[0]
+    gc.collect()
+    assert held not in base._HELD and all(s.cuda_stream in base._HELD for s in streams[1:])

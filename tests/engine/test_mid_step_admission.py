@@ -302,8 +302,10 @@ def test_prefills_beside_the_forward_keep_every_output_under_random_arrivals(pat
     # decode graphs' (``capture_graph``). Captured on torch's default stream like those, this test failed
     # for bole on an H100 (2026-12-07: 2 of 24 requests' tokens); whether that was this hazard is not known
     import torch.cuda.graphs
-    pg_stream = eng.runner.prefill_graphs.capture_stream
-    assert pg_stream == eng.runner.prefill_stream and pg_stream != torch.cuda.graphs.graph.default_capture_stream
+    pg_stream, own = eng.runner.prefill_graphs.capture_stream, eng.runner.graph_capture_stream()
+    assert pg_stream == eng.runner.prefill_stream and own is not None and own != pg_stream
+    assert eng.runner.verify_graphs.capture_stream == own or mode == "ar"
+    assert torch.cuda.graphs.graph.default_capture_stream not in (own, pg_stream)
     beside, calls = eng.runner.beside, []
     eng.runner.beside = lambda fence: calls.append(1) or beside(fence)
     # the GPU spins ~10 ms after each decode / verify forward (an eager verify of this model reads its

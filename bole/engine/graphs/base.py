@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -63,6 +64,31 @@ def sizes_upto(values: Sequence[int], limit: int | None) -> list[int]:
     if limit is None:
         return list(values)
     return [v for v in values if v < limit] + [next((v for v in values if v >= limit), values[-1])]
+
+
+# the streams live owners (runners) hold for their graph captures and priority work: cuda stream handle -> None
+_HELD: dict[int, None] = {}
+
+
+def own_stream(owner, device) -> "torch.cuda.Stream | None":
+    """A stream of the device's highest priority that no other live owner holds, held until ``owner`` is
+    collected: a runner captures its graphs on one (``capture_graph``) and prefills beside its forwards on
+    another. Why own: torch keys cuBLAS's workspace by (handle, stream), bakes the capture stream's into
+    each graph, and frees it when any graph captured on that stream is destroyed (``CUDAGraph::reset``), so
+    graphs of two runners captured on one stream share a workspace, and dropping one runner (a calibration
+    sweep's, a test's engine) leaves the other's graphs a freed one. The highest-priority pool never holds
+    torch's default capture stream (priority 0). None when every stream of that pool is held (the caller
+    shares torch's default capture stream then, as before, with a warning)."""
+    priority = torch.cuda.Stream.priority_range()[1]
+    for _ in range(65):   # torch's pool: 32 streams per priority, handed out in turn
+        s = torch.cuda.Stream(device, priority=priority)
+        if s.cuda_stream not in _HELD:
+            _HELD[s.cuda_stream] = None
+            weakref.finalize(owner, _HELD.pop, s.cuda_stream, None)
+            return s
+    logger.warning("every high-priority stream is held by a live runner: this one shares torch's default capture "
+                   "stream (and its cuBLAS workspace) with other graphs")
+    return None
 
 
 def capture_graph(run: Callable[[], None], pool, device, stream=None) -> "torch.cuda.CUDAGraph":
@@ -174,8 +200,10 @@ class GraphFamily:
         self.max_blocks = self.kv_lengths[-1] // self.block_size
         self.graphs: dict[tuple[int, ...], Graph] = {}
         self.pool = pool
-        # None: torch's default capture stream, and with it the cuBLAS workspace of every family captured
-        # there (``capture_graph``); a family replayed beside the others gets a stream of its own
+        # the runner's own (``ModelRunner.graph_capture_stream``; None: torch's default capture stream), or
+        # the family's own when it replays beside the others (``capture_graph``: its cuBLAS workspace)
+        if capture_stream is None and capture and hasattr(runner, "graph_capture_stream"):
+            capture_stream = runner.graph_capture_stream()
         self.capture_stream = capture_stream
         self.replays = 0
         # host seconds of this family's captures (``num_captured`` of them; Triton compiles of kernel
