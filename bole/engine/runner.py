@@ -108,7 +108,7 @@ class ModelRunner:
             if self.prefill_stream is None:
                 raise ValueError("admit_during_forward needs a stream of the highest priority of its own: every one "
                                  "is held by a live engine in this process")
-        self._capture_stream: torch.cuda.Stream | None = None   # ``graph_capture_stream``
+        self._capture_stream: torch.cuda.Stream | bool | None = None   # ``graph_capture_stream``
         self._beside: torch.cuda.Stream | None = None   # the stream a ``beside`` block left (its kept hiddens')
         if graphs and cuda_graph_batch_sizes:
             self.enable_cuda_graphs(cuda_graph_batch_sizes)
@@ -124,12 +124,14 @@ class ModelRunner:
                 self.enable_prefill_graphs(prefill_graph_sizes, token_sizes=prefill_graph_tokens)
 
     def graph_capture_stream(self) -> "torch.cuda.Stream | None":
-        """The stream this runner's graph families capture on (made at the first capture), no other live
-        runner's (``own_stream``: cuBLAS's workspace follows it); the prefill graphs beside the forwards
-        capture on the prefill stream instead (``enable_prefill_graphs``)."""
+        """The stream this runner's graph families capture on (taken when the first family is built), no
+        other live runner's (``own_stream``: cuBLAS's workspace follows it; None: none was free, torch's
+        default capture stream); the prefill graphs beside the forwards capture on the prefill stream
+        instead (``enable_prefill_graphs``). Replacing a family on a live runner destroys graphs captured
+        on this stream, which frees the workspace the others use: the engine never does."""
         if self._capture_stream is None and self.device.type == "cuda":
-            self._capture_stream = own_stream(self, self.device)
-        return self._capture_stream
+            self._capture_stream = own_stream(self, self.device) or False   # False: asked, none was free
+        return self._capture_stream or None
 
     def enable_cuda_graphs(self, batch_sizes: Sequence[int], capture: bool = True, **kw) -> DecodeGraphs:
         """Route ``decode`` through ``DecodeGraphs``; takes one KV block and one state slot for padding

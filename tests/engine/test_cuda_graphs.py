@@ -293,7 +293,7 @@ def test_graphs_captured_on_their_own_streams_replay_concurrently_without_meetin
 
 
 @pytest.mark.gpu
-def test_each_live_runner_captures_on_a_stream_of_its_own(ckpt):
+def test_each_live_runner_captures_on_a_stream_of_its_own(ckpt, monkeypatch):
     """``own_stream``: torch frees a capture stream's cuBLAS workspace when any graph captured on it is
     destroyed, so two live runners never capture on one stream (a dropped engine, or the calibration
     sweep's runner inside a serving process, would leave the other's graphs a freed workspace); a runner's
@@ -302,13 +302,21 @@ def test_each_live_runner_captures_on_a_stream_of_its_own(ckpt):
 
     from bole.engine.graphs import base
 
+    torch.cuda.graphs.graph(torch.cuda.CUDAGraph())   # torch's default capture stream, made if not yet
+    default = torch.cuda.graphs.graph.default_capture_stream
     model = load_model(ckpt, dtype="float32", device="cuda")
     runners = [ModelRunner(model, 16, 4, 4, 16, torch.float32, "cuda", cuda_graph_batch_sizes=(1, 2))
                for _ in range(3)]
     streams = [r.graph_capture_stream() for r in runners]
     assert all(s is not None for s in streams) and len({s.cuda_stream for s in streams}) == 3
-    assert all(r.graphs.capture_stream == s for r, s in zip(runners, streams))
-    assert torch.cuda.graphs.graph.default_capture_stream not in streams
+    assert default is not None and default.cuda_stream not in {s.cuda_stream for s in streams}
+    # the families capture there: each graph's capture stream as capture_graph is called
+    seen, capture = [], base.capture_graph
+    monkeypatch.setattr(base, "capture_graph", lambda run, pool, device, stream=None:
+                        seen.append(stream) or capture(run, pool, device, stream))
+    for r, s in zip(runners, streams):
+        seen.clear()
+        assert r.graphs.capture_all(1, 8) > 0 and seen and all(x == s for x in seen)
     held = streams[0].cuda_stream
     del runners[0]
     gc.collect()

@@ -305,7 +305,9 @@ def test_prefills_beside_the_forward_keep_every_output_under_random_arrivals(pat
     pg_stream, own = eng.runner.prefill_graphs.capture_stream, eng.runner.graph_capture_stream()
     assert pg_stream == eng.runner.prefill_stream and own is not None and own != pg_stream
     assert eng.runner.verify_graphs.capture_stream == own or mode == "ar"
-    assert torch.cuda.graphs.graph.default_capture_stream not in (own, pg_stream)
+    torch.cuda.graphs.graph(torch.cuda.CUDAGraph())   # torch's default capture stream, made if not yet
+    default = torch.cuda.graphs.graph.default_capture_stream.cuda_stream
+    assert default not in (own.cuda_stream, pg_stream.cuda_stream)
     beside, calls = eng.runner.beside, []
     eng.runner.beside = lambda fence: calls.append(1) or beside(fence)
     # the GPU spins ~10 ms after each decode / verify forward (an eager verify of this model reads its

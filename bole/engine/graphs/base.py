@@ -80,12 +80,15 @@ def own_stream(owner, device) -> "torch.cuda.Stream | None":
     torch's default capture stream (priority 0). None when every stream of that pool is held (the caller
     shares torch's default capture stream then, as before, with a warning)."""
     priority = torch.cuda.Stream.priority_range()[1]
-    for _ in range(65):   # torch's pool: 32 streams per priority, handed out in turn
-        s = torch.cuda.Stream(device, priority=priority)
-        if s.cuda_stream not in _HELD:
-            _HELD[s.cuda_stream] = None
-            weakref.finalize(owner, _HELD.pop, s.cuda_stream, None)
-            return s
+    for attempt in range(2):
+        if attempt:
+            gc.collect()   # dropped runners sit in reference cycles (family <-> runner) until collected
+        for _ in range(65):   # torch's pool: 32 streams per priority, handed out in turn
+            s = torch.cuda.Stream(device, priority=priority)
+            if s.cuda_stream not in _HELD:
+                _HELD[s.cuda_stream] = None
+                weakref.finalize(owner, _HELD.pop, s.cuda_stream, None)
+                return s
     logger.warning("every high-priority stream is held by a live runner: this one shares torch's default capture "
                    "stream (and its cuBLAS workspace) with other graphs")
     return None
