@@ -289,12 +289,7 @@ def test_prefills_beside_the_forward_keep_every_output_under_random_arrivals(pat
     prompts, rng = multiturn_prompts(7), random.Random(7)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     opts = dict(device="cuda", enable_cuda_graphs=True, num_blocks=160, max_num_seqs=6, max_num_batched_tokens=64)
-    ref = engine(path, "ar", **opts)
-    for i, p in enumerate(prompts):
-        ref.add_request(p, params, request_id=str(i))
-    while ref.has_unfinished():
-        ref.step()
-    want = {str(i): ref.pop_finished(str(i)).output_token_ids for i in range(len(prompts))}
+    want = plain_run(path, prompts, params, **opts)
     # every graph captured at start: a capture inside a step would hold back every arrival
     eng = engine(path, mode, admit_during_forward=True, cuda_graph_capture_len=64, **opts)
     assert eng.runner.prefill_stream is not None and eng.runner.prefill_stream.priority < 0
@@ -358,6 +353,16 @@ def test_prefills_beside_the_forward_keep_every_output_under_random_arrivals(pat
     assert eng.metrics.beside_admissions >= len(prompts) // 4, eng.metrics.beside_admissions
 
 
+def plain_run(path, prompts: list[list[int]], params: SamplingParams, **opts) -> dict[str, list[int]]:
+    """Each prompt's tokens (by its index as request id) from an ar engine stepping without admissions."""
+    ref = engine(path, "ar", **opts)
+    for i, p in enumerate(prompts):
+        ref.add_request(p, params, request_id=str(i))
+    while ref.has_unfinished():
+        ref.step()
+    return {str(i): ref.pop_finished(str(i)).output_token_ids for i in range(len(prompts))}
+
+
 def multiturn_prompts(seed: int) -> list[list[int]]:
     """Four conversations of six turns, each turn its conversation's previous prompt and 2-8 more tokens
     (prefix hits, checkpoints and evictions), in turn order."""
@@ -387,12 +392,7 @@ def test_multiturn_arrivals_at_every_admission_point_keep_every_output_cpu(path,
     prompts = multiturn_prompts(3)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     opts = dict(num_blocks=160, max_num_seqs=6, max_num_batched_tokens=64)
-    ref = engine(path, "ar", **opts)
-    for i, p in enumerate(prompts):
-        ref.add_request(p, params, request_id=str(i))
-    while ref.has_unfinished():
-        ref.step()
-    want = {str(i): ref.pop_finished(str(i)).output_token_ids for i in range(len(prompts))}
+    want = plain_run(path, prompts, params, **opts)
     eng = engine(path, mode, admit_during_forward=True, **opts)
     if mode == "bole":   # as LLMEngine wires them on a GPU
         cfg, spec, runner = eng.config, eng.config.spec, eng.runner
