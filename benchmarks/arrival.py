@@ -16,7 +16,9 @@ Per cell (mode x option), over one loaded model:
      token (``prefill_ms``; the rest of its TTFT is the wait for an admission point) are read from the
      engine's counters. The arrival is then aborted and the batch steps on (``--settle`` steps);
   3. the same arrivals on the idle engine (the background aborted): the prefill alone.
-The background steps' wall times beside the arrivals are the price the running batch pays (TPOT).
+The background steps' wall times beside the arrivals are the price the running batch pays (TPOT). The
+background requests' greedy tokens are checked against the first cell's over the length both reached
+(``tokens``): no mode or option, and no arrival prefilled inside or beside a step, may change them.
 
     python benchmarks/arrival.py --model /tmp/bole-widened/qwen3.5-9b --draft-vocab 32768 \\
         --calibration-table calibration_tables/h100-qwen3.5-9b.yaml --out benchmarks/results/arrival_h100.json
@@ -177,6 +179,7 @@ def run_cell(model, args, mode: str, option: str, prompts: list[list[int]], arri
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(path))
         cell["trace"] = path.name
+    tokens = [list(eng.requests[f"bg-{i}"].output_token_ids) for i in range(args.batch)]
     for i in range(args.batch):
         eng.abort(f"bg-{i}")
     alone = arrivals(eng, arrival_tokens[:max(3, len(arrival_tokens) // 4)], 0.0, 0, rng, "idle", warm=1)
@@ -185,7 +188,20 @@ def run_cell(model, args, mode: str, option: str, prompts: list[list[int]], arri
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    return cell
+    return cell, tokens
+
+
+def token_check(tokens: list[list[int]], ref: list[list[int]], against: str) -> dict:
+    """The background requests' greedy tokens against another cell's, over the length both reached: every
+    mode and option must leave them unchanged (the arrivals, prefilled inside or beside the steps, too)."""
+    first = {}
+    for i, (a, b) in enumerate(zip(tokens, ref)):
+        n = min(len(a), len(b))
+        bad = next((j for j in range(n) if a[j] != b[j]), None)
+        if bad is not None:
+            first[i] = bad
+    return dict(against=against, compared=sum(min(len(a), len(b)) for a, b in zip(tokens, ref)),
+                mismatched=len(first), first_mismatch=first)
 
 
 def main(argv=None) -> dict:
@@ -238,12 +254,15 @@ def main(argv=None) -> dict:
     doc = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,
                date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), command=" ".join(sys.argv),
                model=args.model, batch=args.batch, arrival_tokens=n, cells=[])
+    ref = None   # (label, background tokens) of the first cell that ran
     for mode in args.modes:
         for opt in args.options:
             if opt == "hold" and mode == "ar":
                 continue
             try:
-                cell = run_cell(model, args, mode, opt, prompts, arrival_tokens)
+                cell, tokens = run_cell(model, args, mode, opt, prompts, arrival_tokens)
+                ref = ref or (f"{mode}/{opt}", tokens)
+                cell["tokens"] = token_check(tokens, ref[1], ref[0])
             except Exception as e:   # recorded; the other cells still run
                 cell = dict(mode=mode, option=opt, error=f"{type(e).__name__}: {e}"[:400])
                 gc.collect()
@@ -254,14 +273,15 @@ def main(argv=None) -> dict:
             if args.out:
                 Path(args.out).write_text(json.dumps(doc, indent=1))
     print(f"{'mode':>6} {'option':>6} {'bg step':>8} {'ttft mean':>9} {'p50':>7} {'p90':>7} {'prefill':>7} {'idle':>7}"
-          "  admitted")
+          f" {'tokens':>6}  admitted")
     for c in doc["cells"]:
         if "error" in c:
             print(f"{c['mode']:>6} {c['option']:>6}  {c['error']}")
             continue
         t, opt = c["ttft_ms"], c["option"]
         print(f"{c['mode']:>6} {opt:>6} {c['step_ms']['mean']:>8} {t['mean']:>9} {t['p50']:>7} {t['p90']:>7} "
-              f"{c['prefill_ms']['mean']:>7} {c['idle_ttft_ms']['mean']:>7}  {c['admitted']}")
+              f"{c['prefill_ms']['mean']:>7} {c['idle_ttft_ms']['mean']:>7} "
+              f"{'ok' if not c['tokens']['mismatched'] else 'DIFFER':>6}  {c['admitted']}")
     return doc
 
 

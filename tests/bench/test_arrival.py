@@ -29,6 +29,14 @@ def test_smoke_times_every_counted_arrival(tmp_path):
         if c["option"] == "off" and c["mode"] == "ar":
             assert c["admitted"]["mid_step"] == 0
         assert 0 < c["prefill_ms"]["mean"] <= c["ttft_ms"]["mean"] and c["idle_ttft_ms"]["n"] >= 2
+        # the background's greedy tokens, whatever the mode, the option and the arrivals, are ar's (fp32)
+        t = c["tokens"]
+        assert t["against"] == "ar/off" and t["compared"] > 2 * 4 and t["mismatched"] == 0, t
+
+
+def test_token_check_finds_the_first_difference():
+    t = arrival.token_check([[1, 2, 3], [4, 5], [7]], [[1, 2, 3, 9], [4, 6, 6], []], "ar/off")
+    assert t == dict(against="ar/off", compared=5, mismatched=1, first_mismatch={1: 1})
 
 
 class FakeEngine:
