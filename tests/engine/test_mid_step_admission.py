@@ -299,7 +299,8 @@ def test_prefills_beside_the_forward_keep_every_output_under_random_arrivals(pat
     import torch.cuda.graphs
     pg_stream, own = eng.runner.prefill_graphs.capture_stream, eng.runner.graph_capture_stream()
     assert pg_stream == eng.runner.prefill_stream and own is not None and own != pg_stream
-    assert eng.runner.verify_graphs.capture_stream == own or mode == "ar"
+    forward_graphs = eng.runner.graphs if mode == "ar" else eng.runner.verify_graphs
+    assert forward_graphs.capture_stream == own
     torch.cuda.graphs.graph(torch.cuda.CUDAGraph())   # torch's default capture stream, made if not yet
     default = torch.cuda.graphs.graph.default_capture_stream.cuda_stream
     assert default not in (own.cuda_stream, pg_stream.cuda_stream)
