@@ -69,3 +69,23 @@ def reference_penalty(row: list[float], output: list[int], prompt: list[int], re
             x = x / rep if x > 0 else x * rep
         out.append(x - freq * n - pres * (n > 0))
     return torch.tensor(out)
+
+
+def uncaptured_spec_graphs(eng, sizes, prefill: bool = False, **kw):
+    """Build ``eng``'s verify and draft graph families (and with ``prefill`` its prefill graphs) uncaptured,
+    as ``LLMEngine`` wires them on a GPU (checkpoints included): on the CPU their static paths run. ``kw``
+    (``min_kv``...) goes to each family; returns the verify family."""
+    from bole.spec.tree import MAX_TREE_NODES, tree_widths
+
+    cfg, spec, runner = eng.config, eng.config.spec, eng.runner
+    vg = runner.enable_verify_graphs(sizes, tree_widths(eng.lookahead), spec.depth + 1, capture=False, **kw)
+    runner.enable_draft_graphs(sizes, spec.depth, spec.topk, spec.beam, capture=False,
+                               max_per_request=MAX_TREE_NODES - 1, floor=spec.budget_floor, **kw)
+    if eng.prefix_cache is not None:
+        vg.enable_checkpoints(eng.prefix_cache.checkpoints, cfg.cache.checkpoint_interval,
+                              eng.prefix_cache.scratch_slot)
+    if prefill:
+        runner.enable_prefill_graphs(sizes, capture=False, token_sizes=cfg.prefill_graph_tokens, **kw)
+        if eng.prefix_cache is not None:
+            runner.enable_prefill_checkpoints(eng.prefix_cache.checkpoints)
+    return vg

@@ -124,11 +124,10 @@ class ModelRunner:
                 self.enable_prefill_graphs(prefill_graph_sizes, token_sizes=prefill_graph_tokens)
 
     def graph_capture_stream(self) -> "torch.cuda.Stream | None":
-        """The stream this runner's graph families capture on (taken when the first family is built), no
-        other live runner's (``own_stream``: cuBLAS's workspace follows it; None: none was free, torch's
-        default capture stream); the prefill graphs beside the forwards capture on the prefill stream
-        instead (``enable_prefill_graphs``). Replacing a family on a live runner destroys graphs captured
-        on this stream, which frees the workspace the others use: the engine never does."""
+        """The stream this runner's graph families capture on (``own_stream``; taken when the first family
+        is built; None: none was free, torch's default capture stream); the prefill graphs beside the
+        forwards capture on the prefill stream instead. Replacing a family on a live runner destroys
+        graphs captured on this stream, which frees the workspace the others use: the engine never does."""
         if self._capture_stream is None and self.device.type == "cuda":
             self._capture_stream = own_stream(self, self.device) or False   # False: asked, none was free
         return self._capture_stream or None
@@ -162,9 +161,8 @@ class ModelRunner:
     def enable_prefill_graphs(self, batch_sizes: Sequence[int], capture: bool = True, **kw) -> PrefillGraphs:
         """Route short ``prefill`` steps through ``PrefillGraphs``; shares the padding block and slot and
         (unless prefills may run ``beside`` the other graphs) the decode graphs' memory pool and capture
-        stream. Beside them they get a pool and a capture stream of their own: the capture stream fixes
-        each graph's cuBLAS workspace (``bole.engine.graphs.base.capture_graph``), and a prefill's GEMMs
-        writing the workspace a verify's GEMMs use at the same moment would corrupt both."""
+        stream; beside them, a pool and a capture stream of their own (``base.capture_graph``: the
+        stream fixes each graph's cuBLAS workspace)."""
         pool = next((g.pool for g in (self.graphs, self.verify_graphs, self.draft_graphs) if g is not None), None)
         if self.prefill_stream is not None:   # replayed while a verify / draft / decode graph runs
             pool = None

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 from checkpoints import make_checkpoint
-from engine_helpers import tiny_engine
+from engine_helpers import tiny_engine, uncaptured_spec_graphs
 
 from bole.config import EngineConfig
 from bole.engine.async_engine import AsyncEngine
@@ -388,24 +388,15 @@ def test_multiturn_arrivals_at_every_admission_point_keep_every_output_cpu(path,
     arrivals came inside a step."""
     import random
 
-    from bole.spec.tree import MAX_TREE_NODES, tree_widths
-
     prompts = multiturn_prompts(3)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     opts = dict(num_blocks=160, max_num_seqs=6, max_num_batched_tokens=64)
     want = plain_run(path, prompts, params, **opts)
     eng = engine(path, mode, admit_during_forward=True, **opts)
-    if mode == "bole":   # as LLMEngine wires them on a GPU
-        cfg, spec, runner = eng.config, eng.config.spec, eng.runner
+    if mode == "bole":   # as LLMEngine sizes them on a GPU
+        cfg = eng.config
         sizes = sorted({b for b in cfg.cuda_graph_batch_sizes if b < cfg.max_num_seqs} | {cfg.max_num_seqs})
-        vg = runner.enable_verify_graphs(sizes, tree_widths(eng.lookahead), spec.depth + 1, capture=False,
-                                         sampled_tail=True)
-        runner.enable_draft_graphs(sizes, spec.depth, spec.topk, spec.beam, capture=False,
-                                   max_per_request=MAX_TREE_NODES - 1, floor=spec.budget_floor)
-        vg.enable_checkpoints(eng.prefix_cache.checkpoints, cfg.cache.checkpoint_interval,
-                              eng.prefix_cache.scratch_slot)
-        runner.enable_prefill_graphs(sizes, capture=False, token_sizes=cfg.prefill_graph_tokens)
-        runner.enable_prefill_checkpoints(eng.prefix_cache.checkpoints)
+        vg = uncaptured_spec_graphs(eng, sizes, prefill=True)
     rng, todo, got = random.Random(1), list(range(len(prompts))), {}
 
     def add() -> None:

@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 from checkpoints import make_checkpoint, write_token_frequencies
-from engine_helpers import default_table, meta_model, run_arrivals
+from engine_helpers import default_table, meta_model, run_arrivals, uncaptured_spec_graphs
 
 from bole.backend import resolve_backend, tree_acceptance
 from bole.cache.kv_cache import PagedKVCache, blocks_needed
@@ -364,13 +364,7 @@ def test_multiturn_arrivals_stay_on_the_graph_path_cpu(ckpt):
     or acceptance leaves them (``EngineStats.eager_*``), and every turn's tokens equal ar's."""
     ref = _multiturn(_engine(ckpt, "cpu", "ar", False, enable_prefix_cache=False))
     eng = _engine(ckpt, "cpu", "bole", False)
-    spec = eng.config.spec
-    vg = eng.runner.enable_verify_graphs((1, 2, 4), tree_widths(eng.lookahead), spec.depth + 1, capture=False,
-                                         min_kv=8)
-    eng.runner.enable_draft_graphs((1, 2, 4), spec.depth, spec.topk, spec.beam, capture=False, min_kv=8,
-                                   max_per_request=MAX_TREE_NODES - 1, floor=spec.budget_floor)
-    vg.enable_checkpoints(eng.prefix_cache.checkpoints, eng.config.cache.checkpoint_interval,
-                          eng.prefix_cache.scratch_slot)
+    vg = uncaptured_spec_graphs(eng, (1, 2, 4), min_kv=8)
     assert _multiturn(eng) == ref
     s = eng.stats()
     assert s.decode_steps > 0 and s.prefix_hit_tokens > 0 and eng.prefix_cache.num_checkpoints > 0

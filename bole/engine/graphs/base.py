@@ -205,7 +205,7 @@ class GraphFamily:
         self.pool = pool
         # the runner's own (``ModelRunner.graph_capture_stream``; None: torch's default capture stream), or
         # the family's own when it replays beside the others (``capture_graph``: its cuBLAS workspace)
-        if capture_stream is None and capture and hasattr(runner, "graph_capture_stream"):
+        if capture_stream is None and capture:
             capture_stream = runner.graph_capture_stream()
         self.capture_stream = capture_stream
         self.replays = 0
