@@ -32,6 +32,8 @@ def test_smoke_times_every_counted_arrival(tmp_path):
         # the background's greedy tokens, whatever the mode, the option and the arrivals, are ar's (fp32)
         t = c["tokens"]
         assert t["against"] == "ar/off" and t["compared"] > 2 * 4 and t["mismatched"] == 0, t
+        m = c["tokens_in_mode"]
+        assert m["against"] == f"{c['mode']}/off" and m["compared"] > 2 * 4 and m["mismatched"] == 0, m
 
 
 def test_token_check_finds_the_first_difference():
