@@ -99,6 +99,10 @@ def launch_qk_norm_rope_store(q, k, v, q_weight, k_weight, positions, inv_freq, 
         q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), H, eps,
         D=D, R=2 * inv_freq.shape[0], BD=BD, LIBDEVICE_TRIG=_LIBDEVICE_TRIG, num_warps=max(1, min(4, BD // 256)),
+        # no FMA contraction: compiled with it, the bf16 RoPE's x·cos and rotate_half(x)·sin (each rounded to
+        # bf16 through an fp32 round trip that LLVM may narrow to bf16 arithmetic) became one bf16 FMA,
+        # which skips the first product's rounding the twin's torch ops keep
+        enable_fp_fusion=False,
     )
     return q_out
 

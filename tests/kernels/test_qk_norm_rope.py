@@ -180,17 +180,17 @@ def accurate_twin(inputs):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(reason="known defect (H200, 2026-12-02): the compiled kernel differs from the twin's op sequence "
-                   "in ~5.8% of bf16 elements, at positions < 4096 too; torch's and libdevice's fp32 cos / sin / "
-                   "rsqrt measured equally accurate and the twin bit-equal to the correctly rounded sequence, so the "
-                   "kernel, not the reference, deviates; not fixed yet", strict=False)
 @pytest.mark.parametrize("N,H,Hkv,D,R", [(1, 16, 4, 256, 64), (37, 16, 4, 256, 64), (9, 4, 2, 64, 16)])
 def test_gpu_bf16(device, N, H, Hkv, D, R):
     # bf16 as the engine runs it, at positions up to 3e5: the kernel must repeat every rounding of the
-    # twin's op sequence with correctly rounded cos / sin (``accurate_twin``), and be no further from it
-    # than the torch twin. Measured on the H200 (2026-12-02, xfail above): the torch twin equals that
-    # sequence bit for bit; the kernel differs in ~5.8% of elements (up to 15224 ulps where RoPE's two
-    # terms cancel), with fp32 cos / sin / rsqrt of libdevice and torch equally accurate there.
+    # twin's op sequence with correctly rounded cos / sin (``accurate_twin``) to one ulp, and be hardly further
+    # from it than the torch twin. Compiled with FMA contraction (before 2026-12-07) the kernel differed
+    # from that sequence in ~5.8% of elements (up to 15224 ulps where RoPE's two terms cancel: x·cos and
+    # rotate_half(x)·sin became one bf16 FMA, skipping a rounding the twin keeps), and this test failed.
+    # Without it (H100, 2026-12-07) every element is within one ulp and 2.6e-5 of them (N = 37; none at
+    # N = 1 and 9) differ where torch's do not: the norm's fp32 sum (a tree here, torch's order there),
+    # tl.rsqrt and the fp32 division may differ from torch's in the last fp32 bit, which moves a bf16
+    # rounding about once in 10^4-10^5 elements. Hence the 5e-4 allowance, over 100x below the FMA defect.
     positions = torch.randint(0, 300_000, (N,), generator=torch.Generator().manual_seed(N))
     inputs, cache = make_inputs(device, N, H, Hkv, D, R, torch.bfloat16, seed=N, positions=positions)
     (q, c), (q_t, c_t) = run_both(inputs, cache)
@@ -201,6 +201,6 @@ def test_gpu_bf16(device, N, H, Hkv, D, R):
     for got, twin, acc in ((q, q_t, q_a), (c[0, 1, slots], c_t[0, 1, slots], k_a)):
         kernel_off = (got != acc).float().mean().item()
         twin_off = (twin != acc).float().mean().item()
-        assert kernel_off <= twin_off, (f"kernel differs from the accurate twin in {kernel_off:.2%}, "
-                                        f"torch's in {twin_off:.2%}")
+        assert kernel_off <= twin_off + 5e-4, (f"kernel differs from the accurate twin in {kernel_off:.4%}, "
+                                               f"torch's in {twin_off:.4%}")
     assert torch.equal(c[1, 1, slots], c_t[1, 1, slots])
