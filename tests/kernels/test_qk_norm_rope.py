@@ -185,8 +185,9 @@ def test_gpu_bf16(device, N, H, Hkv, D, R):
     # bf16 as the engine runs it, at positions up to 3e5: the kernel must repeat every rounding of the
     # twin's op sequence with correctly rounded cos / sin (``accurate_twin``) to one ulp, and be hardly further
     # from it than the torch twin. Compiled with FMA contraction (before 2026-12-07) the kernel differed
-    # from that sequence in ~5.8% of elements (up to 15224 ulps where RoPE's two terms cancel: x·cos and
-    # rotate_half(x)·sin became one bf16 FMA, skipping a rounding the twin keeps), and this test failed.
+    # from that sequence in ~5.8% of elements (up to 15224 ulps where RoPE's two terms cancel; presumably
+    # a product and the sum after it fused into one FMA, skipping a rounding the twin keeps), and this
+    # test failed.
     # Without it (H100, 2026-12-07) every element is within one ulp and 2.6e-5 of them (N = 37; none at
     # N = 1 and 9) differ where torch's do not: the norm's fp32 sum (a tree here, torch's order there),
     # tl.rsqrt and the fp32 division may differ from torch's in the last fp32 bit, which moves a bf16
