@@ -66,8 +66,8 @@ def sizes_upto(values: Sequence[int], limit: int | None) -> list[int]:
     return [v for v in values if v < limit] + [next((v for v in values if v >= limit), values[-1])]
 
 
-# the streams live owners (runners) hold for their graph captures and priority work: cuda stream handle -> None
-_HELD: dict[int, None] = {}
+# the cuda stream handles live owners (runners) hold for their graph captures and priority work
+_HELD: set[int] = set()
 
 
 def own_stream(owner, device) -> "torch.cuda.Stream | None":
@@ -86,8 +86,8 @@ def own_stream(owner, device) -> "torch.cuda.Stream | None":
         for _ in range(65):   # torch's pool: 32 streams per priority, handed out in turn
             s = torch.cuda.Stream(device, priority=priority)
             if s.cuda_stream not in _HELD:
-                _HELD[s.cuda_stream] = None
-                weakref.finalize(owner, _HELD.pop, s.cuda_stream, None)
+                _HELD.add(s.cuda_stream)
+                weakref.finalize(owner, _HELD.discard, s.cuda_stream)
                 return s
     logger.warning("every high-priority stream is held by a live runner: this one shares torch's default capture "
                    "stream (and its cuBLAS workspace) with other graphs")
