@@ -372,6 +372,7 @@ def run_cell(spec: dict, mode: str, batch: int, prompts: list[dict],
         torch.cuda.reset_peak_memory_stats()
     llm, toks = None, None
     model = shared_model(spec, row["dtype"])  # a load that fails is the run's error, not the cell's
+    on_timing()   # loaded (a first cell widens and loads the model: --widen-in-memory's 71 GB): the clock restarts
     if cuda:
         torch.cuda.reset_peak_memory_stats()  # the cell's peak (the resident weights included)
     try:
@@ -496,8 +497,9 @@ def worker(spec: dict) -> None:
 # -------------------------------------------------------------------------------------------- parent
 def past_budget(state: dict, now: float, spec: dict, grace_s: float) -> str | None:
     """Why a worker must be killed now, or None: the run's deadline is ``grace_s`` past, or the running cell's
-    current phase (``clock_t0``: reset at the cell's "start" event for its engine's construction, then at its
-    "timing" event for its captures and timed runs) has taken more than 2 x cell_budget_s + grace_s (a first
+    current phase (``clock_t0``: reset at the cell's "start" event, at its first "timing" event once the model
+    is loaded (a first cell's widening and load) for its engine's construction, then at the second for its
+    captures and timed runs) has taken more than 2 x cell_budget_s + grace_s (a first
     cell's construction pays the compiles)."""
     if now > spec["deadline"] + grace_s:
         return "total budget"

@@ -16,9 +16,10 @@
 #   moe        benchmarks/moe_dispatch.py --sweep: routed experts at the 35B-A3B shape      (~1 min)
 #   scale      benchmarks/run_gpu_scale.sh with the README's headline flags ($SCALE_FLAGS appended;
 #              SCALE_BUDGET_S / SCALE_KILL_S as there): widening, then the 9B-cost grid      (<= 9 min)
-#   scalemoe   the MoE shape (qwen3.5-35b-a3b, 71 GB: an H200): its calibration table (CUDA graphs, into
-#              the step's folder), then its grid widened into host memory (--widen-in-memory; no disk
-#              holds it) with that table                                            (not yet run)
+#   calmoe     the MoE shape's calibration table (qwen3.5-35b-a3b, CUDA graphs; an H200), into the step's
+#              folder and calibration_tables/ for later steps of the call (commit it to reuse it)   (<= 4 min)
+#   scalemoe   the MoE shape's grid (71 GB: an H200), widened into host memory (--widen-in-memory; no disk
+#              holds it), with calibration_tables/<hw>-qwen3.5-35b-a3b.yaml (calmoe first where missing)
 #   rows       max_verify_rows at 27B cost: ar, bole (its default: max_num_batched_tokens rows) and bole with
 #              every request's whole tree (-r65536, capped at the whole trees) at batches 32 and 16 with
 #              calibration_tables/<hw>-qwen3.5-27b.yaml (whole trees are refused at 32 on 80 GB)  (~8.5 min
@@ -98,11 +99,16 @@ step_scale() {
     --calibration-table calibration_tables/h200-qwen3.5-9b.yaml ${SCALE_FLAGS:-}
 }
 
+step_calmoe() {
+  local hw; hw=$(python3 -c "from bole.hardware import detect_hardware; print(detect_hardware('cuda'))")
+  timeout -k 10 "${CAL_MOE_S:-240}" python3 -m bole.calibrate --shapes qwen3.5-35b-a3b --cuda-graphs \
+    --batch-buckets 1,2,4,8,16 --kv-buckets 1024,4096 --out "$1/$hw-qwen3.5-35b-a3b.yaml" --no-progress || return 1
+  cp "$1/$hw-qwen3.5-35b-a3b.yaml" calibration_tables/
+}
 step_scalemoe() {
   local hw; hw=$(python3 -c "from bole.hardware import detect_hardware; print(detect_hardware('cuda'))")
-  local table="$1/$hw-qwen3.5-35b-a3b.yaml"
-  timeout -k 10 "${CAL_MOE_S:-240}" python3 -m bole.calibrate --shapes qwen3.5-35b-a3b --cuda-graphs \
-    --batch-buckets 1,2,4,8,16 --kv-buckets 1024,4096 --out "$table" --no-progress || return 1
+  local table="calibration_tables/$hw-qwen3.5-35b-a3b.yaml"
+  [ -f "$table" ] || step_calmoe "$1" || return 1
   # shellcheck disable=SC2086
   OUT="$1" bash benchmarks/run_gpu_scale.sh --models qwen3.5-35b-a3b --widen-in-memory --batches 1 8 16 4 2 \
     --modes ar --draft-vocab 32768 --also-cell serial_tree_fr32768 --depth 8 --topk 4 --beam 4 \
