@@ -17,7 +17,8 @@
 #   scale      benchmarks/run_gpu_scale.sh with the README's headline flags ($SCALE_FLAGS appended;
 #              SCALE_BUDGET_S / SCALE_KILL_S as there): widening, then the 9B-cost grid      (<= 9 min)
 #   calmoe     the MoE shape's calibration table (qwen3.5-35b-a3b, CUDA graphs; an H200), into the step's
-#              folder and calibration_tables/ for later steps of the call (commit it to reuse it)   (<= 4 min)
+#              folder and calibration_tables/ for later steps of the call (commit it to reuse it); its
+#              buckets from $CAL_MOE_FLAGS (the grid's prompts stay under kv 1024)                  (<= 4 min)
 #   scalemoe   the MoE shape's grid (71 GB: an H200), widened into host memory (--widen-in-memory; no disk
 #              holds it), with calibration_tables/<hw>-qwen3.5-35b-a3b.yaml (calmoe first where missing)
 #   rows       max_verify_rows at 27B cost: ar, bole (its default: max_num_batched_tokens rows) and bole with
@@ -101,8 +102,10 @@ step_scale() {
 
 step_calmoe() {
   local hw; hw=$(python3 -c "from bole.hardware import detect_hardware; print(detect_hardware('cuda'))")
+  # shellcheck disable=SC2086
   timeout -k 10 "${CAL_MOE_S:-240}" python3 -m bole.calibrate --shapes qwen3.5-35b-a3b --cuda-graphs \
-    --batch-buckets 1,2,4,8,16 --kv-buckets 1024,4096 --out "$1/$hw-qwen3.5-35b-a3b.yaml" --no-progress || return 1
+    ${CAL_MOE_FLAGS:---batch-buckets 1,2,4,8,16 --kv-buckets 1024,4096} --out "$1/$hw-qwen3.5-35b-a3b.yaml" \
+    --no-progress || return 1
   cp "$1/$hw-qwen3.5-35b-a3b.yaml" calibration_tables/
 }
 step_scalemoe() {
