@@ -191,6 +191,10 @@ def parse_args(argv=None):
     ap.add_argument("--widen-in-memory", action="store_true",
                     help="each model's worker widens into host memory and loads from there: no disk holds the "
                          "weights (--widen-dir gets the config and tokenizer files only)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="every cell's step token budget (the engine's default: 1024); it bounds the widest lm_head "
+                         "call, whose logits the memory plan reserves: 512 lets the 35B-A3B MoE shape's cells "
+                         "plan beside its 66 GiB of weights on an 80 GB card")
     ap.add_argument("--no-prefill-split", dest="prefill_split", action="store_false",
                     help="every cell with cuda_graph_prefill_split=False (the engine's default is True): a prefill "
                          "longer than the largest prefill graph runs as one eager forward, not as graphed waves")
@@ -378,12 +382,15 @@ def run_cell(spec: dict, mode: str, batch: int, prompts: list[dict],
     try:
         opts = {**dict(calibration_table=spec["calibration_table"], depth=spec["depth"], topk=spec["topk"],
                        beam=spec["beam"]), **extra}
+        if spec.get("max_num_batched_tokens"):
+            opts["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
         llm = LLM(spec["path"], model=model, mode=run_mode, **opts,
                   device=spec["device"], dtype=row["dtype"], enable_cuda_graphs=cuda, max_num_seqs=batch,
                   enable_prefix_cache=False, cuda_graph_prefill_split=spec.get("prefill_split", True),
                   num_blocks=num_blocks([p["prompt_tokens"] for p in prompts[:batch]], spec["max_tokens"],
                                         opts["depth"]))
         row["cuda_graph_prefill_split"] = llm.engine.config.cuda_graph_prefill_split   # as the engine took it
+        row["max_num_batched_tokens"] = llm.engine.config.max_num_batched_tokens
         if cuda:
             row["loaded_memory_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
         on_timing()   # the engine is built: the watchdog's clock restarts for the captures and the runs
@@ -581,7 +588,7 @@ def main(argv=None) -> dict | None:
                       draft_vocab=args.draft_vocab,
                       calibration_table=args.calibration_table, budget_s=args.budget_s,
                       cell_budget_s=args.cell_budget_s, source=args.source, widen_dir=args.widen_dir,
-                      cuda_graph_prefill_split=args.prefill_split),
+                      cuda_graph_prefill_split=args.prefill_split, max_num_batched_tokens=args.max_num_batched_tokens),
         methods=dict(
             models="the source widened to each shape (bole.models.widen, bf16): the shape's cost, the source's "
                    "predictions (the shape's vocabulary: padded rows never win, bole.models.widen)",
@@ -617,7 +624,8 @@ def main(argv=None) -> dict | None:
                     batches=args.batches, modes=args.modes, max_tokens=args.max_tokens, repeats=args.repeats,
                     depth=args.depth, topk=args.topk, beam=args.beam, calibration_table=args.calibration_table,
                     cell_budget_s=args.cell_budget_s, deadline=deadline, smoke=args.smoke,
-                    in_memory=args.widen_in_memory, source=args.source, prefill_split=args.prefill_split)
+                    in_memory=args.widen_in_memory, source=args.source, prefill_split=args.prefill_split,
+                    max_num_batched_tokens=args.max_num_batched_tokens)
         run_worker(rep, spec, args.grace_s)
     if args.png != "none":
         from benchmarks.e2e_scale_plot import plot

@@ -255,15 +255,18 @@ def _refusal(config, fixed: dict[str, int], needed: int, fit: int, env: str, row
              floor_rows: int | None) -> str:
     spec, s = config.spec, config.max_num_seqs
     big = max(("snapshots", "factors", "logits", "state"), key=fixed.get)
+    ar = config.mode == "ar"
+    # ar's widest lm_head call is a prefill's: every row of its chunk, for a request with prompt logprobs
     what = {"snapshots": "per-node snapshot buffers", "factors": "verify factor buffers",
-            "logits": "verify logits", "state": "GDN state slots"}[big]
+            "logits": "prefill logits" if ar else "verify logits", "state": "GDN state slots"}[big]
     hint = "lower max_num_seqs"
-    if config.mode != "ar":
+    if not ar:
         hint += f" or the tree nodes (depth={spec.depth}, topk={spec.topk}, beam={spec.beam})"
     T = config.max_num_batched_tokens
-    if config.mode != "ar" and big == "logits" and rows <= T:   # the logits are sized by the larger of the two
-        hint += f", or lower max_num_batched_tokens (now {T}: the widest lm_head call, a prefill's or a verify's)"
-    elif config.mode != "ar" and big in ("logits", "factors") and rows > floor_rows:
+    if big == "logits" and (ar or rows <= T):   # the logits are sized by the larger of the two
+        hint += (f", or lower max_num_batched_tokens (now {T}: the widest lm_head call, a prefill's"
+                 + ("" if ar else " or a verify's") + ")")
+    elif not ar and big in ("logits", "factors") and rows > floor_rows:
         hint += f", or lower the rows one verify forward holds (max_verify_rows; now {rows}, at least {floor_rows})"
     if config.mode == "serial_tree":
         hint += " or use mode='bole' (no per-node snapshots, docs/DESIGN.md §4)"

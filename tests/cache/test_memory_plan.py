@@ -228,6 +228,28 @@ def test_the_refusal_names_the_option_that_shrinks_the_largest_buffer():
     assert "(max_verify_rows; now 2048, at least 256)" in str(e.value) and "max_num_batched_tokens" not in str(e.value)
 
 
+def test_the_moe_shape_on_an_80_gb_card_is_refused_with_the_token_budget_named_and_fits_below_it():
+    """The 35B-A3B MoE shape's 66.1 GiB of weights leave ~5 GiB of an 80 GB card's 0.9 budget: the logits
+    of the widest lm_head call (1,024 rows x a 248,320-token vocabulary, 3.32 GiB) do not fit beside the rest
+    in either mode. ar's are a prefill's (every row of a chunk, for prompt logprobs), not a verify's, and
+    only max_num_batched_tokens shrinks them; at 512 both modes fit to max_num_seqs 16."""
+    from bole.cache.memory_plan import LOGITS_FP32_COPIES, LOGITS_NATIVE_COPIES
+
+    cfg = shapes("qwen3.5-35b-a3b", positions=32768)   # the sweep's context (the widened grid model's)
+    total = 81559 * 2**20   # what an H100 80GB reports
+    free = total - 71_010_502_912 - 512 * 2**20   # beside the bf16 weights and a CUDA context
+    opts = dict(max_num_seqs=1, depth=8, topk=4, beam=4)
+    for mode, what in (("ar", "prefill"), ("bole", "verify")):
+        with pytest.raises(ValueError, match=rf"with {mode} needs .* \(3\.32 GiB of {what} logits") as e:
+            plan_memory(cfg, cuda_config(mode, **opts), free, total)
+        assert "lower max_num_batched_tokens (now 1024: the widest lm_head call, a prefill's" in str(e.value)
+        for seqs in (1, 16):
+            plan = plan_memory(cfg, cuda_config(mode, **dict(opts, max_num_seqs=seqs), max_num_batched_tokens=512),
+                               free, total)
+            assert plan.num_blocks > 0 and plan.total_bytes <= plan.budget
+            assert plan.logits == 512 * cfg.vocab_size * (LOGITS_NATIVE_COPIES * 2 + LOGITS_FP32_COPIES * 4)
+
+
 def test_verify_rows_size_the_speculative_buffers():
     """The 27B shape at batch 32 beside its weights on an 80 GB card (the H100 run that refused it before
     the default bounded the rows): whole trees for every request plan 12.1 GiB of verify logits and do not
