@@ -20,7 +20,8 @@
 #              folder and calibration_tables/ for later steps of the call (commit it to reuse it); its
 #              buckets from $CAL_MOE_FLAGS (the grid's prompts stay under kv 1024)                  (<= 4 min)
 #   scalemoe   the MoE shape's grid (71 GB: an H200), widened into host memory (--widen-in-memory; no disk
-#              holds it), with calibration_tables/<hw>-qwen3.5-35b-a3b.yaml (calmoe first where missing)
+#              holds it), with calibration_tables/<hw>-qwen3.5-35b-a3b.yaml (calmoe first where missing); on an
+#              80 GB card SCALE_FLAGS="--max-num-batched-tokens 512" (the memory plan refuses 1024 there)
 #   rows       max_verify_rows at 27B cost: ar, bole (its default: max_num_batched_tokens rows) and bole with
 #              every request's whole tree (-r65536, capped at the whole trees) at batches 32 and 16 with
 #              calibration_tables/<hw>-qwen3.5-27b.yaml (whole trees are refused at 32 on 80 GB)  (~8.5 min
