@@ -366,7 +366,8 @@ class EngineConfig:
     tp_size: int = 1  # tensor-parallel ranks; each runs an identical engine (bole.parallel)
     # ar-mode decode steps replay CUDA graphs captured per padded batch size (bole.engine.graphs.decode),
     # speculative modes their verify forward (bole.engine.graphs.verify: batch, tree width, KV length);
-    # ignored on the CPU, and for MoE / tensor-parallel models (decode then runs eagerly)
+    # ignored on the CPU, under tensor parallelism and for MoE models on the torch backend, whose expert loop
+    # reads the routed experts on the host (decode then runs eagerly; kernels.moe_experts is captured)
     enable_cuda_graphs: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     # with enable_cuda_graphs, prefill steps of <= cuda_graph_prefill_tokens tokens (with padding) replay
