@@ -90,7 +90,8 @@ EPS_RE = re.compile(r"-e(\d+(?:\.\d+)?)$")     # a cell's budget suffix: -e<budg
 CAP_RE = re.compile(r"-(w|no)cap$")             # a cell's tree-width suffix: cap_tree_width True / False
 FLOOR_RE = re.compile(r"-(best1|kids)$")        # a cell's floor suffix: budget_floor "best_child" / "children"
 ROWS_RE = re.compile(r"-r(\d+)$")               # a cell's verify-rows suffix: max_verify_rows
-CELL_FORM = "MODE[_fr<N>][@<table>][-d<D>k<K>b<B>][-e<E>][-wcap|-nocap][-best1|-kids][-r<R>]"
+GOODPUT = "-gp"                                  # a cell's budget-rule suffix: budget_rule "goodput"
+CELL_FORM = "MODE[_fr<N>][@<table>][-d<D>k<K>b<B>][-e<E>][-wcap|-nocap][-best1|-kids][-r<R>][-gp]"
 PAPER = "-nocap-kids"  # the paper's budget (Algorithm 3: all first-level drafts as the floor, trees uncapped)
 
 
@@ -105,9 +106,12 @@ def engine_mode(cell_mode: str) -> tuple[str, dict]:
     drafting settings depth D, topk K, beam B instead of the run's, ``-e<E>`` ``budget_epsilon=E`` (B_ver
     re-derived from the table's timings at ε = E), ``-wcap`` / ``-nocap`` ``cap_tree_width`` True / False,
     ``-best1`` / ``-kids`` ``budget_floor`` "best_child" / "children" (without them, the engine's
-    defaults), ``-r<R>`` ``max_verify_rows=R``. ValueError naming the cell for any other name."""
-    extra = {}
-    rest, m = _strip(cell_mode, ROWS_RE)
+    defaults), ``-r<R>`` ``max_verify_rows=R``, ``-gp`` ``budget_rule="goodput"``. ValueError naming the
+    cell for any other name."""
+    extra, rest = {}, cell_mode
+    if rest.endswith(GOODPUT):
+        rest, extra["budget_rule"] = rest[:-len(GOODPUT)], "goodput"
+    rest, m = _strip(rest, ROWS_RE)
     if m:
         extra["max_verify_rows"] = int(m[1])
     rest, m = _strip(rest, FLOOR_RE)
@@ -440,11 +444,11 @@ def first_divergence(toks: list[list[int]], ref: list[list[int]]) -> list[dict]:
 def ratios(rows: list[dict]) -> dict:
     """Tokens/s ratios of one worker's cells per batch, and their geometric means over batches <= 16:
     ``RATIOS``, every other speculative cell's to ar, per drafting suffix its bole cell's to its
-    serial_tree cell (``bole-d8k2b2/serial_tree-d8k2b2``), and each cell with a width or floor suffix to the
-    same cell without them (``bole-nocap-kids/bole``)."""
+    serial_tree cell (``bole-d8k2b2/serial_tree-d8k2b2``), and each cell with a width, floor, rows or
+    budget-rule suffix to the same cell without them (``bole-nocap-kids/bole``, ``bole-gp/bole``)."""
     ok = {(r["mode"], r["batch"]): r for r in rows if r["status"] == "ok"}
     cells = list(dict.fromkeys(r["mode"] for r in rows))
-    plain = lambda m: _strip(_strip(_strip(m, ROWS_RE)[0], FLOOR_RE)[0], CAP_RE)[0]
+    plain = lambda m: _strip(_strip(_strip(m.removesuffix(GOODPUT), ROWS_RE)[0], FLOOR_RE)[0], CAP_RE)[0]
     pairs = RATIOS + tuple((m, "ar") for m in cells if m not in MODES) + tuple(
         (m, "serial_tree" + m[len("bole"):]) for m in cells if m != "bole" and m.startswith("bole")) + tuple(
         (m, plain(m)) for m in cells if plain(m) != m)

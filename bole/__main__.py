@@ -8,7 +8,7 @@ import sys
 import time
 
 from bole.config import ENGINE_MODES, CacheConfig, EngineConfig, SpecConfig
-from bole.spec.budget import BUDGET_FLOORS
+from bole.spec.budget import BUDGET_FLOORS, BUDGET_RULES
 
 
 def main(argv=None) -> int:
@@ -36,6 +36,9 @@ def main(argv=None) -> int:
                    help="cap every request's tree at the width the calibration timed B_ver at (--no-...: the paper's)")
     g.add_argument("--budget-floor", default=SpecConfig.budget_floor, choices=BUDGET_FLOORS,
                    help="the budget's fairness floor: the best first-level draft, or every one (children: the paper's)")
+    g.add_argument("--budget-rule", default=SpecConfig.budget_rule, choices=BUDGET_RULES,
+                   help="B_ver: the table's bucket value (epsilon, eq. 12) or chosen each step from the bucket's "
+                        "timed curve and the drafts' confidence (goodput)")
     g.add_argument("--num-blocks", type=int, default=CacheConfig.num_blocks)
     g.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt and the metrics")
@@ -45,7 +48,7 @@ def main(argv=None) -> int:
 
     llm = LLM(a.model, mode=a.mode, device=a.device, dtype=a.dtype, depth=a.depth, topk=a.topk, beam=a.beam,
               draft_vocab=a.draft_vocab, budget_epsilon=a.budget_epsilon, cap_tree_width=a.cap_tree_width,
-              budget_floor=a.budget_floor,
+              budget_floor=a.budget_floor, budget_rule=a.budget_rule,
               num_blocks=a.num_blocks, gpu_memory_utilization=a.gpu_memory_utilization)
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
                             seed=a.seed)

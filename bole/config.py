@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bole.option_checks import check_epsilon, check_types, int_tuple
-from bole.spec.budget import BUDGET_FLOORS
+from bole.spec.budget import BUDGET_FLOORS, BUDGET_RULES
 from bole.spec.tree import MAX_TREE_NODES
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
@@ -274,6 +274,11 @@ class SpecConfig:
     request keeps its likeliest first-level draft; its other first-level drafts compete for the budget
     like deeper ones) or "children", the paper's (every request keeps all its first-level drafts).
     The defaults (cap on, "best_child") are the measured better pair: docs/DESIGN.md §5.
+    budget_rule: how a step's B_ver is chosen. "epsilon": the table's bucket value (eq. 12). "goodput": per
+    step on the device, the capacity of the bucket's timed curve that maximises the batch's expected
+    tokens per verify time from the drafts' own ρ (``bole.spec.budget.select_nodes``'s ``costs``); it
+    needs a table with timings (a measured or modeled one). Drafts only propose: outputs are exact
+    either way.
     """
 
     depth: int = 4
@@ -284,6 +289,7 @@ class SpecConfig:
     budget_epsilon: float | None = None
     cap_tree_width: bool = True
     budget_floor: str = "best_child"
+    budget_rule: str = "epsilon"
 
     def __post_init__(self):
         check_types(self, ints=("depth", "topk", "beam") + (("draft_vocab",) if self.draft_vocab is not None else ()),
@@ -292,6 +298,8 @@ class SpecConfig:
             check_epsilon("SpecConfig.budget_epsilon", self.budget_epsilon)
         if self.budget_floor not in BUDGET_FLOORS:
             raise ValueError(f"SpecConfig.budget_floor must be one of {BUDGET_FLOORS}, got {self.budget_floor!r}")
+        if self.budget_rule not in BUDGET_RULES:
+            raise ValueError(f"SpecConfig.budget_rule must be one of {BUDGET_RULES}, got {self.budget_rule!r}")
         if self.draft_vocab is not None and self.draft_vocab < self.topk:
             raise ValueError(f"SpecConfig.draft_vocab must be an int >= topk={self.topk} (or None), "
                              f"got {self.draft_vocab!r}")

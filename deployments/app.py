@@ -67,7 +67,7 @@ class GroupConfig(BaseModel):
     engine_options: dict[str, Any] = Field(default_factory=dict,
                                            description="EngineConfig options (mode, device, dtype, depth, "
                                                        "topk, beam, draft_vocab, budget_epsilon, cap_tree_width, "
-                                                       "budget_floor, num_blocks, gpu_memory_utilization, "
+                                                       "budget_floor, budget_rule, num_blocks, gpu_memory_utilization, "
                                                        "block_size, max_num_seqs, ...).")
     calibration_table: str = Field("auto", description="Calibration table path, or 'auto' (by hardware "
                                                        "class and model shapes).")

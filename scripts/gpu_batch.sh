@@ -21,7 +21,8 @@
 #              buckets from $CAL_MOE_FLAGS (the grid's prompts stay under kv 1024)                  (<= 4 min)
 #   scalemoe   the MoE shape's grid (71 GB: an H200), widened into host memory (--widen-in-memory; no disk
 #              holds it), with calibration_tables/<hw>-qwen3.5-35b-a3b.yaml (calmoe first where missing); on an
-#              80 GB card SCALE_FLAGS="--max-num-batched-tokens 512" (the memory plan refuses 1024 there)
+#              80 GB card SCALE_FLAGS="--max-num-batched-tokens 512" (the memory plan refuses 1024 there); the cells
+#              beside ar and bole_fr32768 from $MOE_CELLS (default serial_tree_fr32768; e.g. "bole_fr32768-gp")
 #   rows       max_verify_rows at 27B cost: ar, bole (its default: max_num_batched_tokens rows) and bole with
 #              every request's whole tree (-r65536, capped at the whole trees) at batches 32 and 16 with
 #              calibration_tables/<hw>-qwen3.5-27b.yaml (whole trees are refused at 32 on 80 GB)  (~8.5 min
@@ -115,7 +116,7 @@ step_scalemoe() {
   [ -f "$table" ] || step_calmoe "$1" || return 1
   # shellcheck disable=SC2086
   OUT="$1" bash benchmarks/run_gpu_scale.sh --models qwen3.5-35b-a3b --widen-in-memory --batches 1 8 16 4 2 \
-    --modes ar --draft-vocab 32768 --also-cell serial_tree_fr32768 --depth 8 --topk 4 --beam 4 \
+    --modes ar --draft-vocab 32768 --also-cell ${MOE_CELLS:-serial_tree_fr32768} --depth 8 --topk 4 --beam 4 \
     --calibration-table "$table" ${SCALE_FLAGS:-}
 }
 step_rows() {

@@ -82,8 +82,12 @@ class LLMEngine:
     def calibration(self, table: CalibrationTable) -> None:
         """Install ``table`` (at start, by recalibration or a replica's reconfigure): with
         ``SpecConfig.budget_epsilon`` set, a speculative engine re-derives its B_ver at that ε from the
-        table's timings (ValueError naming a table without them)."""
-        eps = self.config.spec.budget_epsilon
+        table's timings; with ``budget_rule="goodput"`` it chooses from them each step (either: ValueError
+        naming a table without them)."""
+        spec = self.config.spec
+        if self.mode != "ar" and spec.budget_rule == "goodput":
+            table.require_timings("budget_rule='goodput' chooses each step's B_ver from them")
+        eps = spec.budget_epsilon
         self._calibration = table if eps is None or self.mode == "ar" else table.with_epsilon(eps)
 
     def __init__(self, model, config: EngineConfig, tokenizer=None, calibration: CalibrationTable | None = None):
@@ -127,7 +131,8 @@ class LLMEngine:
                                   if spec_graphs else None,
                                   draft_graph_spec=dict(batch_sizes=spec_sizes, depth=spec.depth, topk=spec.topk,
                                                         beam=spec.beam, max_per_request=MAX_TREE_NODES - 1,
-                                                        floor=spec.budget_floor)
+                                                        floor=spec.budget_floor,
+                                                        goodput=spec.budget_rule == "goodput")
                                   if spec_graphs else None,
                                   # the same buckets in every mode: a prefill runs at the same padded shapes
                                   prefill_graph_sizes=spec_sizes if config.prefill_graphs else None,

@@ -494,22 +494,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def draft_batch(self, reqs: list[Request], depth: int, topk: int, beam: int, b_ver: int,
-                    max_per_request: int | None = None, *, floor: str) -> DraftBatch:
+                    max_per_request: int | None = None, *, floor: str,
+                    costs: list[tuple[int, float]] | None = None) -> DraftBatch:
         """Draft (``draft``), keep ``b_ver`` nodes for the batch (``select_nodes``, at most
         ``max_per_request`` per request, its fairness ``floor``) and compact them below the pending root
         tokens: the step's ``DraftBatch`` [B, 1 + T_max] (untrimmed). From the draft graph when it applies
         (its drafting settings and floor; the cap is a per-step input there, and None means the graph
-        family's own ``max_per_request`` there but no cap eagerly: the engine always passes one)."""
+        family's own ``max_per_request`` there but no cap eagerly: the engine always passes one). ``costs``:
+        the goodput rule's (capacity, T_ver ms) pairs (``bole.spec.budget.goodput_costs``), or None."""
         dg = self.draft_graphs
-        if dg is not None and (dg.depth, dg.topk, dg.beam, dg.floor) == (depth, topk, beam, floor):
+        if dg is not None and (dg.depth, dg.topk, dg.beam, dg.floor, dg.goodput) == (
+                depth, topk, beam, floor, costs is not None):
             self._catch_up_head(reqs)
             if dg.supports(reqs):
                 self.draft_graphed = True
-                return dg.run(reqs, b_ver, max_per_request)
+                return dg.run(reqs, b_ver, max_per_request, costs)
         self.draft_graphed = False
         cand = self.draft(reqs, depth, topk, beam)
         keep = select_nodes(cand.rho, cand.parents, cand.valid, cand.depth, b_ver, max_per_request=max_per_request,
-                            floor=floor)
+                            floor=floor, costs=None if costs is None else
+                            torch.tensor(costs, dtype=torch.float32, device=self.device).T)
         roots = torch.tensor([r.all_token_ids[r.num_computed] for r in reqs], device=self.device)
         return compact(cand, keep, roots)
 

@@ -21,7 +21,7 @@ from bole.engine import sampler
 from bole.engine.metrics import StepStats
 from bole.engine.runner import ModelRunner
 from bole.engine.sequence import Request
-from bole.spec.budget import CalibrationTable, rows_width, width_cap
+from bole.spec.budget import CalibrationTable, goodput_costs, rows_width, width_cap
 from bole.spec.logprobs import TokenLogprob, path_rows
 from bole.spec.tree import MAX_TREE_NODES, tree_widths
 
@@ -51,7 +51,13 @@ class SpeculativeStep:
         spec = self.spec
         kv_len = max(r.num_computed for r in reqs)
         B = len(reqs)
-        _, b_ver = calibration.lookup(B, kv_len, spec.depth + 1)
+        bucket, b_ver = calibration.lookup(B, kv_len, spec.depth + 1)
+        costs = None
+        if spec.budget_rule == "goodput":
+            # the budget is chosen on the device from the bucket's timed capacities, the largest the
+            # bound; stats.b_ver is then what it kept (``_accept_commit``)
+            costs = goodput_costs(calibration.buckets[bucket].t_ver_ms)
+            b_ver = costs[-1][0]
         stats.b_ver = int(b_ver)
         # drafts a request may keep: the verifier's limit, or (cap_tree_width) the width the calibration
         # timed B_ver at, so padding every tree to the widest stays within the rows the budget assumed
@@ -67,7 +73,8 @@ class SpeculativeStep:
         # device when padding to it costs little (at most twice the budget's nodes); else read it (one sync).
         bound = min(self.max_draft_nodes, max(min(int(b_ver), cap), min(spec.topk, self.vocab_size)),
                     MAX_TREE_NODES - 1 if rows_cap is None else rows_cap)
-        no_sync = B * (bound + 1) <= 2 * (int(b_ver) + B)
+        # (goodput: the kept count is the device's choice, so the widest tree is always read)
+        no_sync = costs is None and B * (bound + 1) <= 2 * (int(b_ver) + B)
         greedy = all(r.params.temperature <= 0 for r in reqs)
         no_min = not any(r.params.min_tokens for r in reqs)  # min_tokens masks logits: eager acceptance
         # penalties too (the tails would need [B, V] counts): eager acceptance
@@ -75,7 +82,7 @@ class SpeculativeStep:
         plain = no_min and pen is None
         # the root (the pending token, node 0) is verified too: drafts <= MAX_TREE_NODES - 1 per request
         batch = self.runner.draft_batch(reqs, spec.depth, spec.topk, spec.beam, b_ver, max_per_request=cap,
-                                        floor=spec.budget_floor)
+                                        floor=spec.budget_floor, costs=costs)
         batch = batch.trimmed(bound + 1 if no_sync else None)
         if between is not None:
             between()
@@ -147,4 +154,6 @@ class SpeculativeStep:
         pending = self.checkpoints.settle_tail(plan, starts, [h[1] for h in host]) if plan.reserved else None
         publish_committed(self.prefix_cache, reqs, pending, emitted)
         stats.tree_nodes = sum(h[-1] for h in host)
+        if self.spec.budget_rule == "goodput":   # the budget the device chose: the drafts it kept
+            stats.b_ver = stats.tree_nodes - len(reqs)
         return emitted, [h[0] for h in host]

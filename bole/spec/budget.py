@@ -4,7 +4,8 @@ Offline, ``bole.calibrate`` sweeps each bucket c = (batch size, KV length, tree 
 the largest capture capacity N whose verification time stays within (1+ε) of one decode step
 (eq. 12, ``select_b_ver``). Online, every step looks up its bucket's B_ver and ``select_nodes``
 keeps, across the whole batch, every request's first-level nodes plus the highest-ρ nodes up to
-B_ver in total.
+B_ver in total. With ``budget_rule="goodput"`` the step's budget is instead chosen on the device from
+the bucket's timed T_ver(N) and the drafts' ρ (``select_nodes``'s ``costs``; docs/DESIGN.md §5).
 
 Calibration table (YAML; ``calibration_tables/default.yaml`` is the reference):
 
@@ -173,11 +174,15 @@ class CalibrationTable:
         ValueError naming the table when a bucket has no timings (a default table's B_ver is written, not
         derived) or when epsilon is not a finite number >= 0."""
         epsilon = check_epsilon("budget epsilon", epsilon)
-        if any(b.t_dec_ms is None or not b.t_ver_ms for b in self.buckets):
-            raise ValueError(f"calibration table {self.table_id} ({self.source}) has buckets without timings: "
-                             f"its B_ver cannot be re-derived at budget epsilon {epsilon}")
+        self.require_timings(f"its B_ver cannot be re-derived at budget epsilon {epsilon}")
         buckets = tuple(replace(b, b_ver=select_b_ver(b.t_ver_ms, b.t_dec_ms, epsilon)) for b in self.buckets)
         return replace(self, epsilon=epsilon, buckets=buckets)
+
+    def require_timings(self, why: str) -> "CalibrationTable":
+        """This table, or ValueError naming it when a bucket lacks its timings (a default table's)."""
+        if any(b.t_dec_ms is None or not b.t_ver_ms for b in self.buckets):
+            raise ValueError(f"calibration table {self.table_id} ({self.source}) has buckets without timings: {why}")
+        return self
 
     def to_dict(self) -> dict:
         out = {k: getattr(self, k) for k in ("hardware", "model", "dtype", "tp_size", "date",
@@ -357,10 +362,23 @@ def rows_width(rows: int, padded_batch: int, widths) -> int:
 
 
 BUDGET_FLOORS = ("children", "best_child")
+BUDGET_RULES = ("epsilon", "goodput")
+GOODPUT_SLOTS = 16   # capacities a goodput cost row holds (a table's capture set is at most this long)
+
+
+def goodput_costs(t_ver_ms: Mapping[int, float], upto: int | None = None) -> list[tuple[int, float]]:
+    """A bucket's (capacity N, T_ver(N) ms) pairs for ``select_nodes``'s goodput rule, ascending in N, those
+    above ``upto`` left out (the smallest always kept). ValueError when there are more than
+    ``GOODPUT_SLOTS`` or none."""
+    pairs = sorted((int(n), float(t)) for n, t in (t_ver_ms or {}).items())
+    if not pairs or len(pairs) > GOODPUT_SLOTS:
+        raise ValueError(f"the goodput budget needs 1 to {GOODPUT_SLOTS} timed capacities, got {len(pairs)}")
+    return [p for p in pairs if upto is None or p[0] <= upto] or pairs[:1]
 
 
 def select_nodes(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, depth: torch.Tensor,
-                 b_ver, max_per_request: int | None = None, *, floor: str) -> torch.Tensor:
+                 b_ver, max_per_request: int | None = None, *, floor: str,
+                 costs: torch.Tensor | None = None) -> torch.Tensor:
     """Algorithm 3 online: which draft nodes of the batch to verify. Returns bool keep [B, T].
 
     Args:
@@ -378,6 +396,14 @@ def select_nodes(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, 
                  for the budget like deeper nodes). Both give every running request a verified draft.
                  Required, with no default here or in the layers that pass it on (the draft graphs,
                  ``ModelRunner.draft_batch``): the engine's choice is ``SpecConfig.budget_floor``.
+        costs:   None (eq. 12's rule: ``b_ver`` is the budget) or float [2, K]: capacities N (row 0,
+                 ascending; 0 pads) and their timed T_ver(N) (row 1), for the goodput rule
+                 (``SpecConfig.budget_rule``): the budget is then the N <= ``b_ver`` that maximises the
+                 batch's expected tokens per verify time, (requests + Σ exp ρ of the kept nodes) / T_ver(N),
+                 ρ being log-probabilities here. Σ exp ρ over a prefix-closed set is the expected number
+                 of its drafts a greedy target accepts when the drafter is calibrated (a node is accepted
+                 exactly when its whole path is). Ties go to the smaller N. The budget then moves per
+                 step, on the device, with the drafts' own confidence.
 
     Every request keeps its valid depth-1 nodes (fairness floor; "best_child": the best one). The
     remaining budget, max(b_ver - #floor, 0), goes to the other nodes in the order (ρ desc, depth asc, flat index
@@ -428,4 +454,34 @@ def select_nodes(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, 
     # global rank among the candidates, in the order above
     pos = torch.cumsum(cand[order].long(), 0) - 1
     rank = torch.empty_like(order).scatter_(0, order, pos)
+    if costs is not None:
+        remaining = _goodput_remaining(key.flatten(), floor, cand, rank, valid, b_ver, costs)
     return (floor.flatten() | (cand & (rank < remaining))).view(B, T)
+
+
+def _goodput_remaining(key: torch.Tensor, floor: torch.Tensor, cand: torch.Tensor, rank: torch.Tensor,
+                       valid: torch.Tensor, b_ver, costs: torch.Tensor) -> torch.Tensor:
+    """How many candidates past the floor the goodput rule keeps (``select_nodes``'s ``costs``): 0-d long.
+
+    Ours rather than a library's: it is Algorithm 3's budget chosen per step from the bucket's measured
+    T_ver(N) and the drafts' own ρ. Eq. 12 stops where T_ver leaves its plateau. On a MoE model T_ver
+    climbs from the first nodes (each token reads more experts) and flattens again once every expert is
+    read, so eq. 12 keeps the fewest nodes exactly where more would pay (docs/DESIGN.md §5)."""
+    N = key.numel()
+    zero = torch.zeros_like(key)
+    p = torch.where(cand, key.exp(), zero)
+    # gain[j]: Σ exp ρ of the first j candidates in the selection order (rank: their place in it)
+    gain = torch.zeros(N + 1, dtype=torch.float32, device=key.device)
+    gain.scatter_add_(0, torch.where(cand, rank + 1, torch.zeros_like(rank)), p)
+    gain = gain.cumsum(0)
+    caps, t = costs[0].round().long(), costs[1].float()
+    nf = floor.sum()
+    base = valid.any(1).sum().float() + torch.where(floor.flatten(), key.exp(), zero).sum()
+    extra = (caps - nf).clamp(0, N)
+    score = (base + gain[extra]) / t.clamp(min=1e-9)
+    # a capacity counts when real (> 0) and within b_ver; of those, the ones holding the floor (else the smallest)
+    real = (caps > 0) & (caps <= b_ver)
+    holds = real & (caps >= nf)
+    smallest = caps == torch.where(real, caps, torch.full_like(caps, torch.iinfo(torch.long).max)).min()
+    usable = torch.where(holds.any(), holds, real & smallest)
+    return extra[torch.where(usable, score, torch.full_like(score, -math.inf)).argmax()]

@@ -138,6 +138,9 @@ def test_ratios_geomean_over_batches_up_to_16():
              for m, t in [("bole-wcap", 30.0), ("bole-wcap-best1", 36.0)]]
     per = e2e_scale.ratios(rows)["per_batch"][0]
     assert per["bole-wcap/bole"] == 1.5 and per["bole-wcap-best1/bole"] == 1.8 and per["bole-wcap/ar"] == 3.0
+    per = e2e_scale.ratios(rows + [dict(mode="bole-gp", batch=1, status="ok", tokens_per_s=25.0,
+                                        exact_vs_ar=True)])["per_batch"][0]
+    assert per["bole-gp/bole"] == 1.25 and per["bole-gp/ar"] == 2.5   # the goodput budget against eq. 12's
     # a reduced-vocabulary bole cell against serial_tree with the same drafter, where that cell ran
     assert "bole_fr64/serial_tree_fr64" not in e2e_scale.ratios(rows + [
         dict(mode="bole_fr64", batch=1, status="ok", tokens_per_s=30.0, exact_vs_ar=True)])["geomean_batches_1_16"]
@@ -262,8 +265,11 @@ def test_cell_names():
     assert em("bole_fr64-nocap-r1024") == ("bole", dict(draft_vocab=64, cap_tree_width=False, max_verify_rows=1024))
     assert em("bole-r256") == ("bole", dict(max_verify_rows=256))
     assert e2e_scale.base_mode("bole_fr64-r256") == "bole_fr64"
+    assert em("bole_fr64-r256-gp") == ("bole", dict(draft_vocab=64, max_verify_rows=256, budget_rule="goodput"))
+    assert em("bole-gp") == ("bole", dict(budget_rule="goodput"))
     for bad in ("ar-d8k2b2", "bole_frx", "tree", "bole-d8k2", "ar-e0.5", "bole-e0.5-d8k2b2", "ar-best1",
-                "bole-best1-wcap", "bole-kids-nocap", "bole-capno", "ar-r1024", "bole-r1024-wcap", "bole-r"):
+                "bole-best1-wcap", "bole-kids-nocap", "bole-capno", "ar-r1024", "bole-r1024-wcap", "bole-r",
+                "ar-gp", "bole-gp-r256"):
         with pytest.raises(ValueError, match="not MODE"):
             em(bad)
     a = e2e_scale.parse_args(["--modes", "ar", "serial_tree", "bole", "--draft-vocab", "64", "--also-spec", "8,2,2"])

@@ -336,6 +336,37 @@ def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel
         assert eng.prefix_cache.num_checkpoints > 0
 
 
+def test_engine_goodput_budget_tokens_cpu(ckpt):
+    """budget_rule="goodput": every step's capacities and timings (the measured table's bucket) reach the
+    draft, eagerly and through the static draft graph; the device chooses what to keep; the greedy
+    tokens stay ar's. A table without timings is refused at start, by name."""
+    from bole.llm import resolve_repo_path
+    from bole.spec.budget import CalibrationTable, goodput_costs
+
+    max_tokens = [12, 5, 20, 9]
+    ref = run_arrivals(_engine(ckpt, "cpu", "ar", False), PROMPTS, max_tokens)
+    path = str(resolve_repo_path("calibration_tables/cpu-bole-tiny-coder.yaml"))
+    table = CalibrationTable.load(path)
+    for graph in (False, True):
+        eng = _engine(ckpt, "cpu", "bole", False, budget_rule="goodput", calibration_table=path)
+        spec = eng.config.spec
+        if graph:
+            dg = eng.runner.enable_draft_graphs((1, 2, 4), spec.depth, spec.topk, spec.beam, capture=False,
+                                                min_kv=8, max_per_request=MAX_TREE_NODES - 1,
+                                                floor=spec.budget_floor, goodput=True)
+        seen, draft_batch = [], eng.runner.draft_batch
+        eng.runner.draft_batch = lambda reqs, *a, _seen=seen, _draft=draft_batch, **kw: (
+            _seen.append((len(reqs), a[-1], kw["costs"])), _draft(reqs, *a, **kw))[1]
+        assert run_arrivals(eng, PROMPTS, max_tokens) == ref
+        assert seen and all(costs == goodput_costs(table.buckets[table.lookup(B, 0, spec.depth + 1)[0]].t_ver_ms)
+                            and b_ver == costs[-1][0] for B, b_ver, costs in seen)
+        assert not graph or dg.replays > 0
+        snap = eng.metrics.snapshot()   # stats.b_ver is what the device kept: all of it "used"
+        assert snap["budget_used"] == 1.0 and snap["floor_excess_nodes"] == 0
+    with pytest.raises(ValueError, match="default.*without timings.*goodput"):
+        _engine(ckpt, "cpu", "bole", False, budget_rule="goodput")
+
+
 def _multiturn(eng, turns: int = 3, max_tokens: int = 10) -> list[list[int]]:
     """Served-like arrivals: a conversation per PROMPTS entry, one starting every other step, each turn
     the previous prompt + its answer + the next prompt (so its head is a prefix-cache hit); every turn's
@@ -520,6 +551,22 @@ def test_moe_static_forwards_tokens_cpu(moe_ckpt, mode):
                                             floor=spec.budget_floor)
     assert run_arrivals(eng, PROMPTS, max_tokens) == ref
     assert graphs.replays > 0 and (mode == "ar" or dg.replays > 0)
+
+
+@pytest.mark.gpu
+def test_goodput_budget_in_captured_graphs_cuda(ckpt):
+    """budget_rule="goodput" with CUDA graphs: the draft graph takes each step's costs and chooses on the
+    device; every draft replays a graph and the greedy tokens are ar's."""
+    from bole.llm import resolve_repo_path
+
+    max_tokens = [12, 5, 20, 9]
+    ref = run_arrivals(_engine(ckpt, "cuda", "ar", False), PROMPTS, max_tokens)
+    eng = _engine(ckpt, "cuda", "bole", True, budget_rule="goodput", cuda_graph_capture_len=34,
+                  calibration_table=str(resolve_repo_path("calibration_tables/cpu-bole-tiny-coder.yaml")))
+    assert eng.runner.draft_graphs.goodput and eng.runner.draft_graphs.num_captured > 0
+    assert run_arrivals(eng, PROMPTS, max_tokens) == ref
+    s = eng.stats()
+    assert s.decode_steps > 0 and (s.eager_forwards, s.eager_drafts) == (0, 0)
 
 
 @pytest.mark.gpu

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bole.spec.budget import CalibrationTable, select_b_ver, select_nodes, width_cap
+from bole.spec.budget import CalibrationTable, goodput_costs, select_b_ver, select_nodes, width_cap
 from bole.spec.tree import random_tree
 
 REPO = Path(__file__).resolve().parents[2]
@@ -338,3 +338,78 @@ def test_verify_rows_limit():
     assert rows_width(256, 32, widths) == 8
     with pytest.raises(ValueError, match="no tree width"):
         rows_width(255, 32, widths)
+
+
+# ---------------------------------------------------------------- the goodput rule (budget_rule="goodput")
+
+def _goodput_reference(rho, parents, valid, depth, b_ver, costs, floor, cap=None):
+    """The goodput rule by brute force: eq. 12's selection at every usable capacity N, scored in float64 as
+    (requests + Σ exp ρ of what it keeps) / T_ver(N); the best (ties: the smallest N)."""
+    nf = int(select_nodes(rho, parents, valid, depth, 0, floor=floor).sum())
+    real = [(n, t) for n, t in costs if n <= b_ver]
+    usable = [(n, t) for n, t in real if n >= nf] or real[:1]
+    best = None
+    for n, t in usable:
+        keep = select_nodes(rho, parents, valid, depth, n, max_per_request=cap, floor=floor)
+        score = (float(valid.any(1).sum()) + rho.double()[keep].exp().sum().item()) / t
+        if best is None or score > best[0] * (1 + 1e-9):
+            best = (score, keep)
+    return best[1]
+
+
+def _costs(pairs):
+    return torch.tensor(pairs + [(0, 0.0)] * 3, dtype=torch.float32).T   # padded with capacity 0, as the graphs do
+
+
+# T_ver curves: a dense plateau, a MoE climb that flattens (the 35B-A3B table's batch-8 bucket), a linear one
+CURVES = {"plateau": [(8, 10.0), (16, 10.2), (32, 10.5), (64, 11.0), (128, 14.0), (256, 25.0)],
+          "moe": [(8, 16.6), (16, 18.4), (32, 20.9), (64, 24.2), (128, 27.9), (256, 32.5)],
+          "linear": [(8, 8.0), (16, 16.0), (32, 32.0), (64, 64.0)]}
+
+
+@pytest.mark.parametrize("curve", sorted(CURVES))
+@pytest.mark.parametrize("floor", ["children", "best_child"])
+@pytest.mark.parametrize("scale", [0.0, 0.05, 1.0, 8.0])   # ρ: certain drafts (log 1), confident, doubtful, hopeless
+def test_goodput_selection_is_the_best_capacity_by_brute_force(curve, floor, scale):
+    for seed, (B, T, cap) in enumerate([(1, 40, None), (4, 24, None), (8, 30, 15), (3, 64, 63)]):
+        rho, parents, valid, depth = _forest(B, T, seed)
+        rho = rho * scale / 3   # _forest draws per-edge log-probabilities in [-3, 0]
+        valid[-1, T // 2:] = False if B > 1 else valid[-1, T // 2:]   # a short request
+        for b_ver in (256, 64, 8):
+            got = select_nodes(rho, parents, valid, depth, b_ver, max_per_request=cap, floor=floor,
+                               costs=_costs(CURVES[curve]))
+            want = _goodput_reference(rho, parents, valid, depth, b_ver, CURVES[curve], floor, cap)
+            assert torch.equal(got, want), (curve, floor, scale, seed, b_ver)
+
+
+def test_goodput_keeps_more_where_the_climb_flattens_and_fewest_for_hopeless_drafts():
+    B, T = 8, 30
+    rho, parents, valid, depth = _forest(B, T, 5)
+    certain = torch.zeros_like(rho)   # every draft accepted for sure: the flat end of the MoE curve pays
+    moe = _costs(CURVES["moe"])
+    eq12 = select_b_ver(dict(CURVES["moe"]), 10.8, 0.1)   # the table's own rule keeps the floor's 8
+    assert eq12 == 8
+    keep = select_nodes(certain, parents, valid, depth, 256, floor="best_child", costs=moe)
+    assert int(keep.sum()) == 240   # every node (B * T = 240 <= 256): 248 / 32.5 beats 8 + 8 at 16.6
+    hopeless = rho * 30
+    keep = select_nodes(hopeless, parents, valid, depth, 256, floor="best_child", costs=moe)
+    assert int(keep.sum()) == B    # the floor alone: each extra node costs time and brings ~nothing
+    # on the linear curve even certain drafts gain nothing past the smallest capacity (8 + 8 per 8 ms)
+    keep = select_nodes(certain, parents, valid, depth, 256, floor="best_child", costs=_costs(CURVES["linear"]))
+    assert int(keep.sum()) == 8
+
+
+def test_goodput_costs_and_the_rule_option():
+    from bole.config import SpecConfig
+
+    assert goodput_costs({64: 3.0, 8: 1.0, 16: 2.0}) == [(8, 1.0), (16, 2.0), (64, 3.0)]
+    assert goodput_costs({64: 3.0, 8: 1.0}, upto=4) == [(8, 1.0)]   # the smallest always stays
+    with pytest.raises(ValueError, match="timed capacities"):
+        goodput_costs({})
+    with pytest.raises(ValueError, match="timed capacities"):
+        goodput_costs({8 * (i + 1): 1.0 + i for i in range(17)})
+    with pytest.raises(ValueError, match="budget_rule"):
+        SpecConfig(budget_rule="throughput")
+    default = CalibrationTable.load(REPO / "calibration_tables" / "default.yaml")
+    with pytest.raises(ValueError, match="default.*without timings.*goodput"):
+        default.require_timings("budget_rule='goodput' chooses each step's B_ver from them")

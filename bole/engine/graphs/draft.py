@@ -22,7 +22,7 @@ import torch
 from bole.engine.drafting import empty_factors, grow_draft_tree
 from bole.engine.graphs.base import Graph, GraphFamily, StaticRows, sizes_upto, smallest_at_least
 from bole.engine.graphs.tree import StaticTree
-from bole.spec.budget import select_nodes
+from bole.spec.budget import GOODPUT_SLOTS, select_nodes
 from bole.spec.drafter import DraftBatch, compact, frontier_sizes, tree_size
 
 _MC, _NC, _NEW, _BVER, _CAP, _DTABLE = 0, 1, 2, 3, 4, 5  # columns of the draft graphs' host row: mtp_computed,
@@ -37,7 +37,7 @@ class DraftGraphs(GraphFamily):
 
     def __init__(self, runner, batch_sizes: Sequence[int], depth: int, topk: int, beam: int,
                  pad_block: int, capture: bool = True, min_kv: int = 256, pool=None,
-                 max_per_request: int | None = None, *, floor: str):
+                 max_per_request: int | None = None, *, floor: str, goodput: bool = False):
         if runner.model.mtp is None:
             raise ValueError("draft graphs need a model with an MTP drafter")
         super().__init__(runner, batch_sizes, runner.mtp_cache, min_kv, capture, pool)
@@ -60,6 +60,10 @@ class DraftGraphs(GraphFamily):
                         source_index=z(torch.long), num_nodes=torch.zeros(Bm, dtype=torch.long, device=dev))
         self.max_per_request = max_per_request
         self.floor = floor   # the budget's fairness floor (select_nodes), fixed per graph family
+        # the goodput rule (SpecConfig.budget_rule), fixed per family too: the step's (capacity, T_ver) pairs,
+        # padded with capacity 0, uploaded beside the host row
+        self.goodput = bool(goodput)
+        self.costs = StaticRows(2, GOODPUT_SLOTS, dev, dtype=torch.float32) if self.goodput else None
 
     def supports(self, reqs) -> bool:
         """A graph exists for this draft: batch within the captured sizes, every request's catch-up
@@ -108,7 +112,8 @@ class DraftGraphs(GraphFamily):
             # padding rows (num_computed 0) draft too, but take none of the batch's budget
             valid = cand.valid & (nc > 0)[:, None]
             keep = select_nodes(cand.rho, cand.parents, valid, cand.depth, inp[0, _BVER],
-                                max_per_request=inp[0, _CAP], floor=self.floor)
+                                max_per_request=inp[0, _CAP], floor=self.floor,
+                                costs=None if self.costs is None else self.costs.device)
             # the root is the last catch-up token (the pending one)
             batch = compact(cand, keep, inp[:, _DTABLE:_DTABLE + C].gather(1, (n - 1)[:, None])[:, 0])
             for k, v in out.items():
@@ -117,12 +122,19 @@ class DraftGraphs(GraphFamily):
         return Graph(key, run)
 
     def _load_padding(self, g: Graph) -> None:
-        self._load([], *g.key, 0, None)
+        self._load([], *g.key, 0, None, [(8, 1.0)] if self.goodput else None)
 
-    def _load(self, reqs, Bc: int, Lc: int, b_ver: int, cap: int | None) -> None:
+    def _load(self, reqs, Bc: int, Lc: int, b_ver: int, cap: int | None, costs=None) -> None:
         """Per row: mtp_computed, num_computed, catch-up length and ids, block table (padding rows: one
         catch-up position at 0 with the pad block); the step's budget and cap (None: the graphs' own, else
-        none) in row 0."""
+        none) in row 0; the goodput rule's (capacity, T_ver) pairs, which a goodput family requires."""
+        if self.goodput != (costs is not None):
+            raise ValueError(f"this draft graph family {'needs' if self.goodput else 'takes no'} goodput costs")
+        if costs is not None:
+            c = self.costs.begin()
+            c[:] = 0
+            c[:, :len(costs)] = list(zip(*costs))
+            self.costs.upload(2)
         h, nblk = self.rows.begin(), Lc // self.block_size
         h[:Bc, :self.table_col] = 0
         h[:Bc, _NEW] = 1
@@ -143,21 +155,22 @@ class DraftGraphs(GraphFamily):
                 for Lc in sizes_upto(self.kv_lengths, None if max_len is None else max_len + self.span)]
 
     @torch.inference_mode()
-    def run(self, reqs, b_ver: int, max_per_request: int | None = None):
+    def run(self, reqs, b_ver: int, max_per_request: int | None = None, costs=None):
         """The draft of ``reqs`` (``supports`` must hold) with ``b_ver`` nodes selected for the batch, at
         most ``max_per_request`` per request (None: the graphs' ``max_per_request``):
         the compacted ``DraftBatch`` [B, 1 + T_max] (roots at node 0), views of the static outputs (valid until the next
         replay); the requests' drafter bookkeeping advanced."""
         B = len(reqs)
         g = self.graph(self.key(B, max(r.num_computed for r in reqs) + self.span))
-        self.stage(reqs, *g.key, b_ver, max_per_request)
+        self.stage(reqs, *g.key, b_ver, max_per_request, costs)
         self.replay(g)
         self.advance(reqs)
         return DraftBatch(**{k: v[:B] for k, v in self.out.items()})
 
-    def stage(self, reqs, Bc: int, Lc: int, b_ver: int, max_per_request: int | None = None) -> None:
-        """A step's inputs into the static buffers: the host row (one copy) and the catch-up hiddens."""
-        self._load(reqs, Bc, Lc, b_ver, max_per_request)
+    def stage(self, reqs, Bc: int, Lc: int, b_ver: int, max_per_request: int | None = None, costs=None) -> None:
+        """A step's inputs into the static buffers: the host row (one copy; the goodput costs another) and
+        the catch-up hiddens."""
+        self._load(reqs, Bc, Lc, b_ver, max_per_request, costs)
         for b, r in enumerate(reqs):
             n = r.num_computed - r.mtp_computed
             self.hidden_in[b, :n] = r.pending_hidden[-n:]
