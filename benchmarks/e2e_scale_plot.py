@@ -20,6 +20,8 @@ def plot(doc: dict, path: Path) -> str | None:
     if not models:
         print("no rows: no plot", flush=True)
         return None
+    # one colour per mode across the panels (their cells may run in different orders)
+    colors = {m: f"C{i}" for i, m in enumerate(dict.fromkeys(r["mode"] for r in doc["rows"]))}
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.6), squeeze=False)
     for ax, model in zip(axes[0], models):
         rows = [r for r in doc["rows"] if r["model"] == model]
@@ -31,10 +33,11 @@ def plot(doc: dict, path: Path) -> str | None:
             failed = [f"{st}@{','.join(str(b) for s, b in bad if s == st)}" for st in dict.fromkeys(s for s, _ in bad)]
             if pts:
                 mat = f", MAT {pts[0][2]:.2f} @b={pts[0][0]}" if mode != "ar" else ""
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors[mode],
                         label=mode + mat + (f" ({', '.join(failed)})" if failed else ""))
             elif failed:  # no cell of the mode ran (serial_tree refused at every batch): said in the legend
-                ax.plot([], [], marker="x", ls="none", label=f"{mode}: no cell ran ({', '.join(failed)})")
+                ax.plot([], [], marker="x", ls="none", color=colors[mode],
+                        label=f"{mode}: no cell ran ({', '.join(failed)})")
         batches = sorted({r["batch"] for r in rows})
         ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="tokens/s (greedy, prefill included)",
                title=model)
