@@ -341,7 +341,7 @@ def test_engine_goodput_budget_tokens_cpu(ckpt):
     draft, eagerly and through the static draft graph; the device chooses what to keep; the greedy
     tokens stay ar's. A table without timings is refused at start, by name."""
     from bole.llm import resolve_repo_path
-    from bole.spec.budget import CalibrationTable, goodput_costs
+    from bole.spec.budget import CalibrationTable, goodput_costs, select_b_ver
 
     max_tokens = [12, 5, 20, 9]
     ref = run_arrivals(_engine(ckpt, "cpu", "ar", False), PROMPTS, max_tokens)
@@ -365,6 +365,13 @@ def test_engine_goodput_budget_tokens_cpu(ckpt):
         assert snap["budget_used"] == 1.0 and snap["floor_excess_nodes"] == 0
     with pytest.raises(ValueError, match="default.*without timings.*goodput"):
         _engine(ckpt, "cpu", "bole", False, budget_rule="goodput")
+    wide = table.to_dict()   # more capacities than a goodput cost row holds: refused at install, not mid-run
+    for b in wide["buckets"]:
+        b["t_ver_ms"] = {8 * (i + 1): 1.0 + i for i in range(17)}
+        b["b_ver"] = select_b_ver(b["t_ver_ms"], b["t_dec_ms"], wide["epsilon"])
+    wide["capture_set"] = sorted(wide["buckets"][0]["t_ver_ms"])
+    with pytest.raises(ValueError, match="1 to 16 timed capacities"):
+        eng.calibration = CalibrationTable.from_dict(wide)
 
 
 def _multiturn(eng, turns: int = 3, max_tokens: int = 10) -> list[list[int]]:
