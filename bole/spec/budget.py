@@ -484,4 +484,5 @@ def _goodput_remaining(key: torch.Tensor, floor: torch.Tensor, cand: torch.Tenso
     holds = real & (caps >= nf)
     smallest = caps == torch.where(real, caps, torch.full_like(caps, torch.iinfo(torch.long).max)).min()
     usable = torch.where(holds.any(), holds, real & smallest)
-    return extra[torch.where(usable, score, torch.full_like(score, -math.inf)).argmax()]
+    best = torch.where(usable, score, torch.full_like(score, -math.inf)).argmax()
+    return extra.gather(0, best.view(1))[0]   # not extra[best]: a 0-d index tensor is read on the host

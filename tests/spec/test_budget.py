@@ -413,3 +413,16 @@ def test_goodput_costs_and_the_rule_option():
     default = CalibrationTable.load(REPO / "calibration_tables" / "default.yaml")
     with pytest.raises(ValueError, match="default.*without timings.*goodput"):
         default.require_timings("budget_rule='goodput' chooses each step's B_ver from them")
+
+
+def test_selection_reads_nothing_on_the_host():
+    """The draft graph captures ``select_nodes``: with ``b_ver`` and the cap device tensors, neither rule may
+    read a tensor on the host (a CUDA graph capture fails on it). On the meta device any such read raises;
+    indexing with a 0-d tensor is one, which the goodput rule's first version did and the GPU refused."""
+    B, T = 4, 24
+    rho, parents, valid, depth = _forest(B, T, 2)
+    meta = lambda t: t.to("meta")
+    for costs in (None, _costs(CURVES["moe"])):
+        keep = select_nodes(meta(rho), meta(parents), meta(valid), meta(depth), meta(torch.tensor(64)),
+                            meta(torch.tensor(7)), floor="best_child", costs=None if costs is None else meta(costs))
+        assert keep.shape == (B, T) and keep.device.type == "meta"
