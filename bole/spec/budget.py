@@ -363,17 +363,16 @@ def rows_width(rows: int, padded_batch: int, widths) -> int:
 
 BUDGET_FLOORS = ("children", "best_child")
 BUDGET_RULES = ("epsilon", "goodput")
-GOODPUT_SLOTS = 16   # capacities a goodput cost row holds (a table's capture set is at most this long)
+GOODPUT_SLOTS = 16   # capacities a goodput cost row holds (a goodput engine refuses a table with more)
 
 
-def goodput_costs(t_ver_ms: Mapping[int, float], upto: int | None = None) -> list[tuple[int, float]]:
-    """A bucket's (capacity N, T_ver(N) ms) pairs for ``select_nodes``'s goodput rule, ascending in N, those
-    above ``upto`` left out (the smallest always kept). ValueError when there are more than
-    ``GOODPUT_SLOTS`` or none."""
+def goodput_costs(t_ver_ms: Mapping[int, float]) -> list[tuple[int, float]]:
+    """A bucket's (capacity N, T_ver(N) ms) pairs for ``select_nodes``'s goodput rule, ascending in N.
+    ValueError when there are more than ``GOODPUT_SLOTS`` or none."""
     pairs = sorted((int(n), float(t)) for n, t in (t_ver_ms or {}).items())
     if not pairs or len(pairs) > GOODPUT_SLOTS:
         raise ValueError(f"the goodput budget needs 1 to {GOODPUT_SLOTS} timed capacities, got {len(pairs)}")
-    return [p for p in pairs if upto is None or p[0] <= upto] or pairs[:1]
+    return pairs
 
 
 def select_nodes(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, depth: torch.Tensor,

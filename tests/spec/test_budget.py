@@ -403,7 +403,6 @@ def test_goodput_costs_and_the_rule_option():
     from bole.config import SpecConfig
 
     assert goodput_costs({64: 3.0, 8: 1.0, 16: 2.0}) == [(8, 1.0), (16, 2.0), (64, 3.0)]
-    assert goodput_costs({64: 3.0, 8: 1.0}, upto=4) == [(8, 1.0)]   # the smallest always stays
     with pytest.raises(ValueError, match="timed capacities"):
         goodput_costs({})
     with pytest.raises(ValueError, match="timed capacities"):
