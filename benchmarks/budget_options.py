@@ -1,9 +1,11 @@
-"""The budget's options on the embedded model: MAT and verified rows of the fairness floor and width cap.
+"""The budget's options on the embedded model: MAT and verified rows of the fairness floor, width cap and rule.
 
 Per batch, bole runs the held-out prompts[:B] (greedy, ``--max-tokens`` each, fp32, depth 8 / topk 4 /
 beam 4 unless set) with the budgets of ``--table`` (the H200 9B table, the budgets the 9B-cost runs
 verify; each step looks its own batch up there, as the engine does), once per option set: the paper's
-(``budget_floor="children"``), ``cap_tree_width``, ``budget_floor="best_child"`` and both. Columns:
+(``budget_floor="children"``), ``cap_tree_width``, ``budget_floor="best_child"``, both, and both with
+``budget_rule="goodput"`` (each step's budget chosen from the table's timings and the drafts' ρ);
+``--tables`` runs each table in turn (``--options`` picks the sets). Columns:
 MAT; draft nodes and padded verify rows per step, the rows being the batch x the smallest captured tree
 width (``bole.engine.graphs.tree.tree_widths``) holding the width the step verifies (what the verify
 graphs run; a step trims to its host bound without a sync when that costs little, so this can exceed
@@ -11,6 +13,8 @@ the widest tree); and whether the tokens equal ar's. MAT is the drafter's accept
 9B-cost widening up to its bf16 rounding; this CPU run's times mean nothing and are not reported.
 
     python benchmarks/budget_options.py --out benchmarks/results/budget_options_cpu.json
+    python benchmarks/budget_options.py --tables calibration_tables/h200-qwen3.5-35b-a3b.yaml \
+        calibration_tables/h200-qwen3.5-9b.yaml --options best_child+cap goodput --out /tmp/moe.json
     python benchmarks/budget_options.py --smoke --out /tmp/b.json      # tests/bench/test_budget_options.py
 """
 
@@ -35,16 +39,16 @@ from bole.spec.tree import tree_widths  # noqa: E402
 OPTIONS = {"paper": dict(budget_floor="children", cap_tree_width=False),
            "cap": dict(budget_floor="children", cap_tree_width=True),
            "best_child": dict(budget_floor="best_child", cap_tree_width=False),
-           "best_child+cap": dict(budget_floor="best_child", cap_tree_width=True)}
+           "best_child+cap": dict(budget_floor="best_child", cap_tree_width=True),
+           "goodput": dict(budget_floor="best_child", cap_tree_width=True, budget_rule="goodput")}
 
 
-def run(model: str, batch: int, table: CalibrationTable, prompts: list[str], max_tokens: int, depth: int, topk: int,
+def run(model: str, batch: int, table: str, prompts: list[str], max_tokens: int, depth: int, topk: int,
         beam: int, **options) -> dict:
     llm = LLM(model, mode="bole", depth=depth, topk=topk, beam=beam, device="cpu", dtype="float32",
-              num_blocks=4096, max_num_seqs=batch, calibration_table="calibration_tables/default.yaml",
+              num_blocks=4096, max_num_seqs=batch, calibration_table=table,
               max_verify_rows=1 << 20, **options)   # every request's whole tree: the options alone bound the rows
-    eng = llm.engine
-    eng.calibration = table   # every step's budget is ``table``'s at its batch (the engine's own table setter)
+    eng = llm.engine   # every step's budget is ``table``'s at its batch
     widths, runner, steps = tree_widths(eng.lookahead), eng.runner, []
     verify = runner.verify
 
@@ -65,7 +69,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(REPO_ROOT / "models" / "bole-tiny-coder"))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    ap.add_argument("--table", default=str(REPO_ROOT / "calibration_tables" / "h200-qwen3.5-9b.yaml"))
+    ap.add_argument("--tables", nargs="+", default=[str(REPO_ROOT / "calibration_tables" / "h200-qwen3.5-9b.yaml")])
+    ap.add_argument("--options", nargs="+", default=list(OPTIONS), choices=list(OPTIONS))
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--depth", type=int, default=8)
     ap.add_argument("--topk", type=int, default=4)
@@ -76,21 +81,21 @@ def main(argv=None):
     if a.smoke:
         a.batches, a.max_tokens, a.depth = [2], 8, 3
     torch.set_num_threads(1)
-    table = CalibrationTable.load(a.table)
+    tables = {t: CalibrationTable.load(t) for t in a.tables}
     prompts = [json.loads(line)["prompt"] for line in open(REPO_ROOT / "benchmarks" / "data" / "heldout_prompts.jsonl")]
     doc = dict(date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), torch=torch.__version__, device="cpu",
-               command=" ".join(sys.argv if argv is None else ["budget_options.py", *argv]), table=a.table,
+               command=" ".join(sys.argv if argv is None else ["budget_options.py", *argv]), tables=a.tables,
                settings=dict(depth=a.depth, topk=a.topk, beam=a.beam, max_tokens=a.max_tokens, dtype="float32"),
                rows=[])
     for batch in a.batches:
         ar = LLM(a.model, mode="ar", device="cpu", dtype="float32", num_blocks=4096, max_num_seqs=batch).generate(
             prompts[:batch], SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True))
         ar_tokens = [list(o.token_ids) for o in ar]
-        for name, options in OPTIONS.items():
-            r = run(a.model, batch, table, prompts, a.max_tokens, a.depth, a.topk, a.beam, **options)
+        for (path, table), name in ((t, o) for t in tables.items() for o in a.options):
+            r = run(a.model, batch, path, prompts, a.max_tokens, a.depth, a.topk, a.beam, **OPTIONS[name])
             b_ver = int(table.lookup(batch, 256, a.depth + 1)[1])   # the full batch's (fewer requests: theirs)
-            row = dict(batch=batch, b_ver=b_ver, option=name, **{k: v for k, v in r.items() if k != "tokens"},
-                       exact_vs_ar=r["tokens"] == ar_tokens)
+            row = dict(batch=batch, table=Path(path).name, b_ver=b_ver, option=name,
+                       **{k: v for k, v in r.items() if k != "tokens"}, exact_vs_ar=r["tokens"] == ar_tokens)
             doc["rows"].append(row)
             print(row, flush=True)
             if a.out:
