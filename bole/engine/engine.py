@@ -57,7 +57,7 @@ from bole.engine.spec_step import SpeculativeStep
 from bole.errors import InvalidRequest
 from bole.hardware import resolve_calibration
 from bole.sampling_params import SamplingParams
-from bole.spec.budget import CalibrationTable, engine_verify_rows, goodput_costs
+from bole.spec.budget import CalibrationTable, engine_verify_rows
 from bole.spec.draft_vocab import read_draft_vocab
 from bole.spec.drafter import tree_size
 from bole.spec.logprobs import TokenLogprob
@@ -85,12 +85,11 @@ class LLMEngine:
         table's timings; with ``budget_rule="goodput"`` it chooses from them each step (either: ValueError
         naming a table without them)."""
         spec = self.config.spec
-        if self.mode != "ar" and spec.budget_rule == "goodput":
-            table.require_timings("budget_rule='goodput' chooses each step's B_ver from them")
-            for b in table.buckets:   # at most GOODPUT_SLOTS capacities a bucket, refused here rather than mid-run
-                goodput_costs(b.t_ver_ms)
         eps = spec.budget_epsilon
-        self._calibration = table if eps is None or self.mode == "ar" else table.with_epsilon(eps)
+        table = table if eps is None or self.mode == "ar" else table.with_epsilon(eps)
+        if self.mode != "ar" and spec.budget_rule == "goodput":
+            _ = table.goodput_curves   # formed (or refused) at install, not mid-run
+        self._calibration = table
 
     def __init__(self, model, config: EngineConfig, tokenizer=None, calibration: CalibrationTable | None = None):
         self.model, self.config, self.tokenizer = model, config, tokenizer

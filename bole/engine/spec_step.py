@@ -21,7 +21,7 @@ from bole.engine import sampler
 from bole.engine.metrics import StepStats
 from bole.engine.runner import ModelRunner
 from bole.engine.sequence import Request
-from bole.spec.budget import CalibrationTable, goodput_costs, rows_width, width_cap
+from bole.spec.budget import CalibrationTable, rows_width, width_cap
 from bole.spec.logprobs import TokenLogprob, path_rows
 from bole.spec.tree import MAX_TREE_NODES, tree_widths
 
@@ -56,7 +56,7 @@ class SpeculativeStep:
         if spec.budget_rule == "goodput":
             # the budget is chosen on the device from the bucket's timed capacities, the largest the
             # bound; stats.b_ver is then what it kept (``_accept_commit``)
-            costs = goodput_costs(calibration.buckets[bucket].t_ver_ms)
+            costs = calibration.goodput_curves[bucket]
             b_ver = costs[-1][0]
         stats.b_ver = int(b_ver)
         # drafts a request may keep: the verifier's limit, or (cap_tree_width) the width the calibration

@@ -110,6 +110,13 @@ class CalibrationTable:
         return tuple((min(getattr(b, a)[0] for b in self.buckets),
                       max(getattr(b, a)[1] for b in self.buckets)) for a, _ in _AXES)
 
+    @cached_property
+    def goodput_curves(self) -> tuple[list[tuple[int, float]], ...]:
+        """Per bucket, its ``goodput_costs`` (the goodput rule's inputs), formed once per table. ValueError
+        naming the table when a bucket lacks timings, or naming the count when it holds too many."""
+        self.require_timings("budget_rule='goodput' chooses each step's B_ver from them")
+        return tuple(goodput_costs(b.t_ver_ms) for b in self.buckets)
+
     @property
     def table_id(self) -> str:
         """Short provenance id, e.g. for routing stats: ``h200/qwen3.5-9b/bfloat16/tp1@2026-01-31``."""

@@ -64,6 +64,7 @@ class DraftGraphs(GraphFamily):
         # padded with capacity 0, uploaded beside the host row
         self.goodput = bool(goodput)
         self.costs = StaticRows(2, GOODPUT_SLOTS, dev, dtype=torch.float32) if self.goodput else None
+        self._costs_loaded = None   # what the device buffer holds: uploaded again only when the bucket's differ
 
     def supports(self, reqs) -> bool:
         """A graph exists for this draft: batch within the captured sizes, every request's catch-up
@@ -130,7 +131,8 @@ class DraftGraphs(GraphFamily):
         none) in row 0; the goodput rule's (capacity, T_ver) pairs, which a goodput family requires."""
         if self.goodput != (costs is not None):
             raise ValueError(f"this draft graph family {'needs' if self.goodput else 'takes no'} goodput costs")
-        if costs is not None:
+        if costs is not None and costs != self._costs_loaded:
+            self._costs_loaded = costs
             c = self.costs.begin()
             c[:] = 0
             c[:, :len(costs)] = list(zip(*costs))
