@@ -269,7 +269,8 @@ class SpecConfig:
     cap_tree_width: cap every request's tree at the width the calibration timed B_ver at (the smallest
     captured tree width holding ceil(B_ver / batch) drafts and the root, ``bole.spec.budget.width_cap``),
     so the verify forward, which pads every tree to the widest, runs the rows its budget was measured
-    for; off (the paper's): a request may take up to the whole budget (docs/DESIGN.md §5).
+    for; off (the paper's): a request may take up to the whole budget (docs/DESIGN.md §5). Under
+    ``budget_rule="goodput"`` each timed capacity is scored with its own such cap.
     budget_floor: the budget's fairness floor (``bole.spec.budget.select_nodes``): "best_child" (each
     request keeps its likeliest first-level draft; its other first-level drafts compete for the budget
     like deeper ones) or "children", the paper's (every request keeps all its first-level drafts).

@@ -495,13 +495,14 @@ class ModelRunner:
     @torch.inference_mode()
     def draft_batch(self, reqs: list[Request], depth: int, topk: int, beam: int, b_ver: int,
                     max_per_request: int | None = None, *, floor: str,
-                    costs: list[tuple[int, float]] | None = None) -> DraftBatch:
+                    costs: list[tuple[int, float, int]] | None = None) -> DraftBatch:
         """Draft (``draft``), keep ``b_ver`` nodes for the batch (``select_nodes``, at most
         ``max_per_request`` per request, its fairness ``floor``) and compact them below the pending root
         tokens: the step's ``DraftBatch`` [B, 1 + T_max] (untrimmed). From the draft graph when it applies
         (its drafting settings and floor; the cap is a per-step input there, and None means the graph
         family's own ``max_per_request`` there but no cap eagerly: the engine always passes one). ``costs``:
-        the goodput rule's (capacity, T_ver ms) pairs (``bole.spec.budget.goodput_costs``), or None."""
+        the goodput rule's (capacity, T_ver ms, drafts per request) triples (``bole.spec.budget.goodput_rows``),
+        or None."""
         dg = self.draft_graphs
         if dg is not None and (dg.depth, dg.topk, dg.beam, dg.floor, dg.goodput) == (
                 depth, topk, beam, floor, costs is not None):

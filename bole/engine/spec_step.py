@@ -21,7 +21,7 @@ from bole.engine import sampler
 from bole.engine.metrics import StepStats
 from bole.engine.runner import ModelRunner
 from bole.engine.sequence import Request
-from bole.spec.budget import CalibrationTable, rows_width, width_cap
+from bole.spec.budget import CalibrationTable, goodput_rows, rows_width, width_cap
 from bole.spec.logprobs import TokenLogprob, path_rows
 from bole.spec.tree import MAX_TREE_NODES, tree_widths
 
@@ -52,12 +52,12 @@ class SpeculativeStep:
         kv_len = max(r.num_computed for r in reqs)
         B = len(reqs)
         bucket, b_ver = calibration.lookup(B, kv_len, spec.depth + 1)
-        costs = None
+        pairs = None
         if spec.budget_rule == "goodput":
             # the budget is chosen on the device from the bucket's timed capacities, the largest the
             # bound; stats.b_ver is then what it kept (``_accept_commit``)
-            costs = calibration.goodput_curves[bucket]
-            b_ver = costs[-1][0]
+            pairs = calibration.goodput_curves[bucket]
+            b_ver = pairs[-1][0]
         stats.b_ver = int(b_ver)
         # drafts a request may keep: the verifier's limit, or (cap_tree_width) the width the calibration
         # timed B_ver at, so padding every tree to the widest stays within the rows the budget assumed
@@ -68,6 +68,8 @@ class SpeculativeStep:
         w = rows_width(self.verify_rows, self.runner.verify_batch_size(B), self.widths)
         if w < self.widths[-1]:   # binds only below whole trees; it holds the fairness floor
             cap = rows_cap = min(cap, w - 1)
+        # goodput: each capacity with its own width cap (what eq. 12's rule takes at its B_ver), at most cap
+        costs = None if pairs is None else goodput_rows(pairs, B, self.widths, cap, spec.cap_tree_width)
         # Trees are padded to one width for verification. A host bound on every tree's size (the
         # budget or the cap, or the depth-1 floor if larger) avoids reading the widest tree from the
         # device when padding to it costs little (at most twice the budget's nodes); else read it (one sync).

@@ -382,6 +382,14 @@ def goodput_costs(t_ver_ms: Mapping[int, float]) -> list[tuple[int, float]]:
     return pairs
 
 
+def goodput_rows(pairs, batch: int, widths, cap: int, cap_tree_width: bool) -> list[tuple[int, float, int]]:
+    """A step's goodput costs (``select_nodes``'s ``costs``, one triple per column): each (N, T_ver(N)) pair
+    of the bucket (``goodput_costs``) with the drafts a request may keep at N: ``width_cap`` of N over
+    ``batch`` requests (the tree width the calibration timed N at) when ``cap_tree_width``, at most
+    ``cap`` (the step's own limit: the verifier's, or the verify rows')."""
+    return [(n, t, min(width_cap(n, batch, widths, cap), cap) if cap_tree_width else cap) for n, t in pairs]
+
+
 def select_nodes(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, depth: torch.Tensor,
                  b_ver, max_per_request: int | None = None, *, floor: str,
                  costs: torch.Tensor | None = None) -> torch.Tensor:
@@ -402,14 +410,16 @@ def select_nodes(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, 
                  for the budget like deeper nodes). Both give every running request a verified draft.
                  Required, with no default here or in the layers that pass it on (the draft graphs,
                  ``ModelRunner.draft_batch``): the engine's choice is ``SpecConfig.budget_floor``.
-        costs:   None (eq. 12's rule: ``b_ver`` is the budget) or float [2, K]: capacities N (row 0,
-                 ascending; 0 pads) and their timed T_ver(N) (row 1), for the goodput rule
-                 (``SpecConfig.budget_rule``): the budget is then the N <= ``b_ver`` that maximises the
-                 batch's expected tokens per verify time, (requests + Σ exp ρ of the kept nodes) / T_ver(N),
-                 ρ being log-probabilities here. Σ exp ρ over a prefix-closed set is the expected number
-                 of its drafts a greedy target accepts when the drafter is calibrated (a node is accepted
-                 exactly when its whole path is). Ties go to the smaller N. The budget then moves per
-                 step, on the device, with the drafts' own confidence.
+        costs:   None (eq. 12's rule: ``b_ver`` is the budget) or float [3, K] (``goodput_rows``): capacities
+                 N (row 0, ascending; 0 pads), their timed T_ver(N) (row 1) and the drafts a request may keep
+                 at each (row 2: the tree width the calibration timed N at, so that the verify rows padded to
+                 the widest tree are the timed ones), for the goodput rule (``SpecConfig.budget_rule``): each
+                 capacity is eq. 12's selection at N under its own per-request cap, and the budget is the one
+                 N <= ``b_ver`` that maximises the batch's expected tokens per verify time,
+                 (requests + Σ exp ρ of the kept nodes) / T_ver(N), ρ being log-probabilities here. Σ exp ρ
+                 over a prefix-closed set is the expected number of its drafts a greedy target accepts when
+                 the drafter is calibrated (a node is accepted exactly when its whole path is). Ties go to
+                 the smaller N. The budget then moves per step, on the device, with the drafts' own confidence.
 
     Every request keeps its valid depth-1 nodes (fairness floor; "best_child": the best one). The
     remaining budget, max(b_ver - #floor, 0), goes to the other nodes in the order (ρ desc, depth asc, flat index
@@ -449,46 +459,55 @@ def select_nodes(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, 
     order = secondary.argsort()
     neg_key = torch.where(cand, -key.flatten(), torch.full_like(key.flatten(), math.inf))
     order = order[neg_key[order].sort(stable=True).indices]
-    if max_per_request is not None:
+    rank_in_req = None
+    if max_per_request is not None or costs is not None:
         # rank of each node within its own request in the same order (a stable regroup by request)
         req_sorted = order // T
         regroup = req_sorted.sort(stable=True).indices
         grouped = req_sorted[regroup]
         within = idx - torch.searchsorted(grouped, grouped)
         rank_in_req = torch.empty_like(order).scatter_(0, order[regroup], within)
-        cand = cand & (floor.sum(1).repeat_interleave(T) + rank_in_req < max_per_request)
+        rank_in_req = floor.sum(1).repeat_interleave(T) + rank_in_req   # the floor first: kept before any
+    if max_per_request is not None:
+        cand = cand & (rank_in_req < max_per_request)
+    if costs is not None:
+        return (floor.flatten() | _goodput_kept(key.flatten(), floor, cand, order, rank_in_req, valid, b_ver,
+                                                costs)).view(B, T)
     # global rank among the candidates, in the order above
     pos = torch.cumsum(cand[order].long(), 0) - 1
     rank = torch.empty_like(order).scatter_(0, order, pos)
-    if costs is not None:
-        remaining = _goodput_remaining(key.flatten(), floor, cand, rank, valid, b_ver, costs)
     return (floor.flatten() | (cand & (rank < remaining))).view(B, T)
 
 
-def _goodput_remaining(key: torch.Tensor, floor: torch.Tensor, cand: torch.Tensor, rank: torch.Tensor,
-                       valid: torch.Tensor, b_ver, costs: torch.Tensor) -> torch.Tensor:
-    """How many candidates past the floor the goodput rule keeps (``select_nodes``'s ``costs``): 0-d long.
+def _goodput_kept(key: torch.Tensor, floor: torch.Tensor, cand: torch.Tensor, order: torch.Tensor,
+                 rank_in_req: torch.Tensor, valid: torch.Tensor, b_ver, costs: torch.Tensor) -> torch.Tensor:
+    """The candidates past the floor that the goodput rule keeps (``select_nodes``'s ``costs``): bool [B*T].
 
     Ours rather than a library's: it is Algorithm 3's budget chosen per step from the bucket's measured
     T_ver(N) and the drafts' own ρ. Eq. 12 stops where T_ver leaves its plateau. On a MoE model T_ver
     climbs from the first nodes (each token reads more experts) and flattens again once every expert is
-    read, so eq. 12 keeps the fewest nodes exactly where more would pay (docs/DESIGN.md §5)."""
-    N = key.numel()
+    read, so eq. 12 keeps the fewest nodes exactly where more would pay (docs/DESIGN.md §5). Every
+    capacity k is scored as the calibration timed it: at most ``costs[2, k]`` nodes a request, so the
+    widest tree, to which every tree is padded for the verify forward, is the width T_ver(N) was timed at
+    (uncapped, a few deep trees would pad every request to their width at the price of a larger N)."""
+    N, K = key.numel(), costs.shape[1]
+    caps, t, width = costs[0].round().long(), costs[1].float(), costs[2].round().long()
+    nf = floor.sum()
+    # per capacity: the candidates within its per-request width, ranked in the selection order
+    elig = cand[None] & (rank_in_req[None] < width[:, None])                       # [K, N]
+    pos = torch.cumsum(elig[:, order].long(), 1) - 1
+    rank = torch.empty_like(pos).scatter_(1, order.expand(K, N), pos)
+    extra = (caps - nf).clamp(0, N)
+    kept = elig & (rank < extra[:, None])                                           # [K, N]
     zero = torch.zeros_like(key)
     p = torch.where(cand, key.exp(), zero)
-    # gain[j]: Σ exp ρ of the first j candidates in the selection order (rank: their place in it)
-    gain = torch.zeros(N + 1, dtype=torch.float32, device=key.device)
-    gain.scatter_add_(0, torch.where(cand, rank + 1, torch.zeros_like(rank)), p)
-    gain = gain.cumsum(0)
-    caps, t = costs[0].round().long(), costs[1].float()
-    nf = floor.sum()
     base = valid.any(1).sum().float() + torch.where(floor.flatten(), key.exp(), zero).sum()
-    extra = (caps - nf).clamp(0, N)
-    score = (base + gain[extra]) / t.clamp(min=1e-9)
+    score = (base + torch.where(kept, p[None], zero[None]).sum(1)) / t.clamp(min=1e-9)
     # a capacity counts when real (> 0) and within b_ver; of those, the ones holding the floor (else the smallest)
     real = (caps > 0) & (caps <= b_ver)
     holds = real & (caps >= nf)
     smallest = caps == torch.where(real, caps, torch.full_like(caps, torch.iinfo(torch.long).max)).min()
     usable = torch.where(holds.any(), holds, real & smallest)
     best = torch.where(usable, score, torch.full_like(score, -math.inf)).argmax()
-    return extra.gather(0, best.view(1))[0]   # not extra[best]: a 0-d index tensor is read on the host
+    # a gather, not kept[best]: indexing with a 0-d tensor reads it on the host (a CUDA graph capture fails)
+    return kept.gather(0, best.view(1, 1).expand(1, N))[0]

@@ -341,7 +341,7 @@ def test_engine_goodput_budget_tokens_cpu(ckpt):
     draft, eagerly and through the static draft graph; the device chooses what to keep; the greedy
     tokens stay ar's. A table without timings is refused at start, by name."""
     from bole.llm import resolve_repo_path
-    from bole.spec.budget import CalibrationTable, goodput_costs, select_b_ver
+    from bole.spec.budget import CalibrationTable, goodput_costs, goodput_rows, select_b_ver
 
     max_tokens = [12, 5, 20, 9]
     ref = run_arrivals(_engine(ckpt, "cpu", "ar", False), PROMPTS, max_tokens)
@@ -356,10 +356,13 @@ def test_engine_goodput_budget_tokens_cpu(ckpt):
                                                 floor=spec.budget_floor, goodput=True)
         seen, draft_batch = [], eng.runner.draft_batch
         eng.runner.draft_batch = lambda reqs, *a, _seen=seen, _draft=draft_batch, **kw: (
-            _seen.append((len(reqs), a[-1], kw["costs"])), _draft(reqs, *a, **kw))[1]
+            _seen.append((len(reqs), a[-1], kw["max_per_request"], kw["costs"])), _draft(reqs, *a, **kw))[1]
         assert run_arrivals(eng, PROMPTS, max_tokens) == ref
-        assert seen and all(costs == goodput_costs(table.buckets[table.lookup(B, 0, spec.depth + 1)[0]].t_ver_ms)
-                            and b_ver == costs[-1][0] for B, b_ver, costs in seen)
+        widths = eng.spec_step.widths   # each capacity with the width the calibration timed it at
+        assert seen and all(costs == goodput_rows(goodput_costs(table.buckets[table.lookup(B, 0, spec.depth + 1)[0]]
+                                                                .t_ver_ms), B, widths, cap, True)
+                            and b_ver == costs[-1][0] for B, b_ver, cap, costs in seen)
+        assert any(c[2] < cap for _, _, cap, costs in seen for c in costs)   # a per-capacity cap binds somewhere
         assert not graph or dg.replays > 0
         snap = eng.metrics.snapshot()   # stats.b_ver is what the device kept: all of it "used"
         assert snap["budget_used"] == 1.0 and snap["floor_excess_nodes"] == 0

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bole.spec.budget import CalibrationTable, goodput_costs, select_b_ver, select_nodes, width_cap
+from bole.spec.budget import CalibrationTable, goodput_costs, goodput_rows, select_b_ver, select_nodes, width_cap
 from bole.spec.tree import random_tree
 
 REPO = Path(__file__).resolve().parents[2]
@@ -343,22 +343,31 @@ def test_verify_rows_limit():
 # ---------------------------------------------------------------- the goodput rule (budget_rule="goodput")
 
 def _goodput_reference(rho, parents, valid, depth, b_ver, costs, floor, cap=None):
-    """The goodput rule by brute force: eq. 12's selection at every usable capacity N, scored in float64 as
-    (requests + Σ exp ρ of what it keeps) / T_ver(N); the best (ties: the smallest N)."""
+    """The goodput rule by brute force: eq. 12's selection at every usable capacity N under its own
+    per-request cap, scored in float64 as (requests + Σ exp ρ of what it keeps) / T_ver(N); the best
+    (ties: the smallest N)."""
     nf = int(select_nodes(rho, parents, valid, depth, 0, floor=floor).sum())
-    real = [(n, t) for n, t in costs if n <= b_ver]
-    usable = [(n, t) for n, t in real if n >= nf] or real[:1]
+    real = [c for c in costs if c[0] <= b_ver]
+    usable = [c for c in real if c[0] >= nf] or real[:1]
     best = None
-    for n, t in usable:
-        keep = select_nodes(rho, parents, valid, depth, n, max_per_request=cap, floor=floor)
+    for n, t, w in usable:
+        keep = select_nodes(rho, parents, valid, depth, n, max_per_request=w if cap is None else min(w, cap),
+                            floor=floor)
         score = (float(valid.any(1).sum()) + rho.double()[keep].exp().sum().item()) / t
         if best is None or score > best[0] * (1 + 1e-9):
             best = (score, keep)
     return best[1]
 
 
-def _costs(pairs):
-    return torch.tensor(pairs + [(0, 0.0)] * 3, dtype=torch.float32).T   # padded with capacity 0, as the graphs do
+def _costs(rows):
+    """[3, K] costs from (N, T_ver) pairs (no per-capacity cap) or (N, T_ver, drafts per request) triples,
+    padded with capacity 0, as the graphs do."""
+    rows = [r if len(r) == 3 else (*r, 10**4) for r in rows]
+    return torch.tensor(rows + [(0, 0.0, 0)] * 3, dtype=torch.float32).T
+
+
+def _triples(pairs, widths=None):
+    return [(n, t, 10**4 if widths is None else widths[i]) for i, (n, t) in enumerate(pairs)]
 
 
 # T_ver curves: a dense plateau, a MoE climb that flattens (the 35B-A3B table's batch-8 bucket), a linear one
@@ -375,11 +384,35 @@ def test_goodput_selection_is_the_best_capacity_by_brute_force(curve, floor, sca
         rho, parents, valid, depth = _forest(B, T, seed)
         rho = rho * scale / 3   # _forest draws per-edge log-probabilities in [-3, 0]
         valid[-1, T // 2:] = False if B > 1 else valid[-1, T // 2:]   # a short request
-        for b_ver in (256, 64, 8):
-            got = select_nodes(rho, parents, valid, depth, b_ver, max_per_request=cap, floor=floor,
-                               costs=_costs(CURVES[curve]))
-            want = _goodput_reference(rho, parents, valid, depth, b_ver, CURVES[curve], floor, cap)
-            assert torch.equal(got, want), (curve, floor, scale, seed, b_ver)
+        pairs = CURVES[curve]
+        # no per-capacity cap; the calibration's widths (width_cap); a tight one, below the floor at first
+        for widths in (None, [width_cap(n, B, [8, 16, 32, 64], 63) for n, _ in pairs],
+                       [1 + i for i in range(len(pairs))]):
+            triples = _triples(pairs, widths)
+            for b_ver in (256, 64, 8):
+                got = select_nodes(rho, parents, valid, depth, b_ver, max_per_request=cap, floor=floor,
+                                   costs=_costs(triples))
+                want = _goodput_reference(rho, parents, valid, depth, b_ver, triples, floor, cap)
+                assert torch.equal(got, want), (curve, floor, scale, seed, widths, b_ver)
+
+
+def test_goodput_width_caps_keep_every_tree_within_the_timed_width():
+    """Certain drafts in one deep request, hopeless ones elsewhere: uncapped, the rule scores a small
+    capacity while that request's tree pads every request to its width (rows the capacity was never timed
+    at); with the calibration's widths every tree fits the width of the capacity it was scored at."""
+    B, T = 8, 30
+    rho, parents, valid, depth = _forest(B, T, 5)
+    rho = torch.where(torch.arange(B)[:, None] == 0, torch.zeros_like(rho), rho * 30)   # request 0 certain
+    pairs = CURVES["moe"]
+    timed = lambda n: width_cap(n, B, [8, 16, 32, 64], 63)   # drafts a request at capacity n, as timed
+    scored = lambda keep: next(n for n, _ in pairs if n >= int(keep.sum()))   # the capacity it was scored at
+    free = select_nodes(rho, parents, valid, depth, 256, floor="best_child", costs=_costs(pairs))
+    assert int(free.sum(1).max()) > timed(scored(free))      # 25 drafts in one tree, scored at 32 (7 a tree)
+    triples = _triples(pairs, [timed(n) for n, _ in pairs])
+    capped = select_nodes(rho, parents, valid, depth, 256, floor="best_child", costs=_costs(triples))
+    assert int(capped.sum(1).max()) <= timed(scored(capped))
+    assert int(capped[0].sum()) == T   # the whole certain tree still, at the capacity whose width holds it
+    assert torch.equal(capped, _goodput_reference(rho, parents, valid, depth, 256, triples, "best_child"))
 
 
 def test_goodput_keeps_more_where_the_climb_flattens_and_fewest_for_hopeless_drafts():
@@ -407,6 +440,12 @@ def test_goodput_costs_and_the_rule_option():
         goodput_costs({})
     with pytest.raises(ValueError, match="timed capacities"):
         goodput_costs({8 * (i + 1): 1.0 + i for i in range(17)})
+    # each capacity's drafts per request: the width its even split over the batch pads to, less the root
+    pairs = [(8, 1.0), (64, 2.0), (256, 3.0)]
+    assert goodput_rows(pairs, 16, [8, 16, 32, 65], 64, True) == [(8, 1.0, 7), (64, 2.0, 7), (256, 3.0, 31)]
+    assert goodput_rows(pairs, 16, [8, 16, 32, 65], 15, True) == [(8, 1.0, 7), (64, 2.0, 7), (256, 3.0, 15)]
+    assert goodput_rows(pairs, 1, [8, 16, 32, 65], 64, True) == [(8, 1.0, 15), (64, 2.0, 64), (256, 3.0, 64)]
+    assert goodput_rows(pairs, 16, [8, 16, 32, 65], 40, False) == [(8, 1.0, 40), (64, 2.0, 40), (256, 3.0, 40)]
     with pytest.raises(ValueError, match="budget_rule"):
         SpecConfig(budget_rule="throughput")
     default = CalibrationTable.load(REPO / "calibration_tables" / "default.yaml")

@@ -60,10 +60,10 @@ class DraftGraphs(GraphFamily):
                         source_index=z(torch.long), num_nodes=torch.zeros(Bm, dtype=torch.long, device=dev))
         self.max_per_request = max_per_request
         self.floor = floor   # the budget's fairness floor (select_nodes), fixed per graph family
-        # the goodput rule (SpecConfig.budget_rule), fixed per family too: the step's (capacity, T_ver) pairs,
-        # padded with capacity 0, uploaded beside the host row
+        # the goodput rule (SpecConfig.budget_rule), fixed per family too: the step's (capacity, T_ver, drafts
+        # per request) triples (``goodput_rows``), padded with capacity 0, uploaded beside the host row
         self.goodput = bool(goodput)
-        self.costs = StaticRows(2, GOODPUT_SLOTS, dev, dtype=torch.float32) if self.goodput else None
+        self.costs = StaticRows(3, GOODPUT_SLOTS, dev, dtype=torch.float32) if self.goodput else None
         self._costs_loaded = None   # what the device buffer holds: uploaded again only when the bucket's differ
 
     def supports(self, reqs) -> bool:
@@ -123,12 +123,13 @@ class DraftGraphs(GraphFamily):
         return Graph(key, run)
 
     def _load_padding(self, g: Graph) -> None:
-        self._load([], *g.key, 0, None, [(8, 1.0)] if self.goodput else None)
+        self._load([], *g.key, 0, None, [(8, 1.0, 1)] if self.goodput else None)
 
     def _load(self, reqs, Bc: int, Lc: int, b_ver: int, cap: int | None, costs=None) -> None:
         """Per row: mtp_computed, num_computed, catch-up length and ids, block table (padding rows: one
         catch-up position at 0 with the pad block); the step's budget and cap (None: the graphs' own, else
-        none) in row 0; the goodput rule's (capacity, T_ver) pairs, which a goodput family requires."""
+        none) in row 0; the goodput rule's (capacity, T_ver, drafts per request) triples, which a goodput
+        family requires."""
         if self.goodput != (costs is not None):
             raise ValueError(f"this draft graph family {'needs' if self.goodput else 'takes no'} goodput costs")
         if costs is not None and costs != self._costs_loaded:
@@ -136,7 +137,7 @@ class DraftGraphs(GraphFamily):
             c = self.costs.begin()
             c[:] = 0
             c[:, :len(costs)] = list(zip(*costs))
-            self.costs.upload(2)
+            self.costs.upload(3)
         h, nblk = self.rows.begin(), Lc // self.block_size
         h[:Bc, :self.table_col] = 0
         h[:Bc, _NEW] = 1
