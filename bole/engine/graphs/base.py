@@ -13,6 +13,7 @@ the CPU tests of the padding and bucketing).
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import time
 import weakref
@@ -66,8 +67,15 @@ def sizes_upto(values: Sequence[int], limit: int | None) -> list[int]:
     return [v for v in values if v < limit] + [next((v for v in values if v >= limit), values[-1])]
 
 
-# the cuda stream handles live owners (runners) hold for their graph captures and priority work
+# the cuda stream handles live owners (runners) hold for their graph captures and priority work, and per
+# device the streams dropped owners held, handed out again first (``own_stream``)
 _HELD: set[int] = set()
+_FREE: dict[torch.device, list["torch.cuda.Stream"]] = {}
+
+
+def _release(device: torch.device, stream: "torch.cuda.Stream") -> None:
+    _HELD.discard(stream.cuda_stream)
+    _FREE.setdefault(device, []).append(stream)
 
 
 def own_stream(owner, device) -> "torch.cuda.Stream | None":
@@ -76,31 +84,49 @@ def own_stream(owner, device) -> "torch.cuda.Stream | None":
     another. Why own: torch keys cuBLAS's workspace by (handle, stream), bakes the capture stream's into
     each graph, and frees it when any graph captured on that stream is destroyed (``CUDAGraph::reset``), so
     graphs of two runners captured on one stream share a workspace, and dropping one runner (a calibration
-    sweep's, a test's engine) leaves the other's graphs a freed one. The highest-priority pool never holds
-    torch's default capture stream (priority 0). None when every stream of that pool is held (the caller
-    shares torch's default capture stream then, as before, with a warning)."""
+    sweep's, a test's engine) leaves the other's graphs a freed one. A dropped owner's stream is handed out
+    again before a new one: torch keeps a stream's workspace (32 MiB on Hopper) for the process, so fresh
+    streams from torch's pool for every engine of a process (a benchmark's cells) would leave one behind
+    each. The highest-priority pool never holds torch's default capture stream (priority 0). None when
+    every stream of that pool is held (the caller shares torch's default capture stream then, as before,
+    with a warning)."""
+    device = torch.device(device)
     priority = torch.cuda.Stream.priority_range()[1]
     for attempt in range(2):
         if attempt:
             gc.collect()   # dropped runners sit in reference cycles (family <-> runner) until collected
-        for _ in range(65):   # torch's pool: 32 streams per priority, handed out in turn
-            s = torch.cuda.Stream(device, priority=priority)
+        free = _FREE.setdefault(device, [])
+        fresh = (torch.cuda.Stream(device, priority=priority) for _ in range(65))  # torch's pool: 32 a priority
+        for s in itertools.chain(reversed(list(free)), fresh):   # the last dropped first
             if s.cuda_stream not in _HELD:
+                if s in free:
+                    free.remove(s)
                 _HELD.add(s.cuda_stream)
-                weakref.finalize(owner, _HELD.discard, s.cuda_stream)
+                weakref.finalize(owner, _release, device, s)
                 return s
     logger.warning("every high-priority stream is held by a live runner: this one shares torch's default capture "
                    "stream (and its cuBLAS workspace) with other graphs")
     return None
 
 
+# per device, the one stream that warms up captures made on torch's default capture stream (``capture_graph``)
+_WARMUP: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
 def capture_graph(run: Callable[[], None], pool, device, stream=None) -> "torch.cuda.CUDAGraph":
-    """Warm ``run`` up twice on a side stream (allocator, Triton autotuning), then capture it into ``pool``
-    on ``stream`` (None: torch's one default capture stream). The capture stream is more than a detail:
-    torch keys cuBLAS's workspace by (handle, stream), so every graph captured on one stream bakes in the
-    same workspace address, and two of them replayed at once on different streams share it (pytorch
-    issue 193402). Graphs that may run concurrently must be captured on different streams."""
-    side = torch.cuda.Stream(device=device)
+    """Warm ``run`` up twice (allocator, Triton autotuning) on ``stream``, then capture it into ``pool`` on
+    ``stream`` (None: torch's one default capture stream, warmed up on one stream per device). The capture
+    stream is more than a detail: torch keys cuBLAS's workspace by (handle, stream), so every graph
+    captured on one stream bakes in the same workspace address, and two of them replayed at once on
+    different streams share it (pytorch issue 193402). Graphs that may run concurrently must be captured
+    on different streams. The warm-up stays on the capture stream for the same reason: a warm-up stream
+    gets a workspace of its own (32 MiB on Hopper) that torch keeps for the process, freed only with a
+    graph captured on that stream, so a fresh warm-up stream per capture left up to one per stream of
+    torch's pool behind, after the memory plan (128 MiB an engine of the embedded model on an H100)."""
+    side = stream
+    if side is None:
+        dev = torch.device(device)
+        side = _WARMUP.get(dev) or _WARMUP.setdefault(dev, torch.cuda.Stream(device=dev))
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(2):
