@@ -199,6 +199,10 @@ def parse_args(argv=None):
                     help="every cell's step token budget (the engine's default: 1024); it bounds the widest lm_head "
                          "call, whose logits the memory plan reserves: 512 lets the 35B-A3B MoE shape's cells "
                          "plan beside its 66 GiB of weights on an 80 GB card")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="every cell's share of the device the memory plan may fill (the engine's default: 0.9); "
+                         "the 35B-A3B MoE shape's 66 GiB of weights leave its bole cells too little at 0.9 on an "
+                         "80 GB card")
     ap.add_argument("--no-prefill-split", dest="prefill_split", action="store_false",
                     help="every cell with cuda_graph_prefill_split=False (the engine's default is True): a prefill "
                          "longer than the largest prefill graph runs as one eager forward, not as graphed waves")
@@ -386,8 +390,9 @@ def run_cell(spec: dict, mode: str, batch: int, prompts: list[dict],
     try:
         opts = {**dict(calibration_table=spec["calibration_table"], depth=spec["depth"], topk=spec["topk"],
                        beam=spec["beam"]), **extra}
-        if spec.get("max_num_batched_tokens"):
-            opts["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+        for k in ("max_num_batched_tokens", "gpu_memory_utilization"):
+            if spec.get(k):
+                opts[k] = spec[k]
         llm = LLM(spec["path"], model=model, mode=run_mode, **opts,
                   device=spec["device"], dtype=row["dtype"], enable_cuda_graphs=cuda, max_num_seqs=batch,
                   enable_prefix_cache=False, cuda_graph_prefill_split=spec.get("prefill_split", True),
@@ -395,6 +400,7 @@ def run_cell(spec: dict, mode: str, batch: int, prompts: list[dict],
                                         opts["depth"]))
         row["cuda_graph_prefill_split"] = llm.engine.config.cuda_graph_prefill_split   # as the engine took it
         row["max_num_batched_tokens"] = llm.engine.config.max_num_batched_tokens
+        row["gpu_memory_utilization"] = llm.engine.config.cache.gpu_memory_utilization
         if cuda:
             row["loaded_memory_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
         on_timing()   # the engine is built: the watchdog's clock restarts for the captures and the runs
@@ -592,7 +598,8 @@ def main(argv=None) -> dict | None:
                       draft_vocab=args.draft_vocab,
                       calibration_table=args.calibration_table, budget_s=args.budget_s,
                       cell_budget_s=args.cell_budget_s, source=args.source, widen_dir=args.widen_dir,
-                      cuda_graph_prefill_split=args.prefill_split, max_num_batched_tokens=args.max_num_batched_tokens),
+                      cuda_graph_prefill_split=args.prefill_split, max_num_batched_tokens=args.max_num_batched_tokens,
+                      gpu_memory_utilization=args.gpu_memory_utilization),
         methods=dict(
             models="the source widened to each shape (bole.models.widen, bf16): the shape's cost, the source's "
                    "predictions (the shape's vocabulary: padded rows never win, bole.models.widen)",
@@ -629,7 +636,8 @@ def main(argv=None) -> dict | None:
                     depth=args.depth, topk=args.topk, beam=args.beam, calibration_table=args.calibration_table,
                     cell_budget_s=args.cell_budget_s, deadline=deadline, smoke=args.smoke,
                     in_memory=args.widen_in_memory, source=args.source, prefill_split=args.prefill_split,
-                    max_num_batched_tokens=args.max_num_batched_tokens)
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    gpu_memory_utilization=args.gpu_memory_utilization)
         run_worker(rep, spec, args.grace_s)
     if args.png != "none":
         from benchmarks.e2e_scale_plot import plot

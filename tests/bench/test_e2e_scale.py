@@ -103,7 +103,8 @@ def test_widened_in_memory_runs_with_no_weights_on_disk(tmp_path, monkeypatch):
     is written where the host's memory cannot hold it."""
     out, wd = tmp_path / "m.json", tmp_path / "w"
     run_scale("--out", str(out), "--png", "none", "--widen-dir", str(wd), "--widen-in-memory", "--batches", "1",
-              "--modes", "ar", "bole", "--no-prefill-split", "--max-num-batched-tokens", "256")
+              "--modes", "ar", "bole", "--no-prefill-split", "--max-num-batched-tokens", "256",
+              "--gpu-memory-utilization", "0.95")
     doc = json.loads(out.read_text())
     assert not doc["notes"] and [(r["mode"], r["status"], r["exact_vs_ar"]) for r in doc["rows"]] == [
         ("ar", "ok", None), ("bole", "ok", True)]
@@ -113,6 +114,8 @@ def test_widened_in_memory_runs_with_no_weights_on_disk(tmp_path, monkeypatch):
     # --max-num-batched-tokens too (the MoE shape's cells on an 80 GB card)
     assert doc["settings"]["max_num_batched_tokens"] == 256
     assert [r["max_num_batched_tokens"] for r in doc["rows"]] == [256, 256]
+    assert doc["settings"]["gpu_memory_utilization"] == 0.95   # and --gpu-memory-utilization
+    assert [r["gpu_memory_utilization"] for r in doc["rows"]] == [0.95, 0.95]
     (m,) = doc["models"]
     assert m["in_memory"] and m["weight_bytes"] == e2e_scale.widened_bytes(e2e_scale.shape_config("smoke"))
     files = sorted(p.name for p in wd.rglob("*") if p.is_file())
