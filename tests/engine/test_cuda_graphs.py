@@ -97,6 +97,48 @@ def _engine(path, device, graphs: bool, **opts):
 
 
 # ------------------------------------------------------------------------------------------- CPU
+def test_own_streams_are_handed_out_again_after_their_owner_is_dropped(monkeypatch):
+    """``own_stream``: live owners never share a stream, and a dropped owner's stream is the next one handed
+    out, before a fresh one of torch's pool (torch keeps a cuBLAS workspace per stream that ran a GEMM, so
+    each fresh stream would leave one behind). A fake of torch's pool: 4 streams handed out in turn."""
+    from bole.engine.graphs import base
+
+    class Stream:
+        turn = 0
+
+        def __init__(self, device=None, priority=0):
+            self.cuda_stream = 100 + Stream.turn % 4
+            Stream.turn += 1
+
+        def __eq__(self, other):
+            return self.cuda_stream == other.cuda_stream
+
+        @staticmethod
+        def priority_range():
+            return 0, -1
+
+    class Owner:
+        pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(base, "_HELD", set())
+    monkeypatch.setattr(base, "_FREE", {})
+    a, b, c = Owner(), Owner(), Owner()
+    sa, sb = base.own_stream(a, "cuda"), base.own_stream(b, "cuda")
+    assert (sa.cuda_stream, sb.cuda_stream) == (100, 101)
+    del a
+    gc.collect()
+    assert base.own_stream(c, "cuda").cuda_stream == 100   # a's again, not torch's next (102)
+    d = Owner()
+    assert base.own_stream(d, "cuda").cuda_stream == 102   # none free: a fresh one, never a held one
+    held = [Owner() for _ in range(2)]
+    assert [base.own_stream(o, "cuda").cuda_stream for o in held[:1]] == [103]
+    assert base.own_stream(held[1], "cuda") is None          # all four held: torch's default capture stream
+    del b, c
+    gc.collect()
+    assert base._FREE[torch.device("cuda")] and base.own_stream(Owner(), "cuda").cuda_stream == 100
+
+
 def test_kv_buckets():
     assert kv_buckets(256, 8192, 16) == [256, 512, 1024, 2048, 4096, 8192]
     assert kv_buckets(8, 50, 4) == [8, 16, 32, 52]
