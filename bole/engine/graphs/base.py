@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -71,11 +72,23 @@ def sizes_upto(values: Sequence[int], limit: int | None) -> list[int]:
 # device the streams dropped owners held, handed out again first (``own_stream``)
 _HELD: set[int] = set()
 _FREE: dict[torch.device, list["torch.cuda.Stream"]] = {}
+# runners may be built on several threads (check, then take); reentrant: a dropped owner's finalizer
+# (``_release``) may run inside the block, on a collection that an allocation there triggers
+_STREAMS_LOCK = threading.RLock()
+
+
+def _device_key(device) -> torch.device:
+    """``device`` with its index: "cuda" and "cuda:0" name one device's streams."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None and torch.cuda.is_available():
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
 
 
 def _release(device: torch.device, stream: "torch.cuda.Stream") -> None:
-    _HELD.discard(stream.cuda_stream)
-    _FREE.setdefault(device, []).append(stream)
+    with _STREAMS_LOCK:
+        _HELD.discard(stream.cuda_stream)
+        _FREE.setdefault(device, []).append(stream)
 
 
 def own_stream(owner, device) -> "torch.cuda.Stream | None":
@@ -90,20 +103,21 @@ def own_stream(owner, device) -> "torch.cuda.Stream | None":
     each. The highest-priority pool never holds torch's default capture stream (priority 0). None when
     every stream of that pool is held (the caller shares torch's default capture stream then, as before,
     with a warning)."""
-    device = torch.device(device)
+    device = _device_key(device)
     priority = torch.cuda.Stream.priority_range()[1]
     for attempt in range(2):
         if attempt:
             gc.collect()   # dropped runners sit in reference cycles (family <-> runner) until collected
-        free = _FREE.setdefault(device, [])
-        fresh = (torch.cuda.Stream(device, priority=priority) for _ in range(65))  # torch's pool: 32 a priority
-        for s in itertools.chain(reversed(list(free)), fresh):   # the last dropped first
-            if s.cuda_stream not in _HELD:
-                if s in free:
-                    free.remove(s)
-                _HELD.add(s.cuda_stream)
-                weakref.finalize(owner, _release, device, s)
-                return s
+        with _STREAMS_LOCK:
+            free = _FREE.setdefault(device, [])
+            fresh = (torch.cuda.Stream(device, priority=priority) for _ in range(65))  # torch's pool: 32 a priority
+            for s in itertools.chain(reversed(list(free)), fresh):   # the last dropped first
+                if s.cuda_stream not in _HELD:
+                    if s in free:
+                        free.remove(s)
+                    _HELD.add(s.cuda_stream)
+                    weakref.finalize(owner, _release, device, s)
+                    return s
     logger.warning("every high-priority stream is held by a live runner: this one shares torch's default capture "
                    "stream (and its cuBLAS workspace) with other graphs")
     return None
@@ -119,13 +133,15 @@ def capture_graph(run: Callable[[], None], pool, device, stream=None) -> "torch.
     stream is more than a detail: torch keys cuBLAS's workspace by (handle, stream), so every graph
     captured on one stream bakes in the same workspace address, and two of them replayed at once on
     different streams share it (pytorch issue 193402). Graphs that may run concurrently must be captured
-    on different streams. The warm-up stays on the capture stream for the same reason: a warm-up stream
-    gets a workspace of its own (32 MiB on Hopper) that torch keeps for the process, freed only with a
-    graph captured on that stream, so a fresh warm-up stream per capture left up to one per stream of
-    torch's pool behind, after the memory plan (128 MiB an engine of the embedded model on an H100)."""
+    on different streams. The warm-up runs on the capture stream too: a warm-up stream gets a workspace of
+    its own (32 MiB on Hopper) that torch keeps for the process, freed only with a graph captured on that
+    stream, so a fresh warm-up stream per capture left up to one per stream of torch's pool behind, after
+    the memory plan (128 MiB an engine of the embedded model on an H100). Without a ``stream`` the warm-up
+    runs on one stream per device (the capture on torch's default capture stream: the warned fallback of
+    ``own_stream``)."""
     side = stream
     if side is None:
-        dev = torch.device(device)
+        dev = _device_key(device)
         side = _WARMUP.get(dev) or _WARMUP.setdefault(dev, torch.cuda.Stream(device=dev))
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
