@@ -387,7 +387,7 @@ def goodput_rows(pairs, batch: int, widths, cap: int, cap_tree_width: bool) -> l
     of the bucket (``goodput_costs``) with the drafts a request may keep at N: ``width_cap`` of N over
     ``batch`` requests (the tree width the calibration timed N at) when ``cap_tree_width``, at most
     ``cap`` (the step's own limit: the verifier's, or the verify rows')."""
-    return [(n, t, min(width_cap(n, batch, widths, cap), cap) if cap_tree_width else cap) for n, t in pairs]
+    return [(n, t, width_cap(n, batch, widths, cap) if cap_tree_width else cap) for n, t in pairs]
 
 
 def select_nodes(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, depth: torch.Tensor,
@@ -451,7 +451,6 @@ def select_nodes(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, 
         first = first & (node == torch.where(first, key, torch.full_like(key, -math.inf)).argmax(1, keepdim=True))
     floor = first  # the kept floor nodes [B, T]
     cand = (valid & ~floor).flatten()
-    remaining = (b_ver - floor.sum()).clamp(min=0)
     # Lexicographic order (candidates first, ρ desc, depth asc, flat index asc): sort by a unique
     # integer key of (is-candidate, depth, index), then stably by ρ, which leaves ties in that order.
     idx = torch.arange(N, device=dev)
@@ -476,7 +475,7 @@ def select_nodes(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, 
     # global rank among the candidates, in the order above
     pos = torch.cumsum(cand[order].long(), 0) - 1
     rank = torch.empty_like(order).scatter_(0, order, pos)
-    return (floor.flatten() | (cand & (rank < remaining))).view(B, T)
+    return (floor.flatten() | (cand & (rank < (b_ver - floor.sum()).clamp(min=0)))).view(B, T)
 
 
 def _goodput_kept(key: torch.Tensor, floor: torch.Tensor, cand: torch.Tensor, order: torch.Tensor,
@@ -499,9 +498,8 @@ def _goodput_kept(key: torch.Tensor, floor: torch.Tensor, cand: torch.Tensor, or
     rank = torch.empty_like(pos).scatter_(1, order.expand(K, N), pos)
     extra = (caps - nf).clamp(0, N)
     kept = elig & (rank < extra[:, None])                                           # [K, N]
-    zero = torch.zeros_like(key)
-    p = torch.where(cand, key.exp(), zero)
-    base = valid.any(1).sum().float() + torch.where(floor.flatten(), key.exp(), zero).sum()
+    p, zero = key.exp(), torch.zeros_like(key)   # exp ρ: a node's chance of acceptance
+    base = valid.any(1).sum().float() + torch.where(floor.flatten(), p, zero).sum()
     score = (base + torch.where(kept, p[None], zero[None]).sum(1)) / t.clamp(min=1e-9)
     # a capacity counts when real (> 0) and within b_ver; of those, the ones holding the floor (else the smallest)
     real = (caps > 0) & (caps <= b_ver)

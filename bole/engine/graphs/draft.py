@@ -64,7 +64,7 @@ class DraftGraphs(GraphFamily):
         # per request) triples (``goodput_rows``), padded with capacity 0, uploaded beside the host row
         self.goodput = bool(goodput)
         self.costs = StaticRows(3, GOODPUT_SLOTS, dev, dtype=torch.float32) if self.goodput else None
-        self._costs_loaded = None   # what the device buffer holds: uploaded again only when the bucket's differ
+        self._costs_loaded = None   # what the device buffer holds: uploaded again only when a step's differ
 
     def supports(self, reqs) -> bool:
         """A graph exists for this draft: batch within the captured sizes, every request's catch-up
