@@ -90,8 +90,8 @@ EPS_RE = re.compile(r"-e(\d+(?:\.\d+)?)$")     # a cell's budget suffix: -e<budg
 CAP_RE = re.compile(r"-(w|no)cap$")             # a cell's tree-width suffix: cap_tree_width True / False
 FLOOR_RE = re.compile(r"-(best1|kids)$")        # a cell's floor suffix: budget_floor "best_child" / "children"
 ROWS_RE = re.compile(r"-r(\d+)$")               # a cell's verify-rows suffix: max_verify_rows
-GOODPUT = "-gp"                                  # a cell's budget-rule suffix: budget_rule "goodput"
-CELL_FORM = "MODE[_fr<N>][@<table>][-d<D>k<K>b<B>][-e<E>][-wcap|-nocap][-best1|-kids][-r<R>][-gp]"
+RULE_RE = re.compile(r"-(gp|eq12)$")            # a cell's budget-rule suffix: budget_rule "goodput" / "epsilon"
+CELL_FORM = "MODE[_fr<N>][@<table>][-d<D>k<K>b<B>][-e<E>][-wcap|-nocap][-best1|-kids][-r<R>][-gp|-eq12]"
 PAPER = "-nocap-kids"  # the paper's budget (Algorithm 3: all first-level drafts as the floor, trees uncapped)
 
 
@@ -106,11 +106,13 @@ def engine_mode(cell_mode: str) -> tuple[str, dict]:
     drafting settings depth D, topk K, beam B instead of the run's, ``-e<E>`` ``budget_epsilon=E`` (B_ver
     re-derived from the table's timings at ε = E), ``-wcap`` / ``-nocap`` ``cap_tree_width`` True / False,
     ``-best1`` / ``-kids`` ``budget_floor`` "best_child" / "children" (without them, the engine's
-    defaults), ``-r<R>`` ``max_verify_rows=R``, ``-gp`` ``budget_rule="goodput"``. ValueError naming the
-    cell for any other name."""
+    defaults), ``-r<R>`` ``max_verify_rows=R``, ``-gp`` / ``-eq12`` ``budget_rule`` "goodput" / "epsilon"
+    (without them, the engine's "auto": goodput on the MoE shape). ValueError naming the cell for any
+    other name."""
     extra, rest = {}, cell_mode
-    if rest.endswith(GOODPUT):
-        rest, extra["budget_rule"] = rest[:-len(GOODPUT)], "goodput"
+    rest, m = _strip(rest, RULE_RE)
+    if m:
+        extra["budget_rule"] = "goodput" if m[1] == "gp" else "epsilon"
     rest, m = _strip(rest, ROWS_RE)
     if m:
         extra["max_verify_rows"] = int(m[1])
@@ -451,10 +453,11 @@ def ratios(rows: list[dict]) -> dict:
     """Tokens/s ratios of one worker's cells per batch, and their geometric means over batches <= 16:
     ``RATIOS``, every other speculative cell's to ar, per drafting suffix its bole cell's to its
     serial_tree cell (``bole-d8k2b2/serial_tree-d8k2b2``), and each cell with a width, floor, rows or
-    budget-rule suffix to the same cell without them (``bole-nocap-kids/bole``, ``bole-gp/bole``)."""
+    budget-rule suffix to the same cell without them (``bole-nocap-kids/bole``, ``bole-gp/bole``,
+    ``bole-eq12/bole``)."""
     ok = {(r["mode"], r["batch"]): r for r in rows if r["status"] == "ok"}
     cells = list(dict.fromkeys(r["mode"] for r in rows))
-    plain = lambda m: _strip(_strip(_strip(m.removesuffix(GOODPUT), ROWS_RE)[0], FLOOR_RE)[0], CAP_RE)[0]
+    plain = lambda m: _strip(_strip(_strip(_strip(m, RULE_RE)[0], ROWS_RE)[0], FLOOR_RE)[0], CAP_RE)[0]
     pairs = RATIOS + tuple((m, "ar") for m in cells if m not in MODES) + tuple(
         (m, "serial_tree" + m[len("bole"):]) for m in cells if m != "bole" and m.startswith("bole")) + tuple(
         (m, plain(m)) for m in cells if plain(m) != m)

@@ -38,7 +38,8 @@ def main(argv=None) -> int:
                    help="the budget's fairness floor: the best first-level draft, or every one (children: the paper's)")
     g.add_argument("--budget-rule", default=SpecConfig.budget_rule, choices=BUDGET_RULES,
                    help="B_ver: the table's bucket value (epsilon, eq. 12) or chosen each step from the bucket's "
-                        "timed curve and the drafts' confidence (goodput)")
+                        "timed curve and the drafts' confidence (goodput); auto: goodput for a routed-expert "
+                        "model whose table has timings, else epsilon")
     g.add_argument("--num-blocks", type=int, default=CacheConfig.num_blocks)
     g.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt and the metrics")

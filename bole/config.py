@@ -278,7 +278,9 @@ class SpecConfig:
     budget_rule: how a step's B_ver is chosen. "epsilon": the table's bucket value (eq. 12). "goodput": per
     step on the device, the capacity of the bucket's timed curve that maximises the batch's expected
     tokens per verify time from the drafts' own ρ (``bole.spec.budget.select_nodes``'s ``costs``); it
-    needs a table with timings (a measured or modeled one). Drafts only propose: outputs are exact
+    needs a table with timings (a measured or modeled one). "auto" (the default): "goodput" for a model
+    with routed experts and a table that can feed it, else "epsilon", fixed at the engine's start
+    (``bole.spec.budget.resolve_budget_rule``, which says why). Drafts only propose: outputs are exact
     either way.
     """
 
@@ -290,7 +292,7 @@ class SpecConfig:
     budget_epsilon: float | None = None
     cap_tree_width: bool = True
     budget_floor: str = "best_child"
-    budget_rule: str = "epsilon"
+    budget_rule: str = "auto"
 
     def __post_init__(self):
         check_types(self, ints=("depth", "topk", "beam") + (("draft_vocab",) if self.draft_vocab is not None else ()),

@@ -23,7 +23,8 @@
 #              holds it), with calibration_tables/<hw>-qwen3.5-35b-a3b.yaml (calmoe first where missing); on an
 #              80 GB card SCALE_FLAGS="--max-num-batched-tokens 512 --gpu-memory-utilization 0.95" (at 1024 tokens
 #              or at 0.9 the memory plan refuses the cells there: run MH1, benchmarks/README.md); the cells
-#              beside ar and bole_fr32768 from $MOE_CELLS (default serial_tree_fr32768; e.g. "bole_fr32768-gp")
+#              beside ar and bole_fr32768 (budget_rule auto: goodput here) from $MOE_CELLS (default
+#              serial_tree_fr32768; "bole_fr32768-eq12": eq. 12's budget, run MG1's comparison)
 #   rows       max_verify_rows at 27B cost: ar, bole (its default: max_num_batched_tokens rows) and bole with
 #              every request's whole tree (-r65536, capped at the whole trees) at batches 32 and 16 with
 #              calibration_tables/<hw>-qwen3.5-27b.yaml (whole trees are refused at 32 on 80 GB)  (~8.5 min

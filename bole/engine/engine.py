@@ -31,6 +31,7 @@ every path.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -57,7 +58,7 @@ from bole.engine.spec_step import SpeculativeStep
 from bole.errors import InvalidRequest
 from bole.hardware import resolve_calibration
 from bole.sampling_params import SamplingParams
-from bole.spec.budget import CalibrationTable, engine_verify_rows
+from bole.spec.budget import CalibrationTable, engine_verify_rows, resolve_budget_rule
 from bole.spec.draft_vocab import read_draft_vocab
 from bole.spec.drafter import tree_size
 from bole.spec.logprobs import TokenLogprob
@@ -116,8 +117,16 @@ class LLMEngine:
         self.verify_rows = engine_verify_rows(config, config.max_num_seqs, self.lookahead)
         # "auto" picks a table for (hardware class, model shapes) with fallbacks (bole.hardware);
         # bole.recalibration.recalibrate swaps this attribute between steps (the ``calibration`` setter).
-        self.calibration = calibration or resolve_calibration(config.calibration_table, model.config,
-                                                              config.device, config.dtype)
+        table = calibration or resolve_calibration(config.calibration_table, model.config, config.device,
+                                                   config.dtype)
+        # the budget rule, fixed for the engine's life (the draft graphs are built for it)
+        rule = resolve_budget_rule(spec.budget_rule, model.config.num_experts > 0, table)
+        if rule != spec.budget_rule:
+            logger.info("budget rule %s: %s (%s model, table %s)", spec.budget_rule, rule,
+                        "routed-expert" if model.config.num_experts else "dense", table.table_id)
+        self.config = config = dataclasses.replace(config, spec=dataclasses.replace(spec, budget_rule=rule))
+        spec = config.spec
+        self.calibration = table
         graphs, spec_graphs = config.enable_cuda_graphs, config.enable_cuda_graphs and self.mode != "ar"
         spec_sizes = sorted({b for b in config.cuda_graph_batch_sizes if b < config.max_num_seqs}
                             | {config.max_num_seqs})

@@ -369,8 +369,29 @@ def rows_width(rows: int, padded_batch: int, widths) -> int:
 
 
 BUDGET_FLOORS = ("children", "best_child")
-BUDGET_RULES = ("epsilon", "goodput")
+BUDGET_RULES = ("auto", "epsilon", "goodput")
 GOODPUT_SLOTS = 16   # capacities a goodput cost row holds (a goodput engine refuses a table with more)
+
+
+def resolve_budget_rule(rule: str, moe: bool, table: CalibrationTable) -> str:
+    """``SpecConfig.budget_rule`` as an engine runs it: "auto" is "goodput" for a model with routed experts
+    (``moe``) whose ``table`` can feed that rule (timings, at most ``GOODPUT_SLOTS`` capacities a bucket), and
+    "epsilon" otherwise; the other rules are themselves.
+
+    Why by the model's kind: a dense verify forward's T_ver is flat up to eq. 12's B_ver, which is then the
+    right budget, and the goodput rule ran level to 7% slower there (9B cost, H100, run GP9). A MoE
+    forward's T_ver climbs with the experts its tokens read, so ε holds B_ver at the smallest capacity, one
+    draft a request, where the goodput rule keeps what pays: 1.12 / 1.37 / 1.62x eq. 12's tokens/s at
+    batches 4 / 8 / 16 and 0.96-0.97x at 1-2 (35B-A3B cost, H100, run MG1; benchmarks/README.md)."""
+    if rule != "auto":
+        return rule
+    if not moe:
+        return "epsilon"
+    try:
+        _ = table.goodput_curves
+    except ValueError:   # a table without timings (the defaults) or with too many capacities: eq. 12's
+        return "epsilon"
+    return "goodput"
 
 
 def goodput_costs(t_ver_ms: Mapping[int, float]) -> list[tuple[int, float]]:

@@ -144,6 +144,9 @@ def test_ratios_geomean_over_batches_up_to_16():
     per = e2e_scale.ratios(rows + [dict(mode="bole-gp", batch=1, status="ok", tokens_per_s=25.0,
                                         exact_vs_ar=True)])["per_batch"][0]
     assert per["bole-gp/bole"] == 1.25 and per["bole-gp/ar"] == 2.5   # the goodput budget against eq. 12's
+    per = e2e_scale.ratios(rows + [dict(mode="bole-eq12", batch=1, status="ok", tokens_per_s=15.0,
+                                        exact_vs_ar=True)])["per_batch"][0]
+    assert per["bole-eq12/bole"] == 0.75 and per["bole-eq12/ar"] == 1.5   # eq. 12's against the engine's rule
     # a reduced-vocabulary bole cell against serial_tree with the same drafter, where that cell ran
     assert "bole_fr64/serial_tree_fr64" not in e2e_scale.ratios(rows + [
         dict(mode="bole_fr64", batch=1, status="ok", tokens_per_s=30.0, exact_vs_ar=True)])["geomean_batches_1_16"]
@@ -270,9 +273,10 @@ def test_cell_names():
     assert e2e_scale.base_mode("bole_fr64-r256") == "bole_fr64"
     assert em("bole_fr64-r256-gp") == ("bole", dict(draft_vocab=64, max_verify_rows=256, budget_rule="goodput"))
     assert em("bole-gp") == ("bole", dict(budget_rule="goodput"))
+    assert em("bole_fr64-r256-eq12") == ("bole", dict(draft_vocab=64, max_verify_rows=256, budget_rule="epsilon"))
     for bad in ("ar-d8k2b2", "bole_frx", "tree", "bole-d8k2", "ar-e0.5", "bole-e0.5-d8k2b2", "ar-best1",
                 "bole-best1-wcap", "bole-kids-nocap", "bole-capno", "ar-r1024", "bole-r1024-wcap", "bole-r",
-                "ar-gp", "bole-gp-r256"):
+                "ar-gp", "bole-gp-r256", "ar-eq12", "bole-eq12-gp", "bole-eq"):
         with pytest.raises(ValueError, match="not MODE"):
             em(bad)
     a = e2e_scale.parse_args(["--modes", "ar", "serial_tree", "bole", "--draft-vocab", "64", "--also-spec", "8,2,2"])

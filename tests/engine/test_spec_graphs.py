@@ -526,17 +526,37 @@ def moe_ckpt(tmp_path_factory):
     return str(path)
 
 
-def _moe_engine(path, device, mode, graphs: bool, kernel: bool):
+def _moe_engine(path, device, mode, graphs: bool, kernel: bool, table: str | None = None):
     """An engine on the MoE checkpoint whose routed experts run through kernels.moe_experts (``kernel``) or
-    the torch loop (bole.ops.moe, the torch backend's)."""
+    the torch loop (bole.ops.moe, the torch backend's); the default table unless ``table``."""
     from kernels.moe_experts import moe_experts  # interpreted on the CPU (the torch backend's other ops)
 
     backend = dataclasses.replace(resolve_backend("auto", device), moe_experts=moe_experts if kernel else
                                   moe_experts_ref)
     cfg = EngineConfig.from_options(mode=mode, num_blocks=128, block_size=4, max_num_seqs=4, device=device,
                                     enable_cuda_graphs=graphs, cuda_graph_batch_sizes=(1, 2, 4), depth=3, topk=3,
-                                    beam=3, calibration_table=default_table(), enable_prefix_cache=False)
+                                    beam=3, calibration_table=table or default_table(), enable_prefix_cache=False)
     return LLMEngine(load_model(path, dtype="float32", device=device, backend=backend), cfg)
+
+
+@pytest.mark.parametrize("mode", ["bole", "serial_tree"])
+def test_auto_budget_rule_engines_cpu(ckpt, moe_ckpt, mode):
+    """The default budget_rule="auto" as engines fix it at start: goodput on the MoE model with a timed
+    table (its greedy tokens ar's, in both speculative modes), eq. 12's on the dense model with the same
+    table and on the MoE model with the default (untimed) table."""
+    from bole.llm import resolve_repo_path
+
+    timed = str(resolve_repo_path("calibration_tables/cpu-bole-tiny-coder.yaml"))
+    max_tokens = [12, 5, 20, 9]
+    eng = _moe_engine(moe_ckpt, "cpu", mode, False, kernel=False, table=timed)
+    assert eng.config.spec.budget_rule == "goodput"
+    seen, draft_batch = [], eng.runner.draft_batch   # each step's goodput costs reach the draft
+    eng.runner.draft_batch = lambda reqs, *a, **kw: (seen.append(kw["costs"]), draft_batch(reqs, *a, **kw))[1]
+    assert run_arrivals(eng, PROMPTS, max_tokens) == run_arrivals(
+        _moe_engine(moe_ckpt, "cpu", "ar", False, kernel=False), PROMPTS, max_tokens)
+    assert seen and all(c is not None for c in seen)
+    assert _engine(ckpt, "cpu", mode, False, calibration_table=timed).config.spec.budget_rule == "epsilon"
+    assert _moe_engine(moe_ckpt, "cpu", mode, False, kernel=False).config.spec.budget_rule == "epsilon"
 
 
 @pytest.mark.parametrize("mode", ["ar", "bole"])

@@ -6,7 +6,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from bole.spec.budget import CalibrationTable, goodput_costs, goodput_rows, select_b_ver, select_nodes, width_cap
+from bole.spec.budget import (
+    GOODPUT_SLOTS,
+    CalibrationTable,
+    goodput_costs,
+    goodput_rows,
+    resolve_budget_rule,
+    select_b_ver,
+    select_nodes,
+    width_cap,
+)
 from bole.spec.tree import random_tree
 
 REPO = Path(__file__).resolve().parents[2]
@@ -451,6 +460,28 @@ def test_goodput_costs_and_the_rule_option():
     default = CalibrationTable.load(REPO / "calibration_tables" / "default.yaml")
     with pytest.raises(ValueError, match="default.*without timings.*goodput"):
         default.require_timings("budget_rule='goodput' chooses each step's B_ver from them")
+
+
+def test_auto_budget_rule_by_model_kind():
+    """budget_rule="auto" (the default): goodput for a routed-expert model whose table feeds it, eq. 12's
+    for a dense model or a table that cannot (no timings; more capacities than a cost row holds); the
+    explicit rules stay themselves whatever the model."""
+    from bole.config import SpecConfig
+
+    assert SpecConfig().budget_rule == "auto"
+    timed = CalibrationTable.load(REPO / "calibration_tables" / "cpu-bole-tiny-coder.yaml")
+    default = CalibrationTable.load(REPO / "calibration_tables" / "default.yaml")
+    wide = timed.to_dict()
+    for b in wide["buckets"]:
+        b["t_ver_ms"] = {8 * (i + 1): 1.0 + i for i in range(GOODPUT_SLOTS + 1)}
+        b["b_ver"] = select_b_ver(b["t_ver_ms"], b["t_dec_ms"], wide["epsilon"])
+    wide["capture_set"] = sorted(wide["buckets"][0]["t_ver_ms"])
+    wide = CalibrationTable.from_dict(wide)
+    assert resolve_budget_rule("auto", True, timed) == "goodput"
+    assert [resolve_budget_rule("auto", moe, t) for moe, t in [(False, timed), (True, default), (True, wide)]] \
+        == ["epsilon"] * 3
+    for rule in ("epsilon", "goodput"):
+        assert all(resolve_budget_rule(rule, moe, timed) == rule for moe in (False, True))
 
 
 def test_selection_reads_nothing_on_the_host():
