@@ -403,6 +403,8 @@ def run_cell(spec: dict, mode: str, batch: int, prompts: list[dict],
         row["cuda_graph_prefill_split"] = llm.engine.config.cuda_graph_prefill_split   # as the engine took it
         row["max_num_batched_tokens"] = llm.engine.config.max_num_batched_tokens
         row["gpu_memory_utilization"] = llm.engine.config.cache.gpu_memory_utilization
+        if run_mode != "ar":   # as the engine fixed it ("auto": goodput on a MoE shape with a timed table)
+            row["budget_rule"] = llm.engine.config.spec.budget_rule
         if cuda:
             row["loaded_memory_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
         on_timing()   # the engine is built: the watchdog's clock restarts for the captures and the runs

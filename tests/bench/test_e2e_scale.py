@@ -116,6 +116,7 @@ def test_widened_in_memory_runs_with_no_weights_on_disk(tmp_path, monkeypatch):
     assert [r["max_num_batched_tokens"] for r in doc["rows"]] == [256, 256]
     assert doc["settings"]["gpu_memory_utilization"] == 0.95   # and --gpu-memory-utilization
     assert [r["gpu_memory_utilization"] for r in doc["rows"]] == [0.95, 0.95]
+    assert [r.get("budget_rule") for r in doc["rows"]] == [None, "epsilon"]   # "auto", as a dense engine fixed it
     (m,) = doc["models"]
     assert m["in_memory"] and m["weight_bytes"] == e2e_scale.widened_bytes(e2e_scale.shape_config("smoke"))
     files = sorted(p.name for p in wd.rglob("*") if p.is_file())
