@@ -119,13 +119,13 @@ class LLMEngine:
         # bole.recalibration.recalibrate swaps this attribute between steps (the ``calibration`` setter).
         table = calibration or resolve_calibration(config.calibration_table, model.config, config.device,
                                                    config.dtype)
-        # the budget rule, fixed for the engine's life (the draft graphs are built for it)
-        rule = resolve_budget_rule(spec.budget_rule, model.config.num_experts > 0, table)
-        if rule != spec.budget_rule:
-            logger.info("budget rule %s: %s (%s model, table %s)", spec.budget_rule, rule,
-                        "routed-expert" if model.config.num_experts else "dense", table.table_id)
-        self.config = config = dataclasses.replace(config, spec=dataclasses.replace(spec, budget_rule=rule))
-        spec = config.spec
+        if self.mode != "ar":   # the budget rule, fixed for the engine's life (its draft graphs are built for it)
+            rule = resolve_budget_rule(spec.budget_rule, model.config.num_experts > 0, table)
+            if rule != spec.budget_rule:
+                logger.info("budget rule %s: %s (%s model, table %s)", spec.budget_rule, rule,
+                            "routed-expert" if model.config.num_experts else "dense", table.table_id)
+            self.config = config = dataclasses.replace(config, spec=dataclasses.replace(spec, budget_rule=rule))
+            spec = config.spec
         self.calibration = table
         graphs, spec_graphs = config.enable_cuda_graphs, config.enable_cuda_graphs and self.mode != "ar"
         spec_sizes = sorted({b for b in config.cuda_graph_batch_sizes if b < config.max_num_seqs}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import re
 
 import pytest
@@ -540,7 +541,7 @@ def _moe_engine(path, device, mode, graphs: bool, kernel: bool, table: str | Non
 
 
 @pytest.mark.parametrize("mode", ["bole", "serial_tree"])
-def test_auto_budget_rule_engines_cpu(ckpt, moe_ckpt, mode):
+def test_auto_budget_rule_engines_cpu(ckpt, moe_ckpt, mode, caplog):
     """The default budget_rule="auto" as engines fix it at start: goodput on the MoE model with a timed
     table (its greedy tokens ar's, in both speculative modes), eq. 12's on the dense model with the same
     table and on the MoE model with the default (untimed) table."""
@@ -548,8 +549,10 @@ def test_auto_budget_rule_engines_cpu(ckpt, moe_ckpt, mode):
 
     timed = str(resolve_repo_path("calibration_tables/cpu-bole-tiny-coder.yaml"))
     max_tokens = [12, 5, 20, 9]
-    eng = _moe_engine(moe_ckpt, "cpu", mode, False, kernel=False, table=timed)
+    with caplog.at_level(logging.INFO, logger="bole.engine.engine"):
+        eng = _moe_engine(moe_ckpt, "cpu", mode, False, kernel=False, table=timed)
     assert eng.config.spec.budget_rule == "goodput"
+    assert "budget rule auto: goodput (routed-expert model" in caplog.text   # the start log says what auto chose
     seen, draft_batch = [], eng.runner.draft_batch   # each step's goodput costs reach the draft
     eng.runner.draft_batch = lambda reqs, *a, **kw: (seen.append(kw["costs"]), draft_batch(reqs, *a, **kw))[1]
     assert run_arrivals(eng, PROMPTS, max_tokens) == run_arrivals(
@@ -557,6 +560,8 @@ def test_auto_budget_rule_engines_cpu(ckpt, moe_ckpt, mode):
     assert seen and all(c is not None for c in seen)
     assert _engine(ckpt, "cpu", mode, False, calibration_table=timed).config.spec.budget_rule == "epsilon"
     assert _moe_engine(moe_ckpt, "cpu", mode, False, kernel=False).config.spec.budget_rule == "epsilon"
+    # ar has no budget: its setting stays as given
+    assert _moe_engine(moe_ckpt, "cpu", "ar", False, kernel=False, table=timed).config.spec.budget_rule == "auto"
 
 
 @pytest.mark.parametrize("mode", ["ar", "bole"])
