@@ -120,10 +120,11 @@ class LLMEngine:
         table = calibration or resolve_calibration(config.calibration_table, model.config, config.device,
                                                    config.dtype)
         if self.mode != "ar":   # the budget rule, fixed for the engine's life (its draft graphs are built for it)
-            rule = resolve_budget_rule(spec.budget_rule, model.config.num_experts > 0, table)
+            moe = model.config.num_experts > 0
+            rule = resolve_budget_rule(spec.budget_rule, moe, table)
             if rule != spec.budget_rule:
                 logger.info("budget rule %s: %s (%s model, table %s)", spec.budget_rule, rule,
-                            "routed-expert" if model.config.num_experts else "dense", table.table_id)
+                            "routed-expert" if moe else "dense", table.table_id)
             self.config = config = dataclasses.replace(config, spec=dataclasses.replace(spec, budget_rule=rule))
             spec = config.spec
         self.calibration = table
