@@ -14,7 +14,7 @@ class StepStats:
     decode_requests: int = 0
     emitted_tokens: int = 0        # tokens emitted by decode / verify steps
     tree_nodes: int = 0            # tokens run through the target in the decode / verify forward
-    b_ver: int = 0                 # the bucket's capacity (speculative modes)
+    b_ver: int = 0                 # the step's capacity: the bucket's B_ver, or the one the goodput rule chose
     # seconds in draft + verify + sample + commit (or decode), with the prefills of requests admitted
     # between the draft and the verify (they wait for the draft's GPU work, which is not synchronised)
     verify_time: float = 0.0

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -512,11 +512,12 @@ class ModelRunner:
                 return dg.run(reqs, b_ver, max_per_request, costs)
         self.draft_graphed = False
         cand = self.draft(reqs, depth, topk, beam)
+        chosen = None if costs is None else torch.zeros((), dtype=torch.long, device=self.device)
         keep = select_nodes(cand.rho, cand.parents, cand.valid, cand.depth, b_ver, max_per_request=max_per_request,
                             floor=floor, costs=None if costs is None else
-                            torch.tensor(costs, dtype=torch.float32, device=self.device).T)
+                            torch.tensor(costs, dtype=torch.float32, device=self.device).T, chosen=chosen)
         roots = torch.tensor([r.all_token_ids[r.num_computed] for r in reqs], device=self.device)
-        return compact(cand, keep, roots)
+        return replace(compact(cand, keep, roots), budget=chosen)
 
     @torch.inference_mode()
     def draft(self, reqs: list[Request], depth: int, topk: int, beam: int):

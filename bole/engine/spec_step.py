@@ -55,7 +55,7 @@ class SpeculativeStep:
         pairs = None
         if spec.budget_rule == "goodput":
             # the budget is chosen on the device from the bucket's timed capacities, the largest the
-            # bound; stats.b_ver is then what it kept (``_accept_commit``)
+            # bound; stats.b_ver is then the one it chose (read with the widest tree, below)
             pairs = calibration.goodput_curves[bucket]
             b_ver = pairs[-1][0]
         stats.b_ver = int(b_ver)
@@ -85,7 +85,11 @@ class SpeculativeStep:
         # the root (the pending token, node 0) is verified too: drafts <= MAX_TREE_NODES - 1 per request
         batch = self.runner.draft_batch(reqs, spec.depth, spec.topk, spec.beam, b_ver, max_per_request=cap,
                                         floor=spec.budget_floor, costs=costs)
-        batch = batch.trimmed(bound + 1 if no_sync else None)
+        if costs is not None:   # one read: the widest kept tree and the capacity the device chose
+            widest, stats.b_ver = torch.stack([batch.num_nodes.max(), batch.budget]).tolist()
+            batch = batch.trimmed(widest)
+        else:
+            batch = batch.trimmed(bound + 1 if no_sync else None)
         if between is not None:
             between()
         res = self.runner.verify(reqs, batch)
@@ -156,6 +160,4 @@ class SpeculativeStep:
         pending = self.checkpoints.settle_tail(plan, starts, [h[1] for h in host]) if plan.reserved else None
         publish_committed(self.prefix_cache, reqs, pending, emitted)
         stats.tree_nodes = sum(h[-1] for h in host)
-        if self.spec.budget_rule == "goodput":   # the budget the device chose: the drafts it kept
-            stats.b_ver = stats.tree_nodes - len(reqs)
         return emitted, [h[0] for h in host]

@@ -413,7 +413,7 @@ def goodput_rows(pairs, batch: int, widths, cap: int, cap_tree_width: bool) -> l
 
 def select_nodes(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, depth: torch.Tensor,
                  b_ver, max_per_request: int | None = None, *, floor: str,
-                 costs: torch.Tensor | None = None) -> torch.Tensor:
+                 costs: torch.Tensor | None = None, chosen: torch.Tensor | None = None) -> torch.Tensor:
     """Algorithm 3 online: which draft nodes of the batch to verify. Returns bool keep [B, T].
 
     Args:
@@ -441,6 +441,8 @@ def select_nodes(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, 
                  over a prefix-closed set is the expected number of its drafts a greedy target accepts when
                  the drafter is calibrated (a node is accepted exactly when its whole path is). Ties go to
                  the smaller N. The budget then moves per step, on the device, with the drafts' own confidence.
+        chosen:  with ``costs``, a 0-d int64 tensor that receives the N chosen (a copy on the device: what the
+                 step's metrics report as its B_ver, read on the host with the widest tree).
 
     Every request keeps its valid depth-1 nodes (fairness floor; "best_child": the best one). The
     remaining budget, max(b_ver - #floor, 0), goes to the other nodes in the order (ρ desc, depth asc, flat index
@@ -491,8 +493,10 @@ def select_nodes(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, 
     if max_per_request is not None:
         cand = cand & (rank_in_req < max_per_request)
     if costs is not None:
-        return (floor.flatten() | _goodput_kept(key.flatten(), floor, cand, order, rank_in_req, valid, b_ver,
-                                                costs)).view(B, T)
+        kept, n = _goodput_kept(key.flatten(), floor, cand, order, rank_in_req, valid, b_ver, costs)
+        if chosen is not None:
+            chosen.copy_(n)
+        return (floor.flatten() | kept).view(B, T)
     # global rank among the candidates, in the order above
     pos = torch.cumsum(cand[order].long(), 0) - 1
     rank = torch.empty_like(order).scatter_(0, order, pos)
@@ -500,8 +504,10 @@ def select_nodes(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, 
 
 
 def _goodput_kept(key: torch.Tensor, floor: torch.Tensor, cand: torch.Tensor, order: torch.Tensor,
-                 rank_in_req: torch.Tensor, valid: torch.Tensor, b_ver, costs: torch.Tensor) -> torch.Tensor:
-    """The candidates past the floor that the goodput rule keeps (``select_nodes``'s ``costs``): bool [B*T].
+                 rank_in_req: torch.Tensor, valid: torch.Tensor, b_ver, costs: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidates past the floor that the goodput rule keeps (``select_nodes``'s ``costs``), bool [B*T],
+    and the capacity chosen (0-d int64).
 
     Ours rather than a library's: it is Algorithm 3's budget chosen per step from the bucket's measured
     T_ver(N) and the drafts' own ρ. Eq. 12 stops where T_ver leaves its plateau. On a MoE model T_ver
@@ -529,4 +535,4 @@ def _goodput_kept(key: torch.Tensor, floor: torch.Tensor, cand: torch.Tensor, or
     usable = torch.where(holds.any(), holds, real & smallest)
     best = torch.where(usable, score, torch.full_like(score, -math.inf)).argmax()
     # a gather, not kept[best]: indexing with a 0-d tensor reads it on the host (a CUDA graph capture fails)
-    return kept.gather(0, best.view(1, 1).expand(1, N))[0]
+    return kept.gather(0, best.view(1, 1).expand(1, N))[0], caps.gather(0, best.view(1))[0]

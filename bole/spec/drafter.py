@@ -90,6 +90,8 @@ class DraftBatch:
     source_index: int64 index of each draft in the ``DraftCandidates`` it came from (-1 for the root
     and on padding), to fetch per-candidate state such as draft hidden states.
     num_nodes: int64 [B] nodes per tree, the root included.
+    budget: under the goodput rule, the capacity the device chose for the step (0-d int64, on the device);
+    else None.
     """
 
     tokens: torch.Tensor
@@ -98,6 +100,7 @@ class DraftBatch:
     rho: torch.Tensor
     source_index: torch.Tensor
     num_nodes: torch.Tensor
+    budget: torch.Tensor | None = None
 
     def trimmed(self, width: int | None = None) -> "DraftBatch":
         """The same batch padded only to its widest tree (one host sync): kernels tile by the width.
@@ -105,7 +108,7 @@ class DraftBatch:
         without a sync."""
         T = (int(self.num_nodes.max()) if self.num_nodes.numel() else 0) if width is None else int(width)
         return DraftBatch(*(t[:, :T] for t in (self.tokens, self.parents, self.depth, self.rho,
-                                               self.source_index)), num_nodes=self.num_nodes)
+                                               self.source_index)), num_nodes=self.num_nodes, budget=self.budget)
 
 
 def tree_size(vocab_size: int, depth: int, topk: int, beam: int) -> int:

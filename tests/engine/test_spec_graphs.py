@@ -35,6 +35,7 @@ from bole.models.loader import load_model
 from bole.ops.moe import moe_experts_ref
 from bole.sampling_params import SamplingParams
 from bole.spec.budget import width_cap
+from bole.spec.drafter import tree_size
 from bole.spec.tree import MAX_TREE_NODES, PackedForest, random_tree, tree_widths
 
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15], [3] * 14, [5, 1, 6, 2, 8]]
@@ -177,7 +178,7 @@ def test_static_verify_reads_nothing_on_the_host():
         reqs.append(r)
     batch = synthetic_batch(9, 3, DEPTH, 64, torch.Generator().manual_seed(0), "cpu", _roots(reqs))
     batch = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to("meta")
-                                          for f in dataclasses.fields(batch)})
+                                          for f in dataclasses.fields(batch) if getattr(batch, f.name) is not None})
     logits, hidden, ctx, _ = vg.run(reqs, batch)
     assert logits.shape == (3, batch.tokens.shape[1], 64) and logits.device.type == "meta"
     assert hidden.shape == (4 * 8, 32) and ctx.forest.num_requests == 4
@@ -337,10 +338,11 @@ def test_engine_static_verify_tokens_cpu(ckpt, mode, prefix_cache, layout_kernel
         assert eng.prefix_cache.num_checkpoints > 0
 
 
-def test_engine_goodput_budget_tokens_cpu(ckpt):
+def test_engine_goodput_budget_tokens_cpu(ckpt, tmp_path):
     """budget_rule="goodput": every step's capacities and timings (the measured table's bucket) reach the
-    draft, eagerly and through the static draft graph; the device chooses what to keep; the greedy
-    tokens stay ar's. A table without timings is refused at start, by name."""
+    draft, eagerly and through the static draft graph; the device chooses what to keep, and the step
+    reports the capacity it chose; the greedy tokens stay ar's. A table without timings is refused at
+    start, by name."""
     from bole.llm import resolve_repo_path
     from bole.spec.budget import CalibrationTable, goodput_costs, goodput_rows, select_b_ver
 
@@ -348,9 +350,16 @@ def test_engine_goodput_budget_tokens_cpu(ckpt):
     ref = run_arrivals(_engine(ckpt, "cpu", "ar", False), PROMPTS, max_tokens)
     path = str(resolve_repo_path("calibration_tables/cpu-bole-tiny-coder.yaml"))
     table = CalibrationTable.load(path)
-    for graph in (False, True):
-        eng = _engine(ckpt, "cpu", "bole", False, budget_rule="goodput", calibration_table=path)
-        spec = eng.config.spec
+    # flat timings: every capacity costs the same, so the largest wins, above what these trees hold
+    flat = table.to_dict()
+    for b in flat["buckets"]:
+        b["t_ver_ms"] = {n: 1.0 for n in b["t_ver_ms"]}
+        b["b_ver"] = select_b_ver(b["t_ver_ms"], b["t_dec_ms"], flat["epsilon"])
+    flat_path = tmp_path / "flat.yaml"
+    CalibrationTable.from_dict(flat).dump(flat_path)
+    for graph, tpath in ((False, path), (True, path), (True, str(flat_path))):
+        eng = _engine(ckpt, "cpu", "bole", False, budget_rule="goodput", calibration_table=tpath)
+        spec, tab = eng.config.spec, CalibrationTable.load(tpath)
         if graph:
             dg = eng.runner.enable_draft_graphs((1, 2, 4), spec.depth, spec.topk, spec.beam, capture=False,
                                                 min_kv=8, max_per_request=MAX_TREE_NODES - 1,
@@ -358,15 +367,32 @@ def test_engine_goodput_budget_tokens_cpu(ckpt):
         seen, draft_batch = [], eng.runner.draft_batch
         eng.runner.draft_batch = lambda reqs, *a, _seen=seen, _draft=draft_batch, **kw: (
             _seen.append((len(reqs), a[-1], kw["max_per_request"], kw["costs"])), _draft(reqs, *a, **kw))[1]
+        steps, record = [], eng.metrics.record_step
+        eng.metrics.record_step = lambda s, _steps=steps, _record=record: (
+            _steps.append(s) if s.decode_requests else None, _record(s))[1]
         assert run_arrivals(eng, PROMPTS, max_tokens) == ref
         widths = eng.spec_step.widths   # each capacity with the width the calibration timed it at
-        assert seen and all(costs == goodput_rows(goodput_costs(table.buckets[table.lookup(B, 0, spec.depth + 1)[0]]
+        assert seen and all(costs == goodput_rows(goodput_costs(tab.buckets[tab.lookup(B, 0, spec.depth + 1)[0]]
                                                                 .t_ver_ms), B, widths, cap, True)
                             and b_ver == costs[-1][0] for B, b_ver, cap, costs in seen)
         assert any(c[2] < cap for _, _, cap, costs in seen for c in costs)   # a per-capacity cap binds somewhere
         assert not graph or dg.replays > 0
-        snap = eng.metrics.snapshot()   # stats.b_ver is what the device kept: all of it "used"
-        assert snap["budget_used"] == 1.0 and snap["floor_excess_nodes"] == 0
+        # each step reports the capacity the device chose (one of its bucket's), not the drafts it kept
+        assert len(steps) == len(seen) and all(s.b_ver in [c[0] for c in costs]
+                                               for s, (_, _, _, costs) in zip(steps, seen))
+        drafts = [s.tree_nodes - s.decode_requests for s in steps]
+        assert all(d <= max(s.b_ver, s.decode_requests * spec.topk) for d, s in zip(drafts, steps))
+        snap = eng.metrics.snapshot()
+        assert snap["mean_b_ver"] == sum(s.b_ver for s in steps) / len(steps)
+        assert snap["budget_used"] == sum(min(d, s.b_ver) for d, s in zip(drafts, steps)) / sum(s.b_ver for s in steps)
+        if tpath == path:   # the measured CPU table: its smallest capacity (8) pays best, and is filled
+            assert {s.b_ver for s in steps} == {8} and snap["budget_used"] == 1.0
+        else:   # flat: every draft kept, at the smallest capacity (ties) that holds them, rarely filled
+            whole = tree_size(eng.model.mtp.vocab_width, spec.depth, spec.topk, spec.beam)
+            assert all(d == s.decode_requests * whole
+                       and s.b_ver == min(n for n, _, w in costs if n >= d and w >= whole)
+                       for d, s, (_, _, _, costs) in zip(drafts, steps, seen))
+            assert 0 < snap["budget_used"] < 0.9
     with pytest.raises(ValueError, match="default.*without timings.*goodput"):
         _engine(ckpt, "cpu", "bole", False, budget_rule="goodput")
     wide = table.to_dict()   # more capacities than a goodput cost row holds: refused at install, not mid-run

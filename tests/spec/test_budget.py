@@ -354,7 +354,7 @@ def test_verify_rows_limit():
 def _goodput_reference(rho, parents, valid, depth, b_ver, costs, floor, cap=None):
     """The goodput rule by brute force: eq. 12's selection at every usable capacity N under its own
     per-request cap, scored in float64 as (requests + Σ exp ρ of what it keeps) / T_ver(N); the best
-    (ties: the smallest N)."""
+    (ties: the smallest N): its selection and N."""
     nf = int(select_nodes(rho, parents, valid, depth, 0, floor=floor).sum())
     real = [c for c in costs if c[0] <= b_ver]
     usable = [c for c in real if c[0] >= nf] or real[:1]
@@ -364,8 +364,8 @@ def _goodput_reference(rho, parents, valid, depth, b_ver, costs, floor, cap=None
                             floor=floor)
         score = (float(valid.any(1).sum()) + rho.double()[keep].exp().sum().item()) / t
         if best is None or score > best[0] * (1 + 1e-9):
-            best = (score, keep)
-    return best[1]
+            best = (score, keep, n)
+    return best[1], best[2]
 
 
 def _costs(rows):
@@ -399,10 +399,12 @@ def test_goodput_selection_is_the_best_capacity_by_brute_force(curve, floor, sca
                        [1 + i for i in range(len(pairs))]):
             triples = _triples(pairs, widths)
             for b_ver in (256, 64, 8):
+                chosen = torch.full((), -1)
                 got = select_nodes(rho, parents, valid, depth, b_ver, max_per_request=cap, floor=floor,
-                                   costs=_costs(triples))
-                want = _goodput_reference(rho, parents, valid, depth, b_ver, triples, floor, cap)
+                                   costs=_costs(triples), chosen=chosen)
+                want, n = _goodput_reference(rho, parents, valid, depth, b_ver, triples, floor, cap)
                 assert torch.equal(got, want), (curve, floor, scale, seed, widths, b_ver)
+                assert int(chosen) == n, (curve, floor, scale, seed, widths, b_ver)   # what the metrics report
 
 
 def test_goodput_width_caps_keep_every_tree_within_the_timed_width():
@@ -421,7 +423,7 @@ def test_goodput_width_caps_keep_every_tree_within_the_timed_width():
     capped = select_nodes(rho, parents, valid, depth, 256, floor="best_child", costs=_costs(triples))
     assert int(capped.sum(1).max()) <= timed(scored(capped))
     assert int(capped[0].sum()) == T   # the whole certain tree still, at the capacity whose width holds it
-    assert torch.equal(capped, _goodput_reference(rho, parents, valid, depth, 256, triples, "best_child"))
+    assert torch.equal(capped, _goodput_reference(rho, parents, valid, depth, 256, triples, "best_child")[0])
 
 
 def test_goodput_keeps_more_where_the_climb_flattens_and_fewest_for_hopeless_drafts():
@@ -492,6 +494,8 @@ def test_selection_reads_nothing_on_the_host():
     rho, parents, valid, depth = _forest(B, T, 2)
     meta = lambda t: t.to("meta")
     for costs in (None, _costs(CURVES["moe"])):
+        chosen = None if costs is None else meta(torch.zeros((), dtype=torch.long))
         keep = select_nodes(meta(rho), meta(parents), meta(valid), meta(depth), meta(torch.tensor(64)),
-                            meta(torch.tensor(7)), floor="best_child", costs=None if costs is None else meta(costs))
+                            meta(torch.tensor(7)), floor="best_child", costs=None if costs is None else meta(costs),
+                            chosen=chosen)
         assert keep.shape == (B, T) and keep.device.type == "meta"

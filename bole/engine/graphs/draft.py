@@ -64,6 +64,7 @@ class DraftGraphs(GraphFamily):
         # per request) triples (``goodput_rows``), padded with capacity 0, uploaded beside the host row
         self.goodput = bool(goodput)
         self.costs = StaticRows(3, GOODPUT_SLOTS, dev, dtype=torch.float32) if self.goodput else None
+        self.chosen = torch.zeros((), dtype=torch.long, device=dev) if self.goodput else None   # its capacity
         self._costs_loaded = None   # what the device buffer holds: uploaded again only when a step's differ
 
     def supports(self, reqs) -> bool:
@@ -114,7 +115,7 @@ class DraftGraphs(GraphFamily):
             valid = cand.valid & (nc > 0)[:, None]
             keep = select_nodes(cand.rho, cand.parents, valid, cand.depth, inp[0, _BVER],
                                 max_per_request=inp[0, _CAP], floor=self.floor,
-                                costs=None if self.costs is None else self.costs.device)
+                                costs=None if self.costs is None else self.costs.device, chosen=self.chosen)
             # the root is the last catch-up token (the pending one)
             batch = compact(cand, keep, inp[:, _DTABLE:_DTABLE + C].gather(1, (n - 1)[:, None])[:, 0])
             for k, v in out.items():
@@ -168,7 +169,7 @@ class DraftGraphs(GraphFamily):
         self.stage(reqs, *g.key, b_ver, max_per_request, costs)
         self.replay(g)
         self.advance(reqs)
-        return DraftBatch(**{k: v[:B] for k, v in self.out.items()})
+        return DraftBatch(**{k: v[:B] for k, v in self.out.items()}, budget=self.chosen)
 
     def stage(self, reqs, Bc: int, Lc: int, b_ver: int, max_per_request: int | None = None, costs=None) -> None:
         """A step's inputs into the static buffers: the host row (one copy; the goodput costs another) and
