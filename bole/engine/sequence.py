@@ -103,7 +103,7 @@ class RequestMetrics:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
-@dataclass
+@dataclass(eq=False)   # a request is itself: the scheduler's list membership compares identities, not fields
 class Request:
     request_id: str
     all_token_ids: list[int]              # given the prompt (copied); outputs are appended (``append_token``)
