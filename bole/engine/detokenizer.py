@@ -16,8 +16,10 @@ When the new text is emitted, ``pending`` becomes the next ``prefix``. Three cas
   * the window's text is shorter than the prefix's (a decoder that rewrites across tokens): it waits.
 
 ``OutputText`` holds the emitted text as appended pieces, so a step costs O(its delta) too; the text
-is joined when it is read. Stop strings are searched in the new text plus the emitted text's last
-characters (``find_stop``), not in the whole text.
+is joined when it is read. ``StopStrings`` searches a request's stop strings token by token in the text
+held back plus the new text (``find_stop``), not in the whole text; it holds back the text's last
+characters that could begin a stop string, so that no part of one is ever emitted (a streamed delta
+cannot be taken back), as vLLM does.
 """
 
 from __future__ import annotations
@@ -75,8 +77,7 @@ class IncrementalDetokenizer:
 class OutputText:
     """A request's output text as appended pieces: ``append`` touches only the new piece; ``str()``
     joins them (read once, at the end, or by a caller that asks). A ``RequestOutput`` reads its step's
-    text as the first ``num_pieces`` of ``pieces``; ``truncate`` therefore never edits the list in
-    place but builds a new one (once per request: a stop string's cut finishes it)."""
+    text as the first ``num_pieces`` of ``pieces``, so the list only grows."""
 
     __slots__ = ("pieces", "length")
 
@@ -98,15 +99,6 @@ class OutputText:
             have += len(self.pieces[i])
         return "".join(reversed(out))[max(0, have - n):]
 
-    def truncate(self, length: int) -> None:
-        """Keep the first ``length`` characters."""
-        pieces, have = list(self.pieces), self.length
-        while have > length:
-            have -= len(pieces.pop())
-        if have < length:
-            pieces.append(self.pieces[len(pieces)][:length - have])
-        self.pieces, self.length = pieces, length
-
     def __str__(self) -> str:
         return "".join(self.pieces)
 
@@ -114,7 +106,38 @@ class OutputText:
         return self.length
 
 
-def find_stop(text: str, emitted: int, stop: Sequence[str]) -> int:
-    """Where the earliest of the ``stop`` strings starts in ``text``, searching each from ``len(s)``
-    before the end of the ``emitted`` characters already searched (a match across that end); -1 if none."""
-    return min((i for i in (text.find(s, max(0, emitted - len(s))) for s in stop) if i >= 0), default=-1)
+def find_stop(text: str, searched: int, stop: Sequence[str]) -> int:
+    """Where the earliest of the ``stop`` strings that ends past ``text[:searched]`` (the characters
+    already searched) starts in ``text``; -1 if none."""
+    return min((i for i in (text.find(s, max(0, searched - len(s) + 1)) for s in stop) if i >= 0), default=-1)
+
+
+class StopStrings:
+    """A request's stop strings over its text, fed a token's new text at a time (``feed``): what may be
+    emitted, and whether a stop string ended in it. The last ``max(len(s)) - 1`` characters are held
+    back (``held``), since the next token's text may complete a stop string that begins in them, and
+    text once streamed cannot be taken back; ``flush`` releases them when the request ends otherwise.
+    Each check searches the held text plus the new text only: a stop string that began in text already
+    emitted would have ended within the held characters, and been found."""
+
+    __slots__ = ("stop", "hold", "held")
+
+    def __init__(self, stop: Sequence[str]):
+        self.stop, self.hold, self.held = tuple(stop), max(len(s) for s in stop) - 1, ""
+
+    def feed(self, text: str, check: bool = True) -> tuple[str, bool]:
+        """``text``, a token's new text: the text now safe to emit, and whether a stop string ended in
+        ``text`` (then the emitted text ends where it starts, and nothing stays held). ``check`` False
+        (before ``min_tokens``): the text only passes through."""
+        window = self.held + text
+        hit = find_stop(window, len(self.held), self.stop) if check and text else -1
+        if hit >= 0:
+            self.held = ""
+            return window[:hit], True
+        cut = max(len(window) - self.hold, 0)
+        self.held = window[cut:]
+        return window[:cut], False
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held

@@ -3,7 +3,7 @@
 
 A step costs O(its new tokens), not O(the output so far): the detokenizer decodes a short window
 (``bole.engine.detokenizer``), the text is kept as appended pieces, stop strings are searched in the
-new text plus the emitted text's last characters, and a ``RequestOutput``'s cumulative fields are
+new text plus the characters held back, and a ``RequestOutput``'s cumulative fields are
 views: ``output_token_ids`` a window of the request's one token list, ``text`` joined from the text
 pieces when read. Pickled (to another process), an output carries them as a plain list and string.
 """
@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from bole.engine.detokenizer import find_stop
+from bole.engine.detokenizer import StopStrings
 from bole.engine.sequence import Request, TokenView
 from bole.spec.logprobs import TokenLogprob
 
@@ -50,11 +50,21 @@ class RequestOutput:
 def emit(req: Request, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
     """Append tokens one by one with stop checks; the output is ``finished`` if one fires (or, with no
     tokens, if the request asked for none: max_tokens 0): the caller then releases the request.
-    ``logprobs``: one per token, when asked."""
+    ``logprobs``: one per token, when asked.
+
+    Stop strings are checked token by token (from token ``min_tokens`` + 1, as vLLM does), so that a
+    speculative step's several tokens end where one token a step would: at the token whose text
+    completes a stop string, the tokens past it dropped with their logprobs. The text emitted never
+    holds any part of a stop string (``StopStrings`` holds back what could begin one)."""
     p = req.params
     new, reason = [], None
     if not tokens and req.num_output_tokens >= p.max_tokens:
         reason = "length"
+    detok, text, pieces = req.detokenizer, req.output_text, []
+    scan = None
+    if detok is not None and p.stop:
+        scan = req.stop_strings = req.stop_strings or StopStrings(p.stop)
+    cut = False   # a stop string ended: the text is complete
     for t in tokens:
         req.append_token(t)
         new.append(t)
@@ -64,24 +74,29 @@ def emit(req: Request, tokens: list[int], logprobs: list[TokenLogprob] | None = 
         if n_out >= p.min_tokens and ((t in req.eos_token_ids and not p.ignore_eos) or t in p.stop_token_ids):
             reason = "stop"
             break
+        if scan is not None:
+            piece, cut = scan.feed(detok.decode(req.output_token_ids), check=n_out > p.min_tokens)
+            pieces.append(piece)
+            if cut:
+                reason = "stop"
+                break
         if n_out >= p.max_tokens:
             reason = "length"
             break
-    new_text, text = "", req.output_text
-    if req.detokenizer is not None:
+    if detok is not None and not cut:
         # a finished request's text is all of its tokens' (``flush``), an incomplete character included
-        new_text = req.detokenizer.decode(req.output_token_ids, flush=reason is not None)
-        if p.stop and reason is None and new_text:
-            # a match may start up to len(s) characters back in the text already searched
-            tail = text.tail(max(len(s) for s in p.stop))
-            window = tail + new_text
-            hit = find_stop(window, len(tail), p.stop)
-            if hit >= 0:
+        rest = detok.decode(req.output_token_ids, flush=reason is not None)
+        if scan is None:
+            pieces.append(rest)
+        else:
+            piece, cut = scan.feed(rest, check=req.num_output_tokens > p.min_tokens)
+            pieces.append(piece)
+            if cut:
                 reason = "stop"
-                if hit < len(tail):  # it started in text already streamed: the text is cut there
-                    text.truncate(len(text) - len(tail) + hit)
-                new_text = window[len(tail):max(hit, len(tail))]
-        text.append(new_text)
+            elif reason is not None:
+                pieces.append(scan.flush())
+    new_text = "".join(pieces)
+    text.append(new_text)
     prompt_lp = None
     if p.prompt_logprobs is not None and not req.prompt_logprobs_sent:
         prompt_lp, req.prompt_logprobs_sent = [None, *req.prompt_logprobs], True

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from bole.engine.detokenizer import IncrementalDetokenizer, OutputText
+from bole.engine.detokenizer import IncrementalDetokenizer, OutputText, StopStrings
 from bole.sampling_params import SamplingParams
 from bole.spec.logprobs import TokenLogprob
 
@@ -122,6 +122,7 @@ class Request:
     pending_hidden: torch.Tensor | None = None   # [num_computed - mtp_computed, H]
     output_text: OutputText = field(default_factory=OutputText)   # appended pieces: str() is the text
     detokenizer: IncrementalDetokenizer | None = None   # with a tokenizer: ``output_text``, a step at a time
+    stop_strings: StopStrings | None = None   # with a tokenizer and ``params.stop``: their search (``emit``)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (``score_prompt``)
     prompt_logprobs_sent: bool = False   # delivered with the first output
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))

@@ -166,16 +166,64 @@ def test_streamed_text_is_the_decode_of_the_output(engine, tok, prompt):
 
 
 def test_stop_strings_cut_where_the_first_one_starts(engine, tok, prompt):
+    """Every mode ends where one token a step would (ar): at the first token whose text completes a stop
+    string, with that token's logprobs the last; the streamed deltas are exactly the final text (no part
+    of a stop string is ever sent: a delta cannot be taken back)."""
     free, _ = _stream(engine, prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     text = free.text
     later, earlier = text[12:15], text[5:9]   # spans token boundaries; listed later first
     hit = min(text.find(earlier), text.find(later))
     out, streamed = _stream(engine, prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
-                                                           stop=[later, earlier]))
-    assert out.finish_reason == "stop" and out.text == text[:hit]
-    assert streamed.startswith(out.text)   # a stop string's start may have streamed a step earlier
+                                                           stop=[later, earlier], logprobs=0))
+    assert out.finish_reason == "stop" and out.text == text[:hit] == streamed
     ids = out.output_token_ids
-    assert ids == free.output_token_ids[:len(ids)]
-    if engine.mode == "ar":  # one token a step: the first token whose text completes a stop string
-        n = next(n for n in range(1, 25) if any(s in tok.decode(free.output_token_ids[:n]) for s in (later, earlier)))
-        assert len(ids) == n
+    n = next(n for n in range(1, 25) if any(s in tok.decode(free.output_token_ids[:n]) for s in (later, earlier)))
+    assert list(ids) == free.output_token_ids[:n]
+
+
+def _emit_steps(tok, seq, params, sizes):
+    """``emit`` over ``seq`` in steps of ``sizes`` tokens (cycled; 1: ar's one token a step): the deltas,
+    the emitted tokens and logprob entries, and the last output."""
+    req = Request("r", [1, 2, 3], params, seed=0, detokenizer=IncrementalDetokenizer(tok))
+    deltas, ids, lps, i, k, out = [], [], [], 0, 0, None
+    while i < len(seq) and (out is None or not out.finished):
+        step = seq[i:i + sizes[k % len(sizes)]]
+        out = emit(req, step, [f"lp{i + j}" for j in range(len(step))])
+        deltas.append(out.new_text)
+        ids += out.new_token_ids
+        lps += out.logprobs
+        i, k = i + len(step), k + 1
+    return deltas, ids, lps, out
+
+
+@pytest.mark.parametrize("min_tokens", [0, 6])
+def test_emit_stop_strings_are_step_size_independent(tok, min_tokens):
+    """Stop strings over random multibyte sequences: whatever the step sizes (a speculative step emits
+    several tokens), the tokens, their logprobs, the text and the finish reason are those of one token a
+    step, the deltas add up to the text, and no delta ever holds a stop string's first characters
+    that the final text lacks. Before token min_tokens + 1 no stop string ends the request (vLLM's rule)."""
+    rng = random.Random(7)
+    for seq in _sequences(tok, rng, 40):
+        full = tok.decode(seq, skip_special_tokens=True)
+        if len(full) < 12:
+            continue
+        a = rng.randrange(len(full) - 6)
+        stops = [full[a:a + rng.randint(2, 5)], "zz" + full[a + 1:a + 3], "never seen"]
+        if any("\ufffd" in s for s in stops):   # an incomplete character's stand-in: not a stop string
+            continue
+        params = SamplingParams(temperature=0, max_tokens=len(seq), ignore_eos=True, stop=stops,
+                                min_tokens=min(min_tokens, len(seq)))
+        ref = _emit_steps(tok, seq, params, [1])
+        deltas, ids, lps, out = ref
+        assert "".join(deltas) == out.text and ids == seq[:len(ids)] and lps == [f"lp{j}" for j in range(len(ids))]
+        n, dec = len(ids), lambda m, seq=seq: tok.decode(seq[:m], skip_special_tokens=True)
+        if min_tokens == 0:   # the first token whose text completes a stop string; none in the text
+            assert not any(s in out.text for s in stops)
+            assert (out.finish_reason == "stop") == any(s in dec(n) for s in stops)
+            assert not any(s in dec(n - 1) for s in stops)
+        else:                 # none ends the request before token min_tokens + 1
+            assert out.finish_reason == "length" or n > params.min_tokens
+        for sizes in ([3], [8], [2, 5, 1], [len(seq)]):
+            got = _emit_steps(tok, seq, params, sizes)
+            assert got[1:3] == ref[1:3] and got[3].text == out.text and got[3].finish_reason == out.finish_reason
+            assert "".join(got[0]) == out.text, sizes

@@ -272,13 +272,26 @@ def test_auth_overload_and_drain(tiny_model, serve_app):
 
 
 def test_bole_mode_is_served_token_identically(tiny_model, serve_app, offline):
-    """Tree speculative decoding behind the server: greedy text equals autoregressive decoding."""
+    """Tree speculative decoding behind the server: greedy text equals autoregressive decoding; with a
+    stop string, streamed and whole, the text ends where the stop string starts (no part of it sent) and
+    the tokens, logprobs and usage are autoregressive decoding's."""
     client = LocalEngineClient(AsyncEngine(build_engine(tiny_model, **{**ENGINE_OPTIONS, "mode": "bole"})))
+    free = offline.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].text
+    stop = free[5:9]
+    ref = offline.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop]))[0]
+    assert ref.finish_reason == "stop" and ref.text == free[:free.find(stop)]
     with serve_app(openai_app(client, MODEL, api_key="")) as srv:
         oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
         chunks = oai.completions.create(model=MODEL, prompt=PROMPTS[0], stream=True, **greedy(6))
         text = "".join(c.choices[0].text for c in chunks if c.choices)
+        whole = oai.completions.create(model=MODEL, prompt=PROMPTS[0], stop=[stop], logprobs=0, **greedy(16))
+        chunks = list(oai.completions.create(model=MODEL, prompt=PROMPTS[0], stop=[stop], stream=True,
+                                             stream_options={"include_usage": True}, **greedy(16)))
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
         stats = client.stats().engine
-    ref = offline.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
-    assert text == ref.text
+    assert text == free[:len(text)] and len(text) < len(free)
+    assert whole.choices[0].text == streamed == ref.text and whole.choices[0].finish_reason == "stop"
+    n = len(ref.token_ids)
+    assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == n
+    assert len(whole.choices[0].logprobs.tokens) == n
     assert stats.mean_b_ver > 0 and stats.table_id.startswith("any/any")
