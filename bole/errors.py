@@ -7,4 +7,10 @@ that catches those keeps working; any other exception out of the engine is the s
 
 
 class InvalidRequest(ValueError):
-    """A request the engine refuses as given; the message names the offending value."""
+    """A request the engine refuses as given; the message names the offending value, ``param`` (when
+    known) the field holding it, which the HTTP ingress reports as the OpenAI error's ``param``.
+    ``param`` lives in the instance's ``__dict__``, which pickling keeps (a replica's error crosses Ray)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param

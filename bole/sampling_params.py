@@ -32,7 +32,7 @@ def _is_real(x) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request.
+    """How to sample one request; a bad value raises ``InvalidRequest`` whose ``param`` names its field.
 
     Attributes:
         temperature: >= 0; 0 means greedy (argmax), token-identical to autoregressive decoding.
@@ -76,54 +76,60 @@ class SamplingParams:
         elif isinstance(stop, str):
             stop = (stop,)
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-            raise InvalidRequest(f"stop must be a string or a list of strings, got {self.stop!r}")
+            raise InvalidRequest(f"stop must be a string or a list of strings, got {self.stop!r}", param="stop")
         if any(s == "" for s in stop):
-            raise InvalidRequest(f"stop must not contain empty strings, got {self.stop!r}")
+            raise InvalidRequest(f"stop must not contain empty strings, got {self.stop!r}", param="stop")
         object.__setattr__(self, "stop", tuple(stop))
 
         ids = () if self.stop_token_ids is None else self.stop_token_ids
         if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
             raise InvalidRequest(
-                f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
+                f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}",
+                param="stop_token_ids")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
 
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise InvalidRequest(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+            raise InvalidRequest(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}",
+                                 param="temperature")
         object.__setattr__(self, "temperature", float(t))
 
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
-            raise InvalidRequest(f"top_p must be in (0, 1], got {p!r}")
+            raise InvalidRequest(f"top_p must be in (0, 1], got {p!r}", param="top_p")
         object.__setattr__(self, "top_p", float(p))
 
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise InvalidRequest(f"top_k must be -1 or 0 (disabled) or an int >= 1, got {self.top_k!r}")
+            raise InvalidRequest(f"top_k must be -1 or 0 (disabled) or an int >= 1, got {self.top_k!r}",
+                                 param="top_k")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
-                raise InvalidRequest(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {v!r}")
+                raise InvalidRequest(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {v!r}",
+                                     param=name)
         least = 0 if self.prompt_logprobs is not None else 1
         if not _is_int(self.max_tokens) or self.max_tokens < least:
             raise InvalidRequest(f"max_tokens must be an int >= 1 (0 only with prompt_logprobs), "
-                                 f"got {self.max_tokens!r}")
+                                 f"got {self.max_tokens!r}", param="max_tokens")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise InvalidRequest(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+            raise InvalidRequest(f"min_tokens must be an int >= 0, got {self.min_tokens!r}", param="min_tokens")
         if self.min_tokens > self.max_tokens:
-            raise InvalidRequest(f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}")
+            raise InvalidRequest(f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}",
+                                 param="min_tokens")
         if self.seed is not None and (not _is_int(self.seed) or not -(1 << 63) <= self.seed < 1 << 63):
             # the per-row seed tensors are int64 (bole.spec.sampling.counter_uniforms)
-            raise InvalidRequest(f"seed must be an int in [-2**63, 2**63) or None, got {self.seed!r}")
+            raise InvalidRequest(f"seed must be an int in [-2**63, 2**63) or None, got {self.seed!r}", param="seed")
         if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequest(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise InvalidRequest(f"ignore_eos must be a bool, got {self.ignore_eos!r}", param="ignore_eos")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_real(v) or not -2.0 <= v <= 2.0:
-                raise InvalidRequest(f"{name} must be a number in [-2, 2], got {v!r}")
+                raise InvalidRequest(f"{name} must be a number in [-2, 2], got {v!r}", param=name)
             object.__setattr__(self, name, float(v))
         r = self.repetition_penalty
         if not _is_real(r) or r <= 0:
-            raise InvalidRequest(f"repetition_penalty must be a finite number > 0 (1 = off), got {r!r}")
+            raise InvalidRequest(f"repetition_penalty must be a finite number > 0 (1 = off), got {r!r}",
+                                 param="repetition_penalty")
         object.__setattr__(self, "repetition_penalty", float(r))
 
     @property

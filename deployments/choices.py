@@ -84,7 +84,7 @@ def make_choices(client: EngineClient, req, prompts: list[list[int]], max_tokens
                     repetition_penalty=req.repetition_penalty, logprobs=logprobs,
                     prompt_logprobs=prompt_logprobs)
             except InvalidRequest as e:
-                raise APIError(400, str(e)) from None
+                raise APIError(400, str(e), param=e.param) from None
             choices.append(Choice(p_index * req.n + j, ids, params, new_id(kind), counts_prompt=j == 0))
     return choices
 

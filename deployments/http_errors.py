@@ -41,7 +41,9 @@ def engine_error(e: BaseException, request_id: str) -> APIError:
                         "unavailable_error", code="replica_unavailable", headers={"Retry-After": "1"})
     if isinstance(e, RequestTimeout):
         return APIError(504, str(e), "timeout_error", code="request_timeout")
-    if isinstance(e, (InvalidRequest, ValidationError)):
+    if isinstance(e, InvalidRequest):
+        return APIError(400, str(e), param=e.param)
+    if isinstance(e, ValidationError):
         return APIError(400, str(e))
     return internal_error(e, request_id)
 
@@ -66,8 +68,18 @@ async def _validation_error(request, e: RequestValidationError):
         where = f" at character {pos}" if pos is not None else ""
         return APIError(400, f"the body is not valid JSON{where}: {msg}", code="json_invalid").response()
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    if not loc and err.get("type") == "missing":  # no body at all: name the fields it needs
+        needs = ", ".join(_required_fields(request)) or "the request's fields"
+        return APIError(400, f"the body is empty: send a JSON object with {needs}", code="missing").response()
     return APIError(400, f"{'.'.join(loc) + ': ' if loc else ''}{msg}", param=".".join(loc) or None,
                     code=err.get("type")).response()
+
+
+def _required_fields(request) -> list[str]:
+    """The required fields of the body model of the route that ``request`` matched."""
+    body = getattr(request.scope.get("route"), "body_field", None)
+    model = getattr(getattr(body, "field_info", None), "annotation", None)
+    return [name for name, f in getattr(model, "model_fields", {}).items() if f.is_required()]
 
 
 async def _http_error(request, e: StarletteHTTPException):
@@ -76,7 +88,7 @@ async def _http_error(request, e: StarletteHTTPException):
 
 
 async def _invalid_request(request, e: InvalidRequest):
-    return APIError(400, str(e)).response()
+    return APIError(400, str(e), param=e.param).response()
 
 
 async def _internal_error(request, e: Exception):  # a bug: never a 400

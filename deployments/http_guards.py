@@ -4,12 +4,14 @@ Pure ASGI (not ``BaseHTTPMiddleware``), so streaming responses and disconnects p
 Outermost first, as ``deployments.ingress.openai_app`` stacks them:
 
   RequestClock   stamps the request's arrival (``scope["state"][ARRIVAL_KEY]``, ``time.monotonic()``)
-                 before anything else runs, and counts /v1 responses by status
+                 before anything else runs, and counts /v1 responses by route template and status
+                 (``endpoint_label``: a path no route matches is "other", so clients can't mint series)
   ApiKeyGuard    401 for a missing / wrong bearer key, before the body is read or validated (a
                  request without a key learns nothing about its body); /v1 routes always, and with
                  ``protect_docs`` also /metrics, /docs, /redoc and /openapi.json. /health and
                  /ready stay open for probes.
-  BodySizeLimit  413 once a body exceeds ``max_bytes`` (declared or streamed)
+  BodySizeLimit  413 once a body exceeds ``max_bytes`` (declared, or streamed: then whatever the app
+                 answers, FastAPI's 400 for a body it could not read, is replaced by the 413)
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import hmac
 import time
 
 from fastapi.responses import JSONResponse
+from starlette.routing import Match
 
 ARRIVAL_KEY = "bole_arrival"
 PROTECTED_DOCS = ("/metrics", "/docs", "/redoc", "/openapi.json")
@@ -44,6 +47,16 @@ def arrival_time(scope) -> float:
     return (scope.get("state") or {}).get(ARRIVAL_KEY) or time.monotonic()
 
 
+def endpoint_label(scope) -> str:
+    """The template of the route ``scope`` matched (``/v1/models/{name:path}``), else "other". A request
+    answered before routing (401, a declared 413) is matched here against the app's routes."""
+    route = scope.get("route")
+    if route is None:
+        routes = getattr(scope.get("app"), "routes", ())
+        route = next((r for r in routes if r.matches(scope)[0] != Match.NONE), None)
+    return getattr(route, "path", None) or "other"
+
+
 class RequestClock:
     def __init__(self, app, metrics):
         self.app, self.metrics = app, metrics
@@ -58,7 +71,8 @@ class RequestClock:
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
-                self.metrics.requests.labels(self.metrics.model_name, path, str(message["status"])).inc()
+                self.metrics.requests.labels(self.metrics.model_name, endpoint_label(scope),
+                                             str(message["status"])).inc()
             await send(message)
 
         return await self.app(scope, receive, counting_send)
@@ -97,15 +111,28 @@ class BodySizeLimit:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await too_large.response()(scope, receive, send)
-        seen = 0
+        seen, over, started, replaced = 0, False, False, False
 
         async def limited_receive():
-            nonlocal seen
+            nonlocal seen, over
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
+                    over = True
                     raise APIError(413, too_large.message, code="request_too_large")
             return message
 
-        return await self.app(scope, limited_receive, send)
+        async def limited_send(message):
+            # FastAPI catches what the body read raised and answers 400: once over, the app's answer
+            # (unless it began before) is dropped and the 413 sent in its place
+            nonlocal started, replaced
+            if over and not started:
+                if not replaced:
+                    replaced = True
+                    await too_large.response()(scope, receive, send)
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        return await self.app(scope, limited_receive, limited_send)

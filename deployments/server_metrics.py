@@ -67,8 +67,8 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = r = CollectorRegistry()
         hw = ["model", "hardware_class"]
-        self.requests = Counter("bole_requests", "Finished HTTP requests", ["model", "endpoint", "status"],
-                                registry=r)
+        self.requests = Counter("bole_requests", "Finished /v1 HTTP requests (endpoint: the route template, or "
+                                "'other' where no route matched)", ["model", "endpoint", "status"], registry=r)
         self.aborted = Counter("bole_aborted_requests", "HTTP requests ended before they finished",
                                ["model", "reason"], registry=r)
         for reason in ABORT_REASONS:  # present at 0 from the start, so a rate() sees the first one

@@ -71,6 +71,11 @@ def test_invalid_request_is_a_400(server):
                                  "param": None, "code": None}
 
 
+def test_an_invalid_request_naming_its_field_gives_param(server):
+    r = post(server, InvalidRequest("seed must be an int in [-2**63, 2**63) or None, got 2**63", param="seed"))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+
+
 def test_pydantic_validation_is_a_400(server):
     r = post(server, RuntimeError("not reached"), temperature="hot")
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
