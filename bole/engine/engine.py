@@ -196,7 +196,10 @@ class LLMEngine:
         V = self.model.config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < V]
         if bad:
-            raise InvalidRequest(f"prompt token ids out of range [0, {V}): {bad[:5]}")
+            raise InvalidRequest(f"prompt token ids out of range [0, {V}): {bad[:5]}", param="prompt")
+        bad = [t for t in params.stop_token_ids if t >= V]   # never sampled: a client's mistake
+        if bad:
+            raise InvalidRequest(f"stop_token_ids out of range [0, {V}): {bad[:5]}", param="stop_token_ids")
         P, M, L, C = len(prompt_token_ids), params.max_tokens, self.lookahead, self.capacity_tokens
         if P + M > C:
             raise InvalidRequest(f"prompt ({P} tokens) + max_tokens ({M}) does not fit the KV cache ({C} tokens = "

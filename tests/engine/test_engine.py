@@ -269,8 +269,12 @@ def test_bad_requests_raise_and_lose_nothing(ckpt):
     path, _ = ckpt("dense")
     eng = engine(path, "bole")
     ok = eng.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(ValueError, match="out of range") as e:
         eng.add_request([1, 999], SamplingParams())
+    assert e.value.param == "prompt"
+    with pytest.raises(ValueError, match=r"stop_token_ids out of range \[0, 16\)") as e:
+        eng.add_request([1, 2], SamplingParams(stop_token_ids=[3, 10**12]))
+    assert e.value.param == "stop_token_ids" and str(10**12) in str(e.value)
     with pytest.raises(ValueError, match="empty"):
         eng.add_request([], SamplingParams())
     with pytest.raises(ValueError, match="does not fit"):
