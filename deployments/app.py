@@ -11,10 +11,27 @@ routing thresholds. The ingress is shared; with several groups it picks the grou
 policy over the whole fleet view (``deployments.serve_client.ServeEngineClient``).
 
 Capacity comes from the engines: a replica admits ``max_pending`` engine requests (its running batch
-and queue; default 4 x max_num_seqs) and Serve's ``max_ongoing_requests`` defaults to that, and the
-ingress's to the sum over groups of (max) replicas x max_pending plus ``PROBE_HEADROOM``, so the
+and queue; default 4 x max_num_seqs) and Serve's ``max_ongoing_requests`` defaults to that, so the
 engines' batches fill and /metrics is answered under load. Serve's own default (5) had capped the
 whole endpoint at 5 requests.
+
+Nothing waits in Serve without bound, and every request's deadline covers Serve's queues. Serve holds a
+call beyond a deployment's ``max_ongoing_requests`` in the caller's queue, unbounded by default: a
+burst waited there with its deadline not started (the ingress starts it), and was answered long after
+``request_timeout_s``. So:
+  - a group's queue (in the ingress, for its replicas) holds one more round of what its replicas
+    hold (``max_queued_requests``); beyond it the ingress answers an OpenAI-shaped 429 at once
+    (Serve's ``BackPressureError``, deployments.http_errors);
+  - the ingress takes twice what the groups admit and queue (``fleet_holds``), plus
+    ``PROBE_HEADROOM`` for /metrics and probes: the second half for the requests it is refusing, so
+    overload reaches its 429 instead of waiting in the proxy's queue;
+  - the proxy's queue for the ingress holds ``fleet_holds`` plus ``PROBE_HEADROOM`` (Serve counts a
+    request as queued while handing it over, so less would refuse bursts the fleet can take); beyond
+    it the proxy answers 429 with ``Retry-After`` itself (``backpressure_config``; a plain-text body);
+  - Serve's proxy ends any request ``proxy_request_timeout_s`` (the deadline plus
+    ``PROXY_TIMEOUT_SLACK_S``) after it arrived (``http_options.request_timeout_s``, set by
+    deployments.launch): the ingress's 504 comes first, and a request held in the proxy's queue is
+    still answered (408, plain text) and cancelled, its engine requests aborted.
 """
 
 from __future__ import annotations
@@ -33,6 +50,11 @@ from deployments.routing_policy import RouterPolicyConfig, process_fleet
 ROUTER_CLASS = "deployments.router:BoleRequestRouter"
 INGRESS_NAME = "openai-ingress"
 PROBE_HEADROOM = 8   # ingress slots beyond what the engines admit: /metrics, /health, /ready
+# Serve's proxy answers a request this long after its deadline at the latest: time for the ingress's own
+# 504 (measured from the ingress's receipt, a little after the proxy's) to come first
+PROXY_TIMEOUT_SLACK_S = 2.0
+# what the proxy tells a client it refuses because the ingress's queue is full (Serve's backpressure_config)
+INGRESS_BACKPRESSURE = {"status_code": 429, "retry_after_s": 1.0}
 
 
 class RouterOptions(BaseModel):
@@ -90,6 +112,10 @@ class GroupConfig(BaseModel):
                                 "(max_pending), so Serve never holds back what the engine would take.")
     max_pending: int | None = Field(None, ge=1, description="Engine requests a replica admits: its running "
                                                             "batch and its queue (default 4 x max_num_seqs).")
+    max_queued_requests: int | None = Field(
+        None, ge=1, description="Calls an ingress replica holds for this group while every replica is full "
+                                "(Serve's max_queued_requests); beyond it the client gets a 429 at once. Default: "
+                                "what the replicas hold (max replicas x max_ongoing_requests), one more round.")
     graceful_shutdown_timeout_s: float = Field(60.0, gt=0, description="Drain time on shutdown / downscale.")
     router: RouterOptions = Field(default_factory=RouterOptions, description="Routing thresholds.")
 
@@ -123,6 +149,13 @@ class GroupConfig(BaseModel):
             return int(self.autoscaling_config.get("max_replicas", 1))
         return self.num_replicas if isinstance(self.num_replicas, int) else 1
 
+    @property
+    def replica_max_queued(self) -> int:
+        """Serve's queue bound of the group, per caller (ingress replica). One round of what the replicas
+        hold: Serve counts a call as queued while handing it to a replica, so less would refuse a burst
+        the replicas can take (their engines queue behind the batch already)."""
+        return self.max_queued_requests or self.max_replica_count * self.replica_max_ongoing
+
 
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -136,11 +169,19 @@ class AppConfig(BaseModel):
     default_max_tokens: int | None = Field(None, ge=1, description="Chat max_tokens if a request has none.")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Larger HTTP bodies get 413.")
     ingress_max_ongoing_requests: int | None = Field(
-        None, ge=1, description="HTTP requests one ingress replica handles at once (Serve); default what "
-                                "the groups can admit (sum of max replicas x max_pending) plus "
-                                f"{PROBE_HEADROOM} for /metrics and probes, so neither starves under load.")
+        None, ge=1, description="HTTP requests one ingress replica handles at once (Serve); default twice "
+                                "what the groups can admit and queue (sum of max replicas x max_pending plus "
+                                f"their max_queued_requests) plus {PROBE_HEADROOM} for /metrics and probes, so "
+                                "neither starves under load and overload reaches the ingress's 429.")
+    ingress_max_queued_requests: int | None = Field(
+        None, ge=1, description="HTTP requests Serve's proxy holds while every ingress slot is taken (Serve's "
+                                "max_queued_requests, per proxy); beyond it the proxy answers 429 with "
+                                "Retry-After at once. Default: what the groups admit and queue, plus "
+                                f"{PROBE_HEADROOM}.")
     request_timeout_s: float = Field(DEFAULT_REQUEST_TIMEOUT_S, gt=0, description="Server-side deadline of "
-                                     "every request (then 504 and its engine requests are aborted).")
+                                     "every request (then 504 and its engine requests are aborted); Serve's "
+                                     "proxy answers any request still open "
+                                     f"{PROXY_TIMEOUT_SLACK_S:g} s later, held in its queue or not.")
     retry_budget_s: float = Field(RetryPolicy.budget_s, ge=0, description="How long the ingress keeps "
                                   "retrying a request that replicas refuse (draining) before a 503.")
     protect_metrics: bool = Field(False, description="With an API key, require it on /metrics, /docs and "
@@ -163,10 +204,29 @@ class AppConfig(BaseModel):
         return self
 
     @property
+    def fleet_holds(self) -> int:
+        """Calls the groups hold at once: admitted by their replicas, and queued for them."""
+        return sum(g.max_replica_count * g.admission_limit + g.replica_max_queued for g in self.groups)
+
+    @property
     def ingress_max_ongoing(self) -> int:
         if self.ingress_max_ongoing_requests is not None:
             return self.ingress_max_ongoing_requests
-        return sum(g.max_replica_count * g.admission_limit for g in self.groups) + PROBE_HEADROOM
+        # twice: as many again for the requests the ingress is refusing (each holds a slot until its 429
+        # is written), so overload reaches the ingress's 429 instead of waiting in the proxy's queue
+        return 2 * self.fleet_holds + PROBE_HEADROOM
+
+    @property
+    def ingress_max_queued(self) -> int:
+        """The proxy's queue for the ingress: a burst the fleet can hold is never refused while the proxy
+        hands it over (Serve counts those as queued), and a slow ingress sheds the rest at once."""
+        return self.ingress_max_queued_requests or self.fleet_holds + PROBE_HEADROOM
+
+    @property
+    def proxy_request_timeout_s(self) -> float:
+        """Serve's end-to-end HTTP timeout (``http_options.request_timeout_s``), counted from the request's
+        arrival at the proxy, so it covers the proxy's queue, which the ingress's deadline cannot see."""
+        return self.request_timeout_s + PROXY_TIMEOUT_SLACK_S
 
 
 def replica_deployment(group: GroupConfig, model: str):
@@ -179,6 +239,7 @@ def replica_deployment(group: GroupConfig, model: str):
     router_kwargs = group.router.model_dump(exclude={"stats_period_s"})
     options: dict[str, Any] = dict(
         name=group.name, max_ongoing_requests=group.replica_max_ongoing,
+        max_queued_requests=group.replica_max_queued,
         ray_actor_options=group.ray_actor_options,
         user_config={"calibration_table": group.calibration_table},
         graceful_shutdown_timeout_s=group.graceful_shutdown_timeout_s,
@@ -242,5 +303,6 @@ def build_app(args: dict):
     replicas = {g.name: replica_deployment(g, cfg.model) for g in cfg.groups}
     ingress = serve.deployment(_ingress_class()).options(
         name=INGRESS_NAME, num_replicas=cfg.ingress_replicas, ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=cfg.ingress_max_ongoing)
+        max_ongoing_requests=cfg.ingress_max_ongoing, max_queued_requests=cfg.ingress_max_queued,
+        backpressure_config=INGRESS_BACKPRESSURE)
     return ingress.bind(replicas, cfg.model_dump())

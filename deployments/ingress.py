@@ -26,6 +26,10 @@ Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``:
   504 timeout_error           the request passed its deadline (``request_timeout_s``)
   500 internal_error          anything else: logged with its traceback under a request id, which
                               the message carries (never a 400: the client did nothing wrong)
+Under Ray Serve (``deployments.app``) Serve's proxy answers two more itself, in plain text: 429 with
+``Retry-After`` when its bounded queue for the ingress is full, and 408 for a request still open
+``request_timeout_s`` + 2 s after it reached the proxy (one held in the proxy's queue, where this
+app's deadline, counted from the ingress's receipt, had not started).
 A failing request never disturbs the others: validation happens before anything reaches the
 engine, and a request's stream ending (finished, error, deadline or client disconnect) aborts only
 its own engine requests. ``n`` choices (and a batch of prompts) are independent engine requests,
@@ -172,10 +176,14 @@ class OpenAIServer:
             return writer.body(choices, usage(choices))
 
         stream = self.run(choices, arrival)
-        try:  # the first delta decides the HTTP status: admission errors are still proper responses
-            first = await stream.__anext__()
+        try:  # the first delta decides the HTTP status: admission errors are still proper responses;
+            # a client that leaves before it (its request still queued, say) aborts the request now
+            first = await self.until_disconnected(request, stream.__anext__())
         except StopAsyncIteration:
             first = None
+        except APIError:
+            await stream.aclose()
+            raise
         except Exception as e:
             await stream.aclose()
             raise engine_error(e, writer.id) from None

@@ -11,6 +11,10 @@ over a local engine), for machines where Ray cannot start.
 ``cluster_configs/mixed.yaml`` on this machine with ``cluster_configs/overlays/mixed-cpu.yaml`` and
 the ``accelerator_type:A100`` / ``gb10`` resources of the real fleet's nodes. The banner prints the
 Ray address, for ``python -m deployments.recalibrate --address``.
+
+Serve's proxy gets an end-to-end timeout (``http_options.request_timeout_s``) unless the config sets
+one: the app's deadline plus slack (``AppConfig.proxy_request_timeout_s``), so a request held in the
+proxy's queue, where the ingress's deadline has not started, is still answered in time.
 """
 
 from __future__ import annotations
@@ -60,6 +64,22 @@ def banner(url: str, model: str, key_env: str) -> str:
         snippet = SNIPPET.format(imports="", url=url, key='"unused"', model=model)
     return (f"\nBole is serving {model!r} at {url}/v1  (health: {url}/health, metrics: {url}/metrics)\n\n"
             f"{curl}\n\n{snippet}\n")
+
+
+def serve_http_options(http: dict, app_cfg) -> dict:
+    """``http`` (the config's ``http_options``) with Serve's end-to-end timeout: the app's
+    ``proxy_request_timeout_s`` unless ``http`` sets one, which wins; one outside [deadline, deadline
+    + slack] is said on stderr (shorter: Serve's 408 cuts requests before their 504; longer: a request
+    held in Serve's queue may be answered after its deadline)."""
+    given, deadline, fits = http.get("request_timeout_s"), app_cfg.request_timeout_s, app_cfg.proxy_request_timeout_s
+    if given is None:
+        return {**http, "request_timeout_s": fits}
+    if not deadline <= given <= fits:
+        why = "Serve's proxy ends requests before their 504 (408)" if given < deadline else \
+            "a request held in Serve's queue may be answered after its deadline"
+        print(f"make serve: http_options.request_timeout_s is {given:g} s for a request_timeout_s of {deadline:g} s: "
+              f"{why}; {fits:g} s fits", file=sys.stderr)
+    return http
 
 
 def port_in_use(host: str, port: int) -> str | None:
@@ -124,7 +144,7 @@ def main(argv=None) -> int:
     if problem:
         print(f"make serve: {problem}", file=sys.stderr)
         return 2
-    http = cfg.get("http_options", {})
+    http = cfg["http_options"] = serve_http_options(cfg.get("http_options", {}), app_cfg)
     host, port = http.get("host", "127.0.0.1"), int(http.get("port", 8000))
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     name = served_name(app_cfg)

@@ -83,20 +83,52 @@ def test_capacity_defaults_follow_what_the_engines_admit():
         local = AppConfig(**yaml.safe_load(f)["applications"][0]["args"])
     (g,) = local.groups
     assert g.admission_limit == 4 * g.engine_options["max_num_seqs"] == g.replica_max_ongoing
-    assert local.ingress_max_ongoing == g.admission_limit + 8
+    assert g.replica_max_queued == g.replica_max_ongoing   # one more round of what the replica holds
+    assert local.ingress_max_ongoing == 2 * (g.admission_limit + g.replica_max_queued) + 8
     fleet = AppConfig(model="m", groups=[
         {"name": "a", "engine_options": {"max_num_seqs": 8}, "num_replicas": 2},
         {"name": "b", "engine_options": {"max_num_seqs": 4}, "max_pending": 6, "max_ongoing_requests": 5,
          "num_replicas": "auto", "autoscaling_config": {"min_replicas": 1, "max_replicas": 3}}])
     a, b = fleet.groups
     assert (a.replica_max_ongoing, b.replica_max_ongoing) == (32, 5)
-    assert fleet.ingress_max_ongoing == 2 * 32 + 3 * 6 + 8
-    assert AppConfig(model="m", groups=[{"name": "a"}], ingress_max_ongoing_requests=7).ingress_max_ongoing == 7
-    # and the built Serve application carries them
+    assert (a.replica_max_queued, b.replica_max_queued) == (2 * 32, 3 * 5)
+    assert fleet.ingress_max_ongoing == 2 * (2 * 32 + 3 * 6 + 2 * 32 + 3 * 5) + 8
+    assert fleet.ingress_max_queued == 2 * 32 + 3 * 6 + 2 * 32 + 3 * 5 + 8
+    small = AppConfig(model="m", groups=[{"name": "a", "max_queued_requests": 3}], ingress_max_ongoing_requests=7,
+                      ingress_max_queued_requests=2)
+    assert (small.ingress_max_ongoing, small.ingress_max_queued, small.groups[0].replica_max_queued) == (7, 2, 3)
+    # and the built Serve application carries them: every queue of Serve's bounded, the proxy's refusal a 429
     with open(os.path.join(REPO_ROOT, "cluster_configs", "local.yaml")) as f:
         app = build_app(yaml.safe_load(f)["applications"][0]["args"])
-    assert app._bound_deployment._deployment_config.max_ongoing_requests == local.ingress_max_ongoing
+    ingress = app._bound_deployment._deployment_config
+    assert ingress.max_ongoing_requests == local.ingress_max_ongoing
+    assert ingress.max_queued_requests == local.ingress_max_queued
+    assert (ingress.backpressure_config.status_code, ingress.backpressure_config.retry_after_s) == (429, 1.0)
     replica = app._bound_deployment.init_args[0][g.name]._bound_deployment
     assert replica._deployment_config.max_ongoing_requests == g.replica_max_ongoing
+    assert replica._deployment_config.max_queued_requests == g.replica_max_queued
     with pytest.raises(ValueError):
         AppConfig(model="m", groups=[{"name": "a"}], request_timeout_s=0)
+    with pytest.raises(ValueError):
+        AppConfig(model="m", groups=[{"name": "a", "max_queued_requests": 0}])
+
+
+def test_serves_proxy_timeout_covers_its_queue(capsys):
+    """make serve gives Serve's proxy the deadline plus slack (it counts from the proxy's receipt, its
+    queue included) unless the config sets one; mixed.yaml, deployed with `serve deploy`, sets it."""
+    from deployments.app import PROXY_TIMEOUT_SLACK_S
+    from deployments.launch import serve_http_options
+
+    app = AppConfig(model="m", groups=[{"name": "a"}], request_timeout_s=3)
+    assert app.proxy_request_timeout_s == 3 + PROXY_TIMEOUT_SLACK_S
+    assert serve_http_options({"port": 1}, app) == {"port": 1, "request_timeout_s": 3 + PROXY_TIMEOUT_SLACK_S}
+    assert serve_http_options({"request_timeout_s": 4}, app) == {"request_timeout_s": 4}
+    assert capsys.readouterr().err == ""
+    serve_http_options({"request_timeout_s": 2}, app)
+    assert "before their 504" in capsys.readouterr().err
+    serve_http_options({"request_timeout_s": 60}, app)
+    assert "after its deadline" in capsys.readouterr().err
+    with open(os.path.join(REPO_ROOT, "cluster_configs", "mixed.yaml")) as f:
+        mixed = yaml.safe_load(f)
+    assert mixed["http_options"]["request_timeout_s"] == AppConfig(**mixed["applications"][0]["args"]) \
+        .proxy_request_timeout_s

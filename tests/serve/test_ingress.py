@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 from conftest import ENGINE_OPTIONS
+from test_error_mapping import RaisingClient
 
 from bole.engine.async_engine import AsyncEngine
 from bole.llm import LLM, build_engine
@@ -192,6 +193,38 @@ def test_client_disconnect_aborts_the_request(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=0.25)
     assert wait_idle(server.engine_client)
+
+
+class QueuedClient(RaisingClient):
+    """An engine client whose requests never produce a token (queued behind a full batch); it records
+    when the ingress closes a request's stream, which aborts its engine requests."""
+
+    def __init__(self):
+        super().__init__()
+        self.closed: list[float] = []
+
+    async def generate_many(self, subs):
+        try:
+            await asyncio.Event().wait()
+            yield
+        finally:
+            self.closed.append(time.monotonic())
+
+
+def test_a_stream_abandoned_before_its_first_token_is_aborted(serve_app):
+    """A streaming client that leaves while its request waits for its first token (no response started)
+    aborts it then, not once a token comes (or the deadline passes) and finds the client gone."""
+    client = QueuedClient()
+    with serve_app(openai_app(client, MODEL, api_key="")) as srv:
+        body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4, "stream": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/completions", json=body, timeout=0.5)
+        left = time.monotonic()
+        while not client.closed and time.monotonic() < left + 3:
+            time.sleep(0.05)
+        assert client.closed and client.closed[0] - left < 2.0
+        metrics = httpx.get(srv.url + "/metrics").text
+    assert 'bole_aborted_requests_total{model="tiny",reason="client_disconnected"} 1.0' in metrics
 
 
 def test_metrics_health_ready(server, oai):

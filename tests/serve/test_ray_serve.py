@@ -17,15 +17,16 @@ pytestmark = pytest.mark.slow
 MODEL = "tiny"
 
 
-def start_serve(attempts: int = 4) -> int:
+def start_serve(attempts: int = 4, **http_options) -> int:
     """serve.start on 127.0.0.1 and a free port (`bole.parallel.free_port`: outside the ranges Ray's own
-    processes draw from), retried on another port if the proxy still cannot bind; returns the port."""
+    processes draw from), retried on another port if the proxy still cannot bind; returns the port.
+    ``http_options``: more of Serve's HTTP options (request_timeout_s)."""
     from ray import serve
 
     for attempt in range(attempts):
         port = free_port()
         try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            serve.start(http_options={**http_options, "host": "127.0.0.1", "port": port})
             return port
         except Exception as e:  # ray.exceptions.RayTaskError(RuntimeError) from the proxy actor
             if "Failed to bind" not in str(e) or attempt == attempts - 1:
