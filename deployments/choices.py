@@ -53,8 +53,9 @@ def check_ids(ids: list[int], param: str, vocab_size: int) -> list[int]:
 def make_choices(client: EngineClient, req, prompts: list[list[int]], max_tokens: int | None, kind: str,
                  default_max_tokens: int | None, logprobs: int | None = None,
                  prompt_logprobs: int | None = None) -> list[Choice]:
-    """``req.n`` choices per prompt, each within the client's ``max_model_len``; ``kind`` "chat"
-    caps an unset max_tokens at the room left (completions use ``default_max_tokens`` or the room)."""
+    """``req.n`` choices per prompt, each within the client's ``max_model_len``. An unset max_tokens
+    (chat's default; completions' explicit null) is ``default_max_tokens`` capped at the room left, or
+    the room; an explicit 0 (completions' echo: scoring the prompt) needs no room."""
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -66,12 +67,11 @@ def make_choices(client: EngineClient, req, prompts: list[list[int]], max_tokens
     choices = []
     for p_index, ids in enumerate(prompts):
         room = client.max_model_len - len(ids)
-        want = max_tokens if max_tokens is not None else (default_max_tokens or room)
-        if kind == "chat" and max_tokens is None:
-            want = min(want, room)
-        if len(ids) + want > client.max_model_len or room < 1:
+        want = max_tokens if max_tokens is not None else min(default_max_tokens or room, room)
+        if want > room or room < 0 or (room == 0 and max_tokens != 0):
+            asks = f"asks for {want} more" if room >= 1 else "leaves no room to generate"
             raise APIError(400, f"this model's maximum context length is {client.max_model_len} tokens; "
-                           f"the request has {len(ids)} prompt tokens and asks for {want} more",
+                           f"the request has {len(ids)} prompt tokens and {asks}",
                            param="max_tokens" if room >= 1 else "prompt", code="context_length_exceeded")
         for j in range(req.n):
             try:

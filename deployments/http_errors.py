@@ -84,7 +84,7 @@ def _required_fields(request) -> list[str]:
 
 async def _http_error(request, e: StarletteHTTPException):
     kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-    return APIError(e.status_code, str(e.detail), kind).response()
+    return APIError(e.status_code, str(e.detail), kind, headers=e.headers).response()   # a 405's Allow
 
 
 async def _invalid_request(request, e: InvalidRequest):

@@ -92,7 +92,8 @@ class OpenAIServer:
     # -- request -> engine requests ---------------------------------------------------------------
     def check_model(self, name: str) -> None:
         if name != self.model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+            shown = repr(name) if len(name) <= 200 else f"{name[:200]!r}... ({len(name)} characters)"
+            raise APIError(404, f"the model {shown} does not exist; this server serves {self.model_name!r}",
                            "not_found_error", param="model", code="model_not_found")
 
     def encode(self, text: str) -> list[int]:
@@ -343,13 +344,14 @@ def openai_app(engine_client: EngineClient, model_name: str, *, api_key: str | N
     app.add_middleware(RequestClock, metrics=metrics)
     for exc, handler in ERROR_HANDLERS.items():
         app.add_exception_handler(exc, handler)
-    app.add_api_route("/v1/models", server.list_models, methods=["GET"])
-    app.add_api_route("/v1/models/{name:path}", server.get_model, methods=["GET"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
-    app.add_api_route("/health", server.health, methods=["GET"])
-    app.add_api_route("/ready", server.ready, methods=["GET"])
     app.add_api_route("/metrics", server.prometheus, methods=["GET"])
+    for path, handler in (("/v1/models", server.list_models), ("/v1/models/{name:path}", server.get_model),
+                          ("/health", server.health), ("/ready", server.ready)):
+        app.add_api_route(path, handler, methods=["GET"])
+        # HEAD too, as probes and load balancers ask (the GET's status and headers); one schema entry
+        app.add_api_route(path, handler, methods=["HEAD"], include_in_schema=False)
     return app
 
 

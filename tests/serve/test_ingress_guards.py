@@ -61,8 +61,14 @@ def test_auth_comes_first_and_can_protect_metrics_and_docs(tiny_model, serve_app
         for path in ("/metrics", "/docs", "/openapi.json"):
             error(httpx.get(srv.url + path), 401)
             assert httpx.get(srv.url + path, headers=KEY).status_code == 200, path
-        for path in ("/health", "/ready"):   # probes stay open
+        for path in ("/health", "/ready"):   # probes stay open, HEAD too (load balancers')
             assert httpx.get(srv.url + path).status_code == 200
+            assert httpx.head(srv.url + path).status_code == 200
+        assert httpx.head(srv.url + "/v1/models", headers=KEY).status_code == 200
+        r = httpx.get(srv.url + "/v1/completions", headers=KEY)   # a 405 says what the route takes
+        assert error(r, 405) and r.headers["allow"] == "POST"
+        err = error(httpx.get(srv.url + "/v1/models/" + "m" * 30_000, headers=KEY), 404)
+        assert err["code"] == "model_not_found" and len(err["message"]) < 400   # the name not echoed whole
         oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekret", max_retries=0, timeout=60)
         assert oai.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2
         with pytest.raises(openai.AuthenticationError):
@@ -89,6 +95,16 @@ def test_metrics_and_docs_stay_open_without_the_setting(tiny_model, short_model,
         assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
         assert httpx.post(srv.url + "/v1/completions", json={**body, "max_tokens": 8},
                           headers=KEY).status_code == 200
+        # max_tokens null: the room left; none left is refused by name; scoring a full prompt needs none
+        r = httpx.post(srv.url + "/v1/completions", headers=KEY,
+                       json={**body, "max_tokens": None, "ignore_eos": True, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
+        full = {**body, "prompt": list(range(5, 53))}
+        err = error(httpx.post(srv.url + "/v1/completions", json={**full, "max_tokens": None}, headers=KEY), 400)
+        assert err["code"] == "context_length_exceeded" and "no room" in err["message"] and err["param"] == "prompt"
+        r = httpx.post(srv.url + "/v1/completions", headers=KEY,
+                       json={**full, "max_tokens": 0, "echo": True, "logprobs": 0})
+        assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["tokens"]) == 48, r.text
 
         # param names the field, never a byte offset
         bad_json = httpx.post(srv.url + "/v1/completions", content=b'{"model": "tiny", "prompt": }',
