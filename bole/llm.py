@@ -75,7 +75,11 @@ def build_engine(model_path: str, tokenizer: bool = True, tp_rank: int = 0, tp_g
     if tokenizer and os.path.exists(os.path.join(resolve_repo_path(model_path), "tokenizer.json")):
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(resolve_repo_path(model_path))
+        try:
+            tok = AutoTokenizer.from_pretrained(resolve_repo_path(model_path))
+        except Exception as e:   # the tokenizers library raises a bare Exception on a malformed file
+            raise ValueError(f"{model_path}: its tokenizer files could not be loaded "
+                             f"({type(e).__name__}: {e})") from e
     return LLMEngine(model, cfg, tokenizer=tok)
 
 

@@ -124,8 +124,12 @@ class CalibrationTable:
 
     @staticmethod
     def load(path) -> "CalibrationTable":
-        with open(path) as f:
-            data = yaml.safe_load(f)
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError) as e:   # the library refuses a bad input with a ValueError naming it
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise ValueError(f"{path}: cannot read this calibration table: {why}") from None
         try:
             return CalibrationTable.from_dict(data)
         except ValueError as e:

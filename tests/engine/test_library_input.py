@@ -147,6 +147,21 @@ def test_malformed_config_json_names_the_path(ckpt, tmp_path):
         LLM(path, **OPTS)
 
 
+def test_unreadable_calibration_table_and_tokenizer_name_the_file(ckpt, tmp_path):
+    missing = str(tmp_path / "nope.yaml")
+    with pytest.raises(ValueError, match=f"{missing}: cannot read this calibration table: No such file"):
+        LLM(ckpt, **{**OPTS, "calibration_table": missing})
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("buckets: [1, 2\n")
+    with pytest.raises(ValueError, match=f"{broken}: cannot read this calibration table"):
+        LLM(ckpt, **{**OPTS, "calibration_table": str(broken)})
+    path = copy_ckpt(ckpt, tmp_path / "badtok")
+    with open(os.path.join(path, "tokenizer.json"), "w") as f:
+        f.write("{bad")
+    with pytest.raises(ValueError, match=f"{path}: its tokenizer files could not be loaded"):
+        LLM(path, **OPTS)
+
+
 @pytest.mark.parametrize("kind", ["linear_attention", "full_attention"])
 def test_single_kind_layouts_are_refused_clearly(ckpt, tmp_path, kind):
     path = copy_ckpt(ckpt, tmp_path / kind)
