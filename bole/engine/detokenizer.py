@@ -90,15 +90,6 @@ class OutputText:
             self.pieces.append(s)
             self.length += len(s)
 
-    def tail(self, n: int) -> str:
-        """The last ``n`` characters (all if the text is shorter), from the last pieces only."""
-        out, have, i = [], 0, len(self.pieces)
-        while have < n and i > 0:
-            i -= 1
-            out.append(self.pieces[i])
-            have += len(self.pieces[i])
-        return "".join(reversed(out))[max(0, have - n):]
-
     def __str__(self) -> str:
         return "".join(self.pieces)
 
