@@ -1,4 +1,9 @@
-"""Command line: ``python -m bole generate --model PATH --prompt ... [--mode bole|ar|serial_tree]``."""
+"""Command line: ``python -m bole generate --model PATH --prompt ... [--mode bole|ar|serial_tree]``.
+
+A user's mistake (a bad option value, a model folder or file that is missing or malformed: the library's
+``ValueError`` naming it, or an ``OSError``) prints one line ``error: <message>`` and exits with status 2, as
+argparse does for a bad flag; anything else is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
@@ -44,15 +49,26 @@ def main(argv=None) -> int:
     g.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt and the metrics")
     a = p.parse_args(argv)
+    try:
+        return generate(a)
+    except (ValueError, OSError) as e:
+        message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        print(f"error: {message or type(e).__name__}", file=sys.stderr)
+        return 2
 
+
+def generate(a: argparse.Namespace) -> int:
     from bole import LLM, SamplingParams
 
-    llm = LLM(a.model, mode=a.mode, device=a.device, dtype=a.dtype, depth=a.depth, topk=a.topk, beam=a.beam,
-              draft_vocab=a.draft_vocab, budget_epsilon=a.budget_epsilon, cap_tree_width=a.cap_tree_width,
-              budget_floor=a.budget_floor, budget_rule=a.budget_rule,
-              num_blocks=a.num_blocks, gpu_memory_utilization=a.gpu_memory_utilization)
+    # every option is checked before the model loads
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
                             seed=a.seed)
+    options = dict(mode=a.mode, device=a.device, dtype=a.dtype, depth=a.depth, topk=a.topk, beam=a.beam,
+                   draft_vocab=a.draft_vocab, budget_epsilon=a.budget_epsilon, cap_tree_width=a.cap_tree_width,
+                   budget_floor=a.budget_floor, budget_rule=a.budget_rule,
+                   num_blocks=a.num_blocks, gpu_memory_utilization=a.gpu_memory_utilization)
+    EngineConfig.from_options(**options)
+    llm = LLM(a.model, **options)
     t0 = time.perf_counter()
     outs = llm.generate(a.prompt, params, use_tqdm=True)
     dt = time.perf_counter() - t0

@@ -262,7 +262,8 @@ class SpecConfig:
     draft_fast_math: the drafter's fp32 products on tensor cores (TF32 GEMMs, bf16 attention;
     ``bole.layers.draft_math``). Outputs stay exact either way: only the proposals can change.
     draft_vocab: the drafter scores only the N most frequent training tokens (FR-Spec; the model folder's
-    ``token_frequencies.json``, ``bole.spec.draft_vocab``), N >= topk, capped at the vocabulary; None: all.
+    ``token_frequencies.json``, ``bole.spec.draft_vocab``), topk <= N <= the vocabulary size (``build_engine``
+    refuses more: ``check_draft_vocab``); None: all.
     budget_epsilon: ε of eq. 12 (docs/DESIGN.md §5), the verify latency the budget may add over its
     floor: each bucket's B_ver is re-derived from the calibration table's own timings at this ε
     (``CalibrationTable.with_epsilon``); None: the table's B_ver as written (its calibration ε).

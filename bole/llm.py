@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from bole.config import EngineConfig
 from bole.engine.engine import LLMEngine
 from bole.errors import InvalidRequest
 from bole.option_checks import is_integral
-from bole.sampling_params import SamplingParams
+from bole.sampling_params import SamplingParams, choice_params
 from bole.spec.logprobs import TokenLogprob
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,6 +18,10 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @dataclass
 class CompletionOutput:
+    """One prompt's completion. ``outputs`` holds all ``SamplingParams.n`` of them (choice j has ``index`` j
+    and an engine request of its own), as vLLM's ``RequestOutput.outputs``; the fields here are choice 0's, so
+    code written for one completion per prompt reads them unchanged."""
+
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -25,6 +29,8 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None          # per generated token (``SamplingParams.logprobs``)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # None, then prompt tokens 1.. (``prompt_logprobs``)
+    index: int = 0
+    outputs: list[CompletionOutput] = field(default_factory=list, repr=False)
 
 
 def resolve_repo_path(path: str) -> str:
@@ -47,8 +53,9 @@ def build_engine(model_path: str, tokenizer: bool = True, tp_rank: int = 0, tp_g
     be initialised, e.g. by ``bole.parallel.init_tp_group``). Every rank must then be driven with the
     same requests and steps (SPMD engines, ``bole.parallel``).
     """
-    from bole.models.loader import load_model, resolve_dtype
+    from bole.models.loader import load_model, read_config, resolve_dtype
     from bole.parallel import make_tp_reduce
+    from bole.spec.draft_vocab import check_draft_vocab
 
     cfg = EngineConfig.from_options(**options)
     cfg = EngineConfig(**{**cfg.__dict__, "calibration_table": resolve_repo_path(cfg.calibration_table)})
@@ -60,6 +67,9 @@ def build_engine(model_path: str, tokenizer: bool = True, tp_rank: int = 0, tp_g
             raise ValueError(f"tp_size={cfg.tp_size} needs an initialised process group "
                              "(bole.parallel.init_tp_group) in every rank's process")
         tp_reduce = make_tp_reduce(tp_group)
+    if cfg.spec.draft_vocab is not None:  # refused before the weights load
+        vocab_size = (model.config if model is not None else read_config(resolve_repo_path(model_path))[1]).vocab_size
+        check_draft_vocab(cfg.spec.draft_vocab, vocab_size)
     if model is None:
         model = load_model(resolve_repo_path(model_path), dtype=cfg.dtype, device=cfg.device, tp_rank=tp_rank,
                            tp_size=cfg.tp_size, tp_reduce=tp_reduce)
@@ -99,7 +109,7 @@ class LLM:
 
     def generate(self, prompts: str | Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[CompletionOutput]:
-        """Run prompts to completion; outputs in input order.
+        """Run prompts to completion; one output per prompt, in input order (its ``n`` choices in ``outputs``).
 
         ``prompts``: a string, a list of token ids, or a list of those; a 1-D integer numpy array /
         torch tensor is one prompt, a 2-D one a batch of equal-length prompts. Float ids are refused
@@ -112,25 +122,34 @@ class LLM:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise InvalidRequest(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
-        encoded = []
+        encoded, choices = [], []   # choices[i]: the engine requests' parameters of prompt i's n choices
         for i, (p, sp) in enumerate(zip(prompts, plist)):
             try:
                 ids = self.encode(p)
-                self.engine.check_request(ids, sp)
+                cs = choice_params(sp) if isinstance(sp, SamplingParams) else [sp]
+                for c in cs:
+                    self.engine.check_request(ids, c)
             except InvalidRequest as e:
-                raise InvalidRequest(f"prompt {i}: {e}") from None
+                raise InvalidRequest(f"prompt {i}: {e}", param=e.param) from None
             encoded.append(ids)
+            choices.append(cs)
         ids = []
         try:
-            for p, sp in zip(encoded, plist):
-                ids.append(self.engine.add_request(p, sp))
+            for p, cs in zip(encoded, choices):
+                for c in cs:
+                    ids.append(self.engine.add_request(p, c))
             results = self._run(ids, use_tqdm)
         except BaseException:  # KeyboardInterrupt included: the next call must not find them queued
             for rid in ids:
                 self.engine.abort(rid)
                 self.engine.pop_finished(rid)
             raise
-        return results
+        outputs, start = [], 0
+        for cs in choices:
+            group = [replace(r, index=j) for j, r in enumerate(results[start:start + len(cs)])]
+            outputs.append(replace(group[0], outputs=group))
+            start += len(cs)
+        return outputs
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[CompletionOutput]:
         bar = None

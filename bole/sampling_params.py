@@ -15,7 +15,7 @@ prompt (a prompt token is not sampled; what lm-evaluation-harness's loglikelihoo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from bole.errors import InvalidRequest
 
@@ -51,6 +51,9 @@ class SamplingParams:
         logprobs: None, or 0..20: return each emitted token's log-probability and this many most
             likely alternatives (see the module docstring for which distribution).
         prompt_logprobs: None, or 0..20: the same for every prompt token after the first.
+        n: how many completions of the prompt to sample (>= 1). ``LLM.generate`` runs choice j as a request
+            of its own with ``seed + j`` (when seeded), as the HTTP layer does (``deployments/choices.py``),
+            and returns the n in ``outputs``; the engine itself serves one sequence per request.
     """
 
     temperature: float = 1.0
@@ -67,6 +70,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self):
         # Normalise container fields to tuples so the dataclass stays hashable and immutable.
@@ -131,6 +135,8 @@ class SamplingParams:
             raise InvalidRequest(f"repetition_penalty must be a finite number > 0 (1 = off), got {r!r}",
                                  param="repetition_penalty")
         object.__setattr__(self, "repetition_penalty", float(r))
+        if not _is_int(self.n) or self.n < 1:
+            raise InvalidRequest(f"n must be an int >= 1, got {self.n!r}", param="n")
 
     @property
     def greedy(self) -> bool:
@@ -146,3 +152,16 @@ class SamplingParams:
         """-1 when top-k is off (top_k of 0 or -1), else top_k: the value the sampler tensors carry."""
         return -1 if self.top_k <= 0 else self.top_k
 
+
+def choice_params(params: SamplingParams) -> list[SamplingParams]:
+    """The engine requests' parameters behind ``params.n`` choices (each n=1): choice j samples with
+    ``seed + j`` when seeded (distinct, reproducible samples; choice 0 is the request with n=1); unseeded,
+    each draws a fresh seed. The one rule of ``LLM.generate`` and the HTTP layer (``deployments/choices.py``).
+    A seed pushed past int64 is refused by name."""
+    if params.n == 1:
+        return [params]
+    try:
+        return [replace(params, n=1, seed=None if params.seed is None else params.seed + j) for j in range(params.n)]
+    except InvalidRequest as e:
+        raise InvalidRequest(f"n={params.n} choices take seeds seed + 0 .. seed + {params.n - 1}: {e}",
+                             param="seed") from None

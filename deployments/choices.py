@@ -1,7 +1,7 @@
 """An OpenAI request as engine requests: one ``Choice`` per (prompt, n), and the usage they add up to.
 
 A choice is its own engine request with its own id; seeded choice j of a prompt samples with
-``seed + j`` (distinct, reproducible samples). Everything a client can get wrong is refused here as
+``seed + j`` (``bole.sampling_params.choice_params``). Everything a client can get wrong is refused here as
 an ``APIError`` 400 naming the field, before anything reaches the engine.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bole.errors import InvalidRequest
-from bole.sampling_params import SamplingParams
+from bole.sampling_params import SamplingParams, choice_params
 from deployments.engine_client import EngineClient, SubRequest
 from deployments.http_guards import APIError
 from deployments.openai_protocol import UsageInfo, new_id
@@ -28,7 +28,7 @@ class Choice:
     num_tokens: int = 0
     finish_reason: str | None = None
     first_token_time: float | None = None
-    hardware_class: str = "unknown"
+    hardware_class: str = "unknown"   # the serving replica's, from its outputs (scoring ones too)
     num_steps: int = 0
     counts_prompt: bool = True     # False for the 2nd..nth sample of a prompt (usage counts it once)
     logprobs: list = field(default_factory=list)   # ``TokenLogprob`` of every token so far (when asked)
@@ -73,18 +73,16 @@ def make_choices(client: EngineClient, req, prompts: list[list[int]], max_tokens
             raise APIError(400, f"this model's maximum context length is {client.max_model_len} tokens; "
                            f"the request has {len(ids)} prompt tokens and {asks}",
                            param="max_tokens" if room >= 1 else "prompt", code="context_length_exceeded")
-        for j in range(req.n):
-            try:
-                params = SamplingParams(
-                    temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=want,
-                    min_tokens=req.min_tokens, stop=tuple(stop),
-                    stop_token_ids=tuple(req.stop_token_ids or ()),
-                    seed=None if req.seed is None else req.seed + j, ignore_eos=req.ignore_eos,
-                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                    repetition_penalty=req.repetition_penalty, logprobs=logprobs,
-                    prompt_logprobs=prompt_logprobs)
-            except InvalidRequest as e:
-                raise APIError(400, str(e), param=e.param) from None
+        try:
+            per_choice = choice_params(SamplingParams(
+                temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=want,
+                min_tokens=req.min_tokens, stop=tuple(stop), stop_token_ids=tuple(req.stop_token_ids or ()),
+                seed=req.seed, ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=req.n))
+        except InvalidRequest as e:
+            raise APIError(400, str(e), param=e.param) from None
+        for j, params in enumerate(per_choice):
             choices.append(Choice(p_index * req.n + j, ids, params, new_id(kind), counts_prompt=j == 0))
     return choices
 

@@ -2,7 +2,10 @@
 
     model = load_model(path, dtype="auto", device="cpu", tp_rank=0, tp_size=1, backend="auto")
 
-* ``config.json`` goes through transformers' config classes (``AutoConfig``) into ``ModelConfig``.
+* ``config.json`` goes through transformers' config classes (``AutoConfig``) into ``ModelConfig``. The fields
+  that fix the tensor shapes must be in it (transformers would fill in its class defaults) and agree with the
+  weights' shapes (``check_config_shapes``, read from the headers before anything is allocated); a ValueError
+  names config.json and the field.
 * Weights come only from ``*.safetensors`` (one file, or shards with ``model.safetensors.index.json``)
   read with ``safetensors.safe_open``; pickled ``*.bin`` / ``*.pt`` files are never opened.
 * Names are normalised: ``model.language_model.`` -> ``model.`` (multimodal checkpoints; the vision
@@ -56,12 +59,26 @@ _EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_pr
 _QKVZ_RE = re.compile(r"^(.*\.linear_attn)\.in_proj_qkvz\.weight$")
 _BA_RE = re.compile(r"^(.*\.linear_attn)\.in_proj_ba\.weight$")
 _MTP_LAYER_RE = re.compile(r"^mtp\.layers\.(\d+)\.")
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 # ---------------------------------------------------------------------------------------- config
+# The text model's fields that fix its tensor shapes. transformers fills an absent one with its class default
+# (a 9B-class shape), which either disagrees with the weights deep inside the load or, worse, happens to match
+# them, so config.json must state them (every released Qwen3.5 / Qwen3-Next config does).
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                "linear_value_head_dim", "linear_conv_kernel_dim")
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+_MULTIMODAL_TYPES = ("qwen3_5", "qwen3_5_moe")  # their text model's fields live in text_config
+
+
 def read_config(path: str):
     """(transformers config, ModelConfig) of a checkpoint folder; a missing, malformed or unsupported
-    ``config.json`` raises ``ValueError`` naming the file."""
+    ``config.json``, or one without a field the model's shapes need (``SHAPE_FIELDS``, the layer types, the
+    MLP's sizes), raises ``ValueError`` naming the file and the field."""
+    if not os.path.isdir(path):
+        raise ValueError(f"{path}: no such model folder")
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise ValueError(f"{path}: no config.json")
@@ -75,15 +92,96 @@ def read_config(path: str):
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{path}: unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+    text, where = raw, ""
+    if model_type in _MULTIMODAL_TYPES:
+        text, where = raw.get("text_config"), "text_config."
+        if not isinstance(text, dict):
+            raise ValueError(f"{cfg_file}: model_type {model_type!r} keeps the text model's fields in a "
+                             "'text_config' object, and there is none (transformers would build a default one)")
+    _require(cfg_file, text, where, SHAPE_FIELDS)
+    if "layer_types" not in text and "full_attention_interval" not in text:
+        raise ValueError(f"{cfg_file}: {where}layer_types is missing (and no full_attention_interval): which "
+                         "layers are linear_attention and which full_attention fixes the checkpoint's tensors")
     from transformers import AutoConfig
 
     try:
         hf = AutoConfig.from_pretrained(path)
-        return hf, ModelConfig.from_hf(hf)
+        cfg = ModelConfig.from_hf(hf)
     except Exception as e:  # noqa: BLE001 - transformers' strict config classes raise their own types
         # a field of the wrong type or a missing one surfaces deep inside transformers or from_hf
         detail = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         raise ValueError(f"{cfg_file}: {detail}") from None
+    if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        _require(cfg_file, text, where, ("intermediate_size",))
+    if cfg.num_experts:  # a MoE model type (an absent num_experts is its class default, not 0)
+        _require(cfg_file, text, where, MOE_FIELDS)
+    return hf, cfg
+
+
+def _require(cfg_file: str, fields: dict, where: str, names: tuple[str, ...]) -> None:
+    missing = [f"{where}{n}" for n in names if fields.get(n) is None]
+    if missing:
+        one = len(missing) == 1
+        raise ValueError(f"{cfg_file}: {', '.join(missing)} {'is' if one else 'are'} missing; the checkpoint's tensor "
+                         f"shapes depend on {'it' if one else 'them'} (transformers would fill in its class default)")
+
+
+def _exact(rows: int, per: int) -> int | None:
+    return rows // per if rows > 0 and rows % per == 0 else None
+
+
+def check_config_shapes(cfg_file: str, cfg: ModelConfig, names, shape_of: Callable[[str], tuple | None]) -> None:
+    """ValueError naming ``cfg_file`` and the field when a field of ``cfg`` disagrees with the checkpoint's
+    tensors: ``names`` (model naming) and ``shape_of`` (a name -> its shape, None when absent; the
+    missing-tensor check names those). Run before the model is allocated, so a wrong config fails at once,
+    not after materialising a model of the wrong size."""
+    def check(field: str, value, tensor: str, derive: Callable[[tuple], int | None]) -> None:
+        # derive: the field's value that shape implies, None when none does (a malformed tensor, which the
+        # shape check after the load names, not the config)
+        shape = shape_of(tensor)
+        implied = None if shape is None else derive(shape)
+        if implied is not None and implied != value:
+            raise ValueError(f"{cfg_file}: {field}={value!r} disagrees with the weights: {tensor} has shape "
+                             f"{list(shape)}, which means {field}={implied!r}")
+
+    check("vocab_size", cfg.vocab_size, "model.embed_tokens.weight", lambda s: s[0])
+    check("hidden_size", cfg.hidden_size, "model.embed_tokens.weight", lambda s: s[-1])
+    layers = 1 + max((int(m[1]) for n in names if (m := _LAYER_RE.match(n))), default=-1)
+    if layers and layers != cfg.num_hidden_layers:
+        raise ValueError(f"{cfg_file}: num_hidden_layers={cfg.num_hidden_layers} disagrees with the weights: "
+                         f"they hold model.layers.0 to model.layers.{layers - 1}")
+    for i, kind in enumerate(cfg.layer_types):
+        have = [k for k, part in (("linear_attention", "linear_attn"), ("full_attention", "self_attn"))
+                if shape_of(f"model.layers.{i}.{part}.{'norm' if part == 'linear_attn' else 'q_norm'}.weight")]
+        if have and have != [kind]:
+            raise ValueError(f"{cfg_file}: layer_types[{i}]={kind!r} disagrees with the weights: model.layers.{i} "
+                             f"holds a {have[0]} layer's tensors")
+    if not cfg.tie_word_embeddings and "lm_head.weight" not in names and "model.embed_tokens.weight" in names:
+        raise ValueError(f"{cfg_file}: tie_word_embeddings is false (or absent) but the weights have no "
+                         "lm_head.weight; set it to true if the output head shares the input embedding")
+    a = f"model.layers.{cfg.attn_layer_ids[0]}.self_attn"
+    D = cfg.head_dim
+    check("head_dim", D, f"{a}.q_norm.weight", lambda s: s[0])
+    check("num_attention_heads", cfg.num_attention_heads, f"{a}.q_proj.weight", lambda s: _exact(s[0], 2 * D))
+    check("num_key_value_heads", cfg.num_key_value_heads, f"{a}.k_proj.weight", lambda s: _exact(s[0], D))
+    g = f"model.layers.{cfg.gdn_layer_ids[0]}.linear_attn"
+    check("linear_num_value_heads", cfg.linear_num_value_heads, f"{g}.A_log", lambda s: s[0])
+    check("linear_value_head_dim", cfg.linear_value_head_dim, f"{g}.norm.weight", lambda s: s[0])
+    check("linear_conv_kernel_dim", cfg.linear_conv_kernel_dim, f"{g}.conv1d.weight", lambda s: s[-1])
+    # conv channels [q | k | v]: 2 * key heads * key dim + the value dim
+    check("linear_num_key_heads * linear_key_head_dim", cfg.linear_key_dim, f"{g}.conv1d.weight",
+          lambda s: _exact(s[0] - cfg.linear_value_dim, 2))
+    rows, half = (lambda s: s[0]), (lambda s: _exact(s[1], 2))  # [I, H]; experts.gate_up_proj [E, 2I, H]
+    for i in range(cfg.num_hidden_layers):
+        m = f"model.layers.{i}.mlp"
+        if not cfg.is_moe_layer(i):
+            check("intermediate_size", cfg.intermediate_size, f"{m}.gate_proj.weight", rows)
+            continue
+        check("num_experts", cfg.num_experts, f"{m}.gate.weight", rows)
+        check("moe_intermediate_size", cfg.moe_intermediate_size, f"{m}.experts.0.gate_proj.weight", rows)
+        check("moe_intermediate_size", cfg.moe_intermediate_size, f"{m}.experts.gate_up_proj", half)
+        check("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size,
+              f"{m}.shared_expert.gate_proj.weight", rows)
 
 
 def resolve_dtype(dtype, cfg: ModelConfig) -> torch.dtype:
@@ -168,14 +266,21 @@ class CheckpointReader:
         self._handles.clear()
         self._stack.close()
 
-    def get(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):
         f = self.files[name]
         if f not in self._handles:
             self._handles[f] = self._stack.enter_context(open_safetensors(f))
+        return self._handles[f]
+
+    def get(self, name: str) -> torch.Tensor:
         try:
-            return self._handles[f].get_tensor(name)
+            return self._handle(name).get_tensor(name)
         except (SafetensorError, OSError) as e:  # a header that lies about the data (truncated file)
-            raise ValueError(f"{f}: tensor {name} cannot be read ({e})") from None
+            raise ValueError(f"{self.files[name]}: tensor {name} cannot be read ({e})") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """``name``'s shape, from its file's header (no data read)."""
+        return tuple(self._handle(name).get_slice(name).get_shape())
 
 
 class MemoryReader(CheckpointReader):
@@ -187,6 +292,9 @@ class MemoryReader(CheckpointReader):
 
     def get(self, name: str) -> torch.Tensor:
         return self.tensors[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
 
 
 def _split_qkvz(t: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -343,6 +451,13 @@ def load_model(path: str, dtype="auto", device="cpu", tp_rank: int = 0, tp_size:
     num_mtp = (max(mtp_layers) + 1) if (mtp_layers and load_mtp) else 0
     ignored = [n for n in names if not load_mtp and (normalize_name(n) or "").startswith("mtp.")]
     names = [n for n in names if n not in set(ignored)]
+    by_model = {m: n for n in names if (m := normalize_name(n))}
+    try:
+        check_config_shapes(os.path.join(path, "config.json"), cfg, by_model,
+                            lambda m: opened.shape(by_model[m]) if m in by_model else None)
+    except ValueError:
+        opened.close()
+        raise
     producers, sources, skipped = build_plan(names, cfg)
     if cfg.tie_word_embeddings and "lm_head.weight" in producers:
         producers.pop("lm_head.weight")  # tied: the embedding is the head

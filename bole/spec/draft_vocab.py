@@ -20,6 +20,15 @@ import os
 FREQUENCIES_FILE = "token_frequencies.json"
 
 
+def check_draft_vocab(n: int | None, vocab_size: int) -> None:
+    """ValueError naming draft_vocab and the vocabulary size when ``n`` exceeds the vocabulary: a reduced
+    vocabulary larger than the whole is a mistake, not a request for all of it (None is that). ``build_engine``
+    checks it before the weights load; ``SpecConfig`` has checked n >= topk."""
+    if n is not None and n > vocab_size:
+        raise ValueError(f"draft_vocab={n} is larger than the model's vocabulary (vocab_size={vocab_size}): use at "
+                         f"most {vocab_size}, or None (the default) for the whole vocabulary")
+
+
 def read_draft_vocab(folder: str | None, n: int, vocab_size: int) -> list[int]:
     """The first min(n, vocab_size) ids of ``folder``'s ``token_frequencies.json``.
 

@@ -228,3 +228,154 @@ def test_engines_share_one_loaded_model(ckpt, tmp_path):
     assert [o.token_ids for o in second.generate(prompts, GREEDY)] == own
     with pytest.raises(ValueError, match="model: a loaded model is shared only at the options' dtype bfloat16"):
         LLM(ckpt, model=model, **dict(spec, dtype="bfloat16"))
+
+
+# ---- config.json: the fields the shapes need, stated and agreeing with the weights
+
+def edit_config(src: str, dst, edit) -> tuple[str, str]:
+    """``src`` copied to ``dst`` with ``edit(config dict)`` applied to its config.json; (folder, config.json)."""
+    path = copy_ckpt(src, dst)
+    cfg_file = os.path.join(path, "config.json")
+    cfg = json.load(open(cfg_file))
+    edit(cfg)
+    json.dump(cfg, open(cfg_file, "w"))
+    return path, cfg_file
+
+
+@pytest.mark.parametrize("field", ["vocab_size", "hidden_size", "num_hidden_layers", "head_dim",
+                                   "num_key_value_heads", "linear_num_value_heads", "linear_conv_kernel_dim",
+                                   "intermediate_size"])
+def test_config_without_a_shape_field_is_refused(ckpt, tmp_path, field):
+    # transformers would fill in its class default (a 9B shape): vocab_size then failed as a shape mismatch naming
+    # no field, linear_conv_kernel_dim (default 4 = the weights') loaded on a config that does not say it
+    path, cfg_file = edit_config(ckpt, tmp_path / field, lambda c: c.pop(field))
+    with pytest.raises(ValueError, match=f"^{cfg_file}: {field} is missing; the checkpoint's tensor shapes"):
+        LLM(path, **OPTS)
+
+
+def test_config_without_layer_types_needs_the_interval(ckpt, tmp_path):
+    def drop(c):
+        c.pop("layer_types")
+    path, cfg_file = edit_config(ckpt, tmp_path / "no_types", drop)
+    with pytest.raises(ValueError, match=f"{cfg_file}: layer_types is missing \\(and no full_attention_interval\\)"):
+        LLM(path, **OPTS)
+    # Qwen3-Next's released configs give full_attention_interval instead of layer_types: that loads
+    def interval(c):
+        c.pop("layer_types")
+        c["full_attention_interval"] = 4
+    path, _ = edit_config(ckpt, tmp_path / "interval", interval)
+    want = LLM(ckpt, **OPTS).generate([[1, 2, 3]], GREEDY)[0].token_ids
+    assert LLM(path, **OPTS).generate([[1, 2, 3]], GREEDY)[0].token_ids == want
+
+
+def test_multimodal_config_needs_its_text_config_fields(ckpt, tmp_path):
+    def wrap(drop):
+        def edit(c):
+            text = dict(c)
+            text.pop(drop, None)
+            c.clear()
+            c.update(model_type="qwen3_5", architectures=["Qwen3_5ForConditionalGeneration"])
+            if drop != "text_config":
+                c["text_config"] = text
+        return edit
+    path, _ = edit_config(ckpt, tmp_path / "mm", wrap(None))
+    assert LLM(path, **OPTS).engine.model.config.vocab_size == 16   # the multimodal layout loads
+    path, cfg_file = edit_config(ckpt, tmp_path / "mm_vocab", wrap("vocab_size"))
+    with pytest.raises(ValueError, match=f"{cfg_file}: text_config.vocab_size is missing"):
+        LLM(path, **OPTS)
+    path, cfg_file = edit_config(ckpt, tmp_path / "mm_flat", wrap("text_config"))
+    with pytest.raises(ValueError, match=f"{cfg_file}: model_type 'qwen3_5' keeps the text model's fields in a "
+                                         "'text_config' object, and there is none"):
+        LLM(path, **OPTS)
+
+
+@pytest.mark.parametrize("field, value, implied", [
+    ("vocab_size", 32, 16), ("hidden_size", 32, 64), ("num_hidden_layers", 3, "model.layers.3"),
+    ("head_dim", 8, 16), ("num_attention_heads", 2, 4), ("num_key_value_heads", 1, 2),
+    ("linear_num_value_heads", 2, 4), ("linear_value_head_dim", 16, 8), ("linear_conv_kernel_dim", 3, 4),
+    ("linear_key_head_dim", 8, 32), ("intermediate_size", 64, 96), ("layer_types", "swap", "linear_attention"),
+    ("tie_word_embeddings", "no_head", "lm_head.weight"),
+])
+def test_config_disagreeing_with_the_weights_names_the_field(ckpt, tmp_path, field, value, implied):
+    def edit(c):
+        if field == "num_hidden_layers":
+            c["layer_types"] = c["layer_types"][1:]   # 3 layers, still hybrid
+        if value == "swap":
+            c["layer_types"] = c["layer_types"][::-1]
+        elif value != "no_head":
+            c[field] = value
+    path, cfg_file = edit_config(ckpt, tmp_path / field, edit)
+    if value == "no_head":
+        tensors = load_file(os.path.join(path, "model.safetensors"))
+        del tensors["lm_head.weight"]
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    shown = "linear_num_key_heads \\* linear_key_head_dim" if field == "linear_key_head_dim" else field
+    with pytest.raises(ValueError, match=f"^{cfg_file}: {shown}.*(disagrees with the weights|no lm_head)") as e:
+        LLM(path, **OPTS)
+    assert str(implied) in str(e.value)
+
+
+def test_moe_config_fields(tmp_path):
+    src = tmp_path / "moe"
+    make_checkpoint(src, "moe", vocab_size=16)
+    path, cfg_file = edit_config(str(src), tmp_path / "no_topk", lambda c: c.pop("num_experts_per_tok"))
+    with pytest.raises(ValueError, match=f"{cfg_file}: num_experts_per_tok is missing"):
+        LLM(path, **OPTS)
+    for field, value, implied in (("num_experts", 4, 8), ("moe_intermediate_size", 16, 32),
+                                  ("shared_expert_intermediate_size", 24, 48)):
+        path, cfg_file = edit_config(str(src), tmp_path / field, lambda c, f=field, v=value: c.update({f: v}))
+        with pytest.raises(ValueError, match=f"^{cfg_file}: {field}={value} disagrees with the weights: .*"
+                                             f"which means {field}={implied}"):
+            LLM(path, **OPTS)
+    assert LLM(str(src), **OPTS).engine.model.config.num_experts == 8
+
+
+# ---- SamplingParams.n: n choices per prompt, as the HTTP layer's
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_n_is_validated_by_name(bad):
+    with pytest.raises(ValueError, match=f"n must be an int >= 1, got {bad!r}") as e:
+        SamplingParams(n=bad)
+    assert e.value.param == "n"
+
+
+def test_greedy_n_choices_are_identical(llm):
+    one = llm.generate([[1, 2, 3], [4, 5]], GREEDY)
+    two = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(n=2, temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(two) == 2 and not llm.engine.requests
+    for a, b in zip(one, two):
+        assert [c.index for c in b.outputs] == [0, 1] and len({c.request_id for c in b.outputs}) == 2
+        assert [c.token_ids for c in b.outputs] == [a.token_ids] * 2 and b.token_ids == a.token_ids
+    assert [c.token_ids for c in one[0].outputs] == [one[0].token_ids]   # n=1: outputs holds the one choice
+
+
+def test_seeded_n_choices_are_the_http_layers(llm):
+    """Choice j of a seeded request samples with seed + j, exactly the requests deployments/choices.py makes."""
+    from types import SimpleNamespace
+
+    from deployments.choices import make_choices
+    from deployments.openai_protocol import CompletionRequest
+
+    prompt = [1, 2, 3]
+    req = CompletionRequest(model="m", prompt=prompt, n=3, seed=7, temperature=1.0, max_tokens=6, ignore_eos=True)
+    http = make_choices(SimpleNamespace(max_choices=8, max_model_len=64), req, [prompt], 6, "cmpl", None)
+    assert [c.params.seed for c in http] == [7, 8, 9]
+    want = [o.token_ids for o in llm.generate([prompt] * 3, [c.params for c in http])]
+    got = llm.generate([prompt], SamplingParams(n=3, seed=7, temperature=1.0, max_tokens=6, ignore_eos=True))
+    assert [c.token_ids for c in got[0].outputs] == want and len(set(map(tuple, want))) > 1
+    with pytest.raises(ValueError, match=r"prompt 1: n=2 choices take seeds .*seed must be an int in"):
+        llm.generate([prompt, prompt], [GREEDY, SamplingParams(n=2, seed=2**63 - 1)])
+    assert not llm.engine.requests
+
+
+# ---- draft_vocab within the vocabulary
+
+def test_draft_vocab_larger_than_the_vocabulary_is_refused_before_loading(ckpt, tmp_path):
+    path = copy_ckpt(ckpt, tmp_path / "dv")
+    write_token_frequencies(path, 16)
+    spec = dict(OPTS, mode="bole", depth=2, topk=2, beam=2)
+    assert LLM(path, **spec, draft_vocab=16).engine.model.mtp.vocab_ids.numel() == 16   # the whole vocabulary
+    with open(os.path.join(path, "model.safetensors"), "r+b") as f:
+        f.write(b"\xff" * 16)   # refused before the (now unreadable) weights are opened
+    with pytest.raises(ValueError, match=r"draft_vocab=17 is larger than the model's vocabulary \(vocab_size=16\)"):
+        LLM(path, **spec, draft_vocab=17)
