@@ -39,6 +39,7 @@ from typing import Any, AsyncIterator, Protocol, Sequence
 from bole.engine.async_engine import AsyncEngine
 from bole.engine.core import RequestTimings
 from bole.engine.output import RequestOutput
+from bole.errors import EngineDead
 from bole.hardware import detect_hardware, table_mismatch
 from bole.llm import resolve_repo_path
 from bole.sampling_params import SamplingParams
@@ -233,11 +234,14 @@ class LocalEngineClient:
 
     async def _one(self, sub: SubRequest) -> AsyncIterator[ServedOutput]:
         first = True
-        async for out in self.async_engine.generate(sub.prompt_token_ids, sub.params, sub.request_id):
-            # the request stays in the engine until its stream ends
-            timings = self.async_engine.request_timings(sub.request_id) if first and out.new_token_ids else None
-            first = first and not out.new_token_ids
-            yield ServedOutput.wrap(out, self.hardware_class, timings)
+        try:
+            async for out in self.async_engine.generate(sub.prompt_token_ids, sub.params, sub.request_id):
+                # the request stays in the engine until its stream ends
+                timings = self.async_engine.request_timings(sub.request_id) if first and out.new_token_ids else None
+                first = first and not out.new_token_ids
+                yield ServedOutput.wrap(out, self.hardware_class, timings)
+        except EngineDead as e:  # a 503 the ingress retries on another replica (before any output)
+            raise EngineUnavailable(str(e), replica_id=self.replica_id) from None
 
     async def is_alive(self) -> bool:
         return self.async_engine.is_alive()

@@ -4,7 +4,9 @@ The engine steps in one background thread (torch work releases the GIL; the even
 for HTTP). ``generate`` registers a request and yields its ``RequestOutput`` deltas as they come;
 leaving the iterator early (client disconnect, deadline, ``aclose``) aborts the request and frees
 its memory. A failing step fails the requests of that step with the error and the engine keeps
-serving others.
+serving others. An engine that cannot even abort them (a tensor-parallel worker died) is dead: every
+request it holds, queued or sent, gets ``EngineDead`` at once, so is every later one, and the loop ends
+(``is_alive`` turns false, which a replica's health check reports). Nothing waits on a dead engine.
 
 The event loop never waits for a step. A step holds the engine lock for its whole length (tens of
 milliseconds on a GPU, seconds on a loaded CPU, unbounded if a kernel hangs), so adding, aborting
@@ -28,6 +30,7 @@ from typing import AsyncIterator
 
 from bole.engine.core import EngineCore, EngineLimits, EngineStats, RequestTimings
 from bole.engine.output import RequestOutput
+from bole.errors import EngineDead
 from bole.sampling_params import SamplingParams
 from bole.spec.budget import CalibrationTable
 
@@ -46,6 +49,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self._stopped = False
+        self._dead: EngineDead | None = None   # set once, by the engine thread's last act
         self._stats = EngineStats()
         self._batch = self._peak_batch = 0     # requests in the last step, and the most in one step
         with self._lock:
@@ -59,6 +63,8 @@ class AsyncEngine:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        if self._dead is not None:
+            raise self._dead
         if self._stopped:
             raise RuntimeError("the engine is shut down")
         loop = asyncio.get_running_loop()
@@ -97,8 +103,8 @@ class AsyncEngine:
         return self.engine.request_timings(request_id)
 
     def is_alive(self) -> bool:
-        """Whether the step loop runs."""
-        return self._thread.is_alive()
+        """Whether the step loop runs (a dead engine's does not)."""
+        return self._dead is None and self._thread.is_alive()
 
     @property
     def model_config(self):
@@ -144,6 +150,32 @@ class AsyncEngine:
     def _send(self, *op) -> None:
         self._inbox.append(op)
         self._wake.set()
+        if self._dead is not None:   # sent while the loop died: answered here, as the loop can't
+            self._fail_inbox()
+
+    def _fail_inbox(self) -> None:
+        """Every add in the inbox answered with the engine's death (each op is popped by one thread)."""
+        while True:
+            try:
+                op, rid, *rest = self._inbox.popleft()
+            except IndexError:
+                return
+            if op == "add":
+                loop, added = rest[2], rest[4]
+                try:
+                    loop.call_soon_threadsafe(_settle, added, self._dead)
+                except RuntimeError:  # that event loop is closed
+                    pass
+
+    def _die(self, error: BaseException) -> None:
+        """The engine cannot go on: every stream gets ``EngineDead``, so does every add sent or to come."""
+        logger.error("the engine is dead; failing its %d requests", len(self._streams),
+                     exc_info=(type(error), error, error.__traceback__))
+        self._dead = EngineDead(f"the engine failed and serves no more requests ({type(error).__name__}: {error})")
+        for rid in list(self._streams):
+            self._deliver(rid, self._dead)
+        self._streams.clear()
+        self._fail_inbox()
 
     def _deliver(self, rid: str, item) -> None:
         target = self._streams.get(rid)
@@ -219,6 +251,12 @@ class AsyncEngine:
         self._stats = dataclasses.replace(self.engine.stats(), batch=self._batch, peak_batch=self._peak_batch)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - whatever broke the loop, nobody may wait on it
+            self._die(e)
+
+    def _loop(self) -> None:
         while True:
             self._wake.clear()   # before reading the inbox: a later _send wakes the wait below
             with self._lock:
@@ -241,9 +279,15 @@ class AsyncEngine:
                         self._stats = dataclasses.replace(stats, batch=self._batch, peak_batch=self._peak_batch)
                     except Exception as e:  # fail this step's requests, keep serving
                         logger.exception("engine step failed")
+                        broken = None
                         for rid in self.engine.stats().running_ids:
-                            self.engine.abort(rid)
+                            try:
+                                self.engine.abort(rid)
+                            except Exception as abort_error:  # noqa: BLE001 - the engine itself is gone
+                                broken = broken or abort_error
                             self._deliver(rid, e)
+                        if broken is not None:
+                            raise broken from e   # _run: the engine is dead
                         self._publish()
                 else:
                     self._publish()

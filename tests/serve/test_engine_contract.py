@@ -84,3 +84,28 @@ def test_replica_stats_round_trip_through_their_one_wire_form():
         ReplicaStats.from_dict({**wire, "mystery": 1})
     with pytest.raises(TypeError, match="engine must be an EngineStats"):
         ReplicaStats(dict(vars(engine)), "r1", "cpu", 4, 16, 2, False, 5, "")
+
+
+def test_a_dead_engine_is_a_retryable_503_for_the_ingress():
+    """``EngineDead`` out of the AsyncEngine leaves the replica's client as ``EngineUnavailable`` naming the
+    replica: the ingress retries it on another replica before any output, else answers 503."""
+    from bole.errors import EngineDead
+    from deployments.engine_client import EngineUnavailable, LocalEngineClient, SubRequest
+    from deployments.http_errors import engine_error
+    from deployments.retry import retryable
+
+    class Dead:
+        async def generate(self, *a):
+            raise EngineDead("the engine failed and serves no more requests (ConnectionError: gone)")
+            yield
+
+    client = object.__new__(LocalEngineClient)
+    client.async_engine, client.replica_id, client.hardware_class = Dead(), "r1", "cpu"
+
+    async def main():
+        async for _ in client._one(SubRequest([1], SamplingParams(), "a")):
+            pass
+    with pytest.raises(EngineUnavailable, match="serves no more") as e:
+        asyncio.run(main())
+    assert e.value.replica_id == "r1" and retryable(e.value)
+    assert engine_error(e.value, "a").status == 503

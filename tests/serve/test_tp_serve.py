@@ -4,6 +4,12 @@ ingress; its greedy outputs equal a tp_size=1 engine's."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
 import openai
 import pytest
 from conftest import ENGINE_OPTIONS
@@ -59,6 +65,44 @@ def test_tp2_replica_serves_tp1_greedy_output(tiny_model):
         assert [len(g["bundles"]) for g in groups] == [2]
         assert groups[0]["strategy"] == "STRICT_PACK"
         assert ray.available_resources().get("CPU", 0) == 0
+        worker_dies_mid_stream(port)
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def worker_dies_mid_stream(port: int) -> None:
+    """A TP worker killed under a running stream: the stream ends with an error event within seconds, not
+    when Serve force-kills the replica (a probe saw 140-150 s: the engine loop died in its error handler,
+    leaving every request waiting); a request sent meanwhile is refused as promptly (503)."""
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    with httpx.Client(timeout=60) as c, c.stream("POST", url, json=body) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: ")).startswith('data: {"id"')
+        os.kill(tp_worker_pids()[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        rest = [line for line in lines if line.startswith("data: ")]
+        ended = time.monotonic() - t0
+    assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2], rest[-3:]
+    assert ended < 30, f"the stream ended {ended:.1f} s after its worker died"
+    t0 = time.monotonic()
+    r = httpx.post(url, json={**body, "stream": False, "max_tokens": 4}, timeout=60)
+    assert r.status_code in (200, 503) and time.monotonic() - t0 < 30, (r.status_code, r.text)
+    if r.status_code == 503:
+        assert r.json()["error"]["type"] == "unavailable_error", r.text
+
+
+def tp_worker_pids() -> list[int]:
+    """The TP worker actors' processes (Ray titles them ``ray::TPWorker``; its state API needs the
+    dashboard, which these clusters run without)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and (d / "cmdline").read_bytes().startswith(b"ray::TPWorker"):
+                pids.append(int(d.name))
+        except OSError:   # gone meanwhile
+            pass
+    assert pids, "no TPWorker process"
+    return pids
