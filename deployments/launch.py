@@ -14,7 +14,10 @@ Ray address, for ``python -m deployments.recalibrate --address``.
 
 Serve's proxy gets an end-to-end timeout (``http_options.request_timeout_s``) unless the config sets
 one: the app's deadline plus slack (``AppConfig.proxy_request_timeout_s``), so a request held in the
-proxy's queue, where the ingress's deadline has not started, is still answered in time.
+proxy's queue, where the ingress's deadline has not started, is still answered in time. Serve's
+controller gets the proxy callback of ``deployments.proxy_errors`` in its environment
+(``controller_options``, which the proxies inherit) unless the config names one: the proxy's own
+answers (its 408, 429, 503) are OpenAI-shaped JSON, and a client cannot change its timeout.
 """
 
 from __future__ import annotations
@@ -80,6 +83,22 @@ def serve_http_options(http: dict, app_cfg) -> dict:
         print(f"make serve: http_options.request_timeout_s is {given:g} s for a request_timeout_s of {deadline:g} s: "
               f"{why}; {fits:g} s fits", file=sys.stderr)
     return http
+
+
+def serve_controller_options(options: dict | None) -> dict:
+    """``options`` (the config's ``controller_options``) with ``deployments.proxy_errors``'s proxy
+    callback among the controller's environment variables, which Serve's proxies inherit. A config
+    that names another callback keeps it, said on stderr (the proxy's own errors are then that one's)."""
+    from deployments.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+
+    options = dict(options or {})
+    runtime_env = dict(options.get("runtime_env") or {})
+    env_vars = dict(runtime_env.get("env_vars") or {})
+    given = env_vars.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)
+    if given != PROXY_CALLBACK:
+        print(f"make serve: controller_options sets {PROXY_CALLBACK_ENV}={given}: Serve's proxy answers its own "
+              f"errors through it (not {PROXY_CALLBACK}, which makes them OpenAI-shaped)", file=sys.stderr)
+    return {**options, "runtime_env": {**runtime_env, "env_vars": env_vars}}
 
 
 def port_in_use(host: str, port: int) -> str | None:
@@ -164,7 +183,8 @@ def main(argv=None) -> int:
 
     schema = ServeDeploySchema.model_validate(cfg)
     ray.init(num_cpus=a.num_cpus, resources=a.resources, include_dashboard=False, log_to_driver=True)
-    serve.start(http_options=http, proxy_location=cfg.get("proxy_location", "HeadOnly"))
+    serve.start(http_options=http, proxy_location=cfg.get("proxy_location", "HeadOnly"),
+                controller_options=serve_controller_options(cfg.get("controller_options")))
     _get_global_client().deploy_apps(schema)
     print(f"deploying {app['name']} (loading the model in the replicas)...", flush=True)
     deadline = time.monotonic() + a.deploy_timeout_s

@@ -132,3 +132,24 @@ def test_serves_proxy_timeout_covers_its_queue(capsys):
         mixed = yaml.safe_load(f)
     assert mixed["http_options"]["request_timeout_s"] == AppConfig(**mixed["applications"][0]["args"]) \
         .proxy_request_timeout_s
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_cluster_configs_install_the_proxy_callback(name, capsys):
+    """`serve run` / `serve deploy` of a cluster config starts Serve's controller, and so its proxies,
+    with the callback that makes the proxy's own errors OpenAI-shaped (deployments.proxy_errors), as
+    `make serve` does; launch keeps a config's own controller options."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from deployments.launch import serve_controller_options
+    from deployments.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+
+    with open(os.path.join(REPO_ROOT, "cluster_configs", name)) as f:
+        cfg = yaml.safe_load(f)
+    options = ServeDeploySchema.model_validate(cfg).controller_options
+    assert options.runtime_env["env_vars"][PROXY_CALLBACK_ENV] == PROXY_CALLBACK
+    assert serve_controller_options(cfg["controller_options"]) == cfg["controller_options"]
+    assert capsys.readouterr().err == ""
+    other = {"runtime_env": {"env_vars": {PROXY_CALLBACK_ENV: "mine:callback"}}}
+    assert serve_controller_options(other) == other
+    assert PROXY_CALLBACK in capsys.readouterr().err
