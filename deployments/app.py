@@ -20,18 +20,21 @@ call beyond a deployment's ``max_ongoing_requests`` in the caller's queue, unbou
 burst waited there with its deadline not started (the ingress starts it), and was answered long after
 ``request_timeout_s``. So:
   - a group's queue (in the ingress, for its replicas) holds one more round of what its replicas
-    hold (``max_queued_requests``); beyond it the ingress answers an OpenAI-shaped 429 at once
-    (Serve's ``BackPressureError``, deployments.http_errors);
+    hold (``max_queued_requests``); beyond it the group refuses at once (Serve's ``BackPressureError``):
+    the ingress tries the next group, and answers an OpenAI-shaped 429 when every group refused
+    (deployments.serve_client, deployments.http_errors);
   - the ingress takes twice what the groups admit and queue (``fleet_holds``), plus
     ``PROBE_HEADROOM`` for /metrics and probes: the second half for the requests it is refusing, so
     overload reaches its 429 instead of waiting in the proxy's queue;
   - the proxy's queue for the ingress holds ``fleet_holds`` plus ``PROBE_HEADROOM`` (Serve counts a
     request as queued while handing it over, so less would refuse bursts the fleet can take); beyond
-    it the proxy answers 429 with ``Retry-After`` itself (``backpressure_config``; a plain-text body);
+    it the proxy answers 429 with ``Retry-After`` itself (``backpressure_config``);
   - Serve's proxy ends any request ``proxy_request_timeout_s`` (the deadline plus
     ``PROXY_TIMEOUT_SLACK_S``) after it arrived (``http_options.request_timeout_s``, set by
     deployments.launch): the ingress's 504 comes first, and a request held in the proxy's queue is
-    still answered (408, plain text) and cancelled, its engine requests aborted.
+    still answered (408) and cancelled, its engine requests aborted.
+The proxy writes those answers (and its 503s) itself, in plain text; its callback,
+``deployments.proxy_errors``, which the configs install, makes them the app's OpenAI-shaped JSON.
 """
 
 from __future__ import annotations

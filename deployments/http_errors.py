@@ -18,7 +18,7 @@ from bole.errors import InvalidRequest
 from deployments.engine_client import EngineOverloaded, EngineUnavailable, RequestTimeout, unwrap_remote_error
 from deployments.http_guards import APIError
 from deployments.openai_protocol import new_id
-from deployments.retry import REPLICA_GONE_ERRORS
+from deployments.retry import REPLICA_GONE_ERRORS, group_refused
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ def engine_error(e: BaseException, request_id: str) -> APIError:
     e = unwrap_remote_error(e)
     if isinstance(e, APIError):
         return e
-    if isinstance(e, EngineOverloaded) or type(e).__name__ in ("BackPressureError", "DeploymentUnavailableError"):
+    if isinstance(e, EngineOverloaded) or group_refused(e):
         return APIError(429, f"server overloaded: {e}", "overloaded_error", code="queue_full",
                         headers={"Retry-After": "1"})
     if isinstance(e, EngineUnavailable):

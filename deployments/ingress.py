@@ -26,10 +26,14 @@ Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``:
   504 timeout_error           the request passed its deadline (``request_timeout_s``)
   500 internal_error          anything else: logged with its traceback under a request id, which
                               the message carries (never a 400: the client did nothing wrong)
-Under Ray Serve (``deployments.app``) Serve's proxy answers two more itself, in plain text: 429 with
+Under Ray Serve (``deployments.app``) Serve's proxy answers some itself, before this app runs: 429 with
 ``Retry-After`` when its bounded queue for the ingress is full, and 408 for a request still open
 ``request_timeout_s`` + 2 s after it reached the proxy (one held in the proxy's queue, where this
-app's deadline, counted from the ingress's receipt, had not started).
+app's deadline, counted from the ingress's receipt, had not started); its callback
+(``deployments.proxy_errors``) makes them the same OpenAI-shaped errors.
+With several replica groups, a group that refuses a request as full (before any output) passes it to
+the next in the group choice's order at once; the 429 comes when every group refused it
+(``deployments.serve_client``).
 A failing request never disturbs the others: validation happens before anything reaches the
 engine, and a request's stream ending (finished, error, deadline or client disconnect) aborts only
 its own engine requests. ``n`` choices (and a batch of prompts) are independent engine requests,
@@ -117,9 +121,10 @@ class OpenAIServer:
             async for _, (i, out) in merge_streams([self.client.generate_many([c.sub for c in choices])],
                                                    deadline):
                 c = choices[i]
+                # from any output, not only one with tokens: prompt scoring (echo, max_tokens 0) has none
+                c.hardware_class = out.hardware_class
                 if out.new_token_ids and c.first_token_time is None:
                     c.first_token_time = time.monotonic()
-                    c.hardware_class = out.hardware_class
                     if first:
                         metrics.observe_first_token(c.hardware_class, c.first_token_time - arrival,
                                                     out.prefill_s, out.engine_queue_s)

@@ -249,6 +249,29 @@ def test_metrics_health_ready(server, oai):
         assert len(line) == 1 and float(line[0].split()[-1]) == float(n), category
 
 
+def _counter(text: str, name: str, hardware: str) -> float:
+    line = f'{name}{{hardware_class="{hardware}",model="{MODEL}"}} '
+    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
+
+
+def test_prompt_scoring_is_counted_under_the_serving_replicas_class(server, offline):
+    """echo with max_tokens 0 (lm-eval's loglikelihood) yields no token, only the prompt's logprobs: its
+    prompt tokens count under the class of the replica that scored it (they were labelled "unknown",
+    as the ingress took the class from an output's first token), as a generating request's do."""
+    ids = offline.tokenizer.encode(PROMPTS[3], add_special_tokens=False)
+    before = httpx.get(server.url + "/metrics").text
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": PROMPTS[3], "echo": True, "max_tokens": 0, "logprobs": 1, "stream": stream}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+    after = httpx.get(server.url + "/metrics").text
+    assert 'hardware_class="unknown"' not in after
+    assert _counter(after, "bole_prompt_tokens_total", "cpu") - _counter(before, "bole_prompt_tokens_total", "cpu") \
+        == 2 * len(ids)
+    assert _counter(after, "bole_generation_tokens_total", "cpu") == _counter(before, "bole_generation_tokens_total",
+                                                                              "cpu")
+
+
 def _gauge(text: str, name: str) -> float:
     values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{")]
     assert len(values) == 1, (name, values)
