@@ -15,7 +15,8 @@
 #   draftlogits benchmarks/draft_logits.py: the drafter's lm_head, flattened GEMM vs strided call (<1 min)
 #   moe        benchmarks/moe_dispatch.py --sweep: routed experts at the 35B-A3B shape      (~1 min)
 #   scale      benchmarks/run_gpu_scale.sh with the README's headline flags ($SCALE_FLAGS appended;
-#              SCALE_BUDGET_S / SCALE_KILL_S as there): widening, then the 9B-cost grid      (<= 9 min)
+#              SCALE_BUDGET_S / SCALE_KILL_S as there): widening, then the grid of $SCALE_MODEL (default
+#              qwen3.5-9b), its table calibrated first where this GPU has none ($CAL_FLAGS)   (<= 9 min)
 #   calmoe     the MoE shape's calibration table (qwen3.5-35b-a3b, CUDA graphs; an H200), into the step's
 #              folder and calibration_tables/ for later steps of the call (commit it to reuse it); its
 #              buckets from $CAL_MOE_FLAGS (the grid's prompts stay under kv 1024)                  (<= 4 min)
@@ -99,9 +100,19 @@ step_moe() {
   timeout -k 10 "${MOE_S:-180}" python3 benchmarks/moe_dispatch.py --sweep --out "$1/moe_dispatch_h200.json"
 }
 step_scale() {
+  # $SCALE_MODEL (default qwen3.5-9b) with calibration_tables/<hw>-<model>.yaml, measured first (into the step's
+  # folder and calibration_tables/ for later steps; commit it to reuse it) where this GPU has none
+  local hw m="${SCALE_MODEL:-qwen3.5-9b}"
+  hw=$(python3 -c "from bole.hardware import detect_hardware; print(detect_hardware('cuda'))")
+  if [ ! -f "calibration_tables/$hw-$m.yaml" ]; then
+    # shellcheck disable=SC2086
+    timeout -k 10 "${CAL_S:-240}" python3 -m bole.calibrate --shapes "$m" --cuda-graphs \
+      ${CAL_FLAGS:---batch-buckets 1,2,4,8,16 --kv-buckets 1024,4096} --out "$1/$hw-$m.yaml" --no-progress || return 1
+    cp "$1/$hw-$m.yaml" calibration_tables/
+  fi
   # shellcheck disable=SC2086
-  OUT="$1" bash benchmarks/run_gpu_scale.sh --depth 8 --topk 4 --beam 4 --draft-vocab 32768 \
-    --calibration-table calibration_tables/h200-qwen3.5-9b.yaml ${SCALE_FLAGS:-}
+  OUT="$1" bash benchmarks/run_gpu_scale.sh --models "$m" --depth 8 --topk 4 --beam 4 --draft-vocab 32768 \
+    --calibration-table "calibration_tables/$hw-$m.yaml" ${SCALE_FLAGS:-}
 }
 
 step_calmoe() {
