@@ -49,10 +49,15 @@ class RollingReport:
     events: list[ReplicaEvent] = field(default_factory=list)
     served: dict = field(default_factory=dict)   # replica -> requests finished during the run
     requests_served: int = 0
+    recovered: list[str] = field(default_factory=list)  # an earlier, killed job's leftovers put back first
+    put_back: list[str] = field(default_factory=list)   # what this job put back on its way out (a signal)
+    interrupted: str = ""              # the signal that stopped the job (SIGINT / SIGTERM)
+    error: str = ""                    # why the job stopped before the end
 
     @property
     def ok(self) -> bool:
-        return all(e.ok for e in self.events) and not any(c.error for c in self.classes)
+        return (all(e.ok for e in self.events) and not any(c.error for c in self.classes)
+                and not self.interrupted and not self.error)
 
 
 def bucket_rows(old: dict, new: dict) -> list[dict]:
@@ -71,8 +76,11 @@ def bucket_rows(old: dict, new: dict) -> list[dict]:
 def format_report(report: RollingReport) -> str:
     """The report as text: classes and strategies, replicas' windows, B_ver per bucket, requests served."""
     t = lambda ts: time.strftime("%H:%M:%S", time.localtime(ts)) + f".{int(ts * 10) % 10}" if ts else "-"  # noqa: E731
-    lines = [f"rolling recalibration of {report.app!r}: {report.finished_at - report.started_at:.1f} s, "
-             f"{report.requests_served} requests served during the run, {'ok' if report.ok else 'FAILED'}"]
+    state = f"INTERRUPTED ({report.interrupted})" if report.interrupted else "ok" if report.ok else "FAILED"
+    lines = [f"rolling recalibration of {report.app!r}: {max(report.finished_at - report.started_at, 0):.1f} s, "
+             f"{report.requests_served} requests served during the run, {state}"]
+    lines += [f"put back first (an earlier job's leftovers): {r}" for r in report.recovered]
+    lines += [f"ERROR {report.error}"] if report.error else []
     for c in report.classes:
         extra = f", surge replica {c.surge_replica} running after {c.surge_ready_s} s" if c.surge_replica else ""
         lines.append(f"class {c.deployment} ({len(c.replicas)} replica(s)): {c.strategy} ({c.why}){extra}"
@@ -86,4 +94,5 @@ def format_report(report: RollingReport) -> str:
                 lines.append(f"    batch {b['batch']} kv {b['kv']} depth {b['depth']}: B_ver {b['old_b_ver']} -> "
                              f"{b['new_b_ver']}  (T_dec {b['old_t_dec_ms']} -> {b['new_t_dec_ms']} ms)")
     lines.append("requests served per replica: " + ", ".join(f"{r} {n}" for r, n in sorted(report.served.items())))
+    lines += [f"put back: {r}" for r in report.put_back]
     return "\n".join(lines)

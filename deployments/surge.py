@@ -6,7 +6,8 @@ section as lightweight options: changing them starts or stops replicas and resta
 *surge* is a redeploy of the running config (``serve details``' ``deployed_app_config`` of every
 application, as ``serve deploy`` would send it) with one more replica for one deployment:
 ``num_replicas: n + 1`` (``with_replicas`` explains how autoscaled deployments are held without a
-rebuild); going back is a redeploy at ``n`` and then of the configs as they were. When Serve scales
+rebuild); going back is a redeploy at ``n`` and then of the application's config as it was
+(``deploy_app``: the other applications as they run then). When Serve scales
 down on one node it stops the newest replica first (the surge replica); the job does not rely on
 that (it installs a recalibrated table on the surge replica too).
 
@@ -17,6 +18,7 @@ also needs ``max_replicas`` above its running count, unless the caller forces it
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import time
 
@@ -125,12 +127,19 @@ def deploy(configs: dict[str, dict]) -> None:
     _get_global_client().deploy_apps(schema)
 
 
-def wait_for_replicas(app: str, deployment: str, n: int, timeout_s: float, poll_s: float = 0.5) -> list[str]:
-    """Block until exactly ``n`` replicas of ``deployment`` run and none is starting or stopping;
-    their ids. TimeoutError names what is still running."""
+def deploy_app(app: str, config: dict) -> None:
+    """Apply ``config`` to ``app``, every other application as it runs now (not as it ran when the
+    caller read ``config``: another application redeployed meanwhile keeps its new config)."""
+    deploy(app_configs() | {app: config})
+
+
+async def wait_for_replicas(app: str, deployment: str, n: int, timeout_s: float, poll_s: float = 0.5) -> list[str]:
+    """Wait until exactly ``n`` replicas of ``deployment`` run and none is starting or stopping; their
+    ids. TimeoutError names what is still running. A coroutine, so a stopped job (SIGINT) cancels it
+    at once instead of leaving a thread polling until the timeout."""
     deadline = time.monotonic() + timeout_s
     while True:
-        details = serve_details()
+        details = await asyncio.to_thread(serve_details)
         info = details["applications"][app]
         dep = info["deployments"].get(deployment, {})
         states = [r["state"] for r in dep.get("replicas", [])]
@@ -139,4 +148,4 @@ def wait_for_replicas(app: str, deployment: str, n: int, timeout_s: float, poll_
         if time.monotonic() > deadline:
             raise TimeoutError(f"{deployment}: wanted {n} running replicas within {timeout_s:.0f}s, "
                                f"have states {states}")
-        time.sleep(poll_s)
+        await asyncio.sleep(poll_s)
