@@ -17,16 +17,18 @@ pytestmark = pytest.mark.slow
 MODEL = "tiny"
 
 
-def start_serve(attempts: int = 4, **http_options) -> int:
+def start_serve(attempts: int = 4, controller_options: dict | None = None, **http_options) -> int:
     """serve.start on 127.0.0.1 and a free port (`bole.parallel.free_port`: outside the ranges Ray's own
     processes draw from), retried on another port if the proxy still cannot bind; returns the port.
-    ``http_options``: more of Serve's HTTP options (request_timeout_s)."""
+    ``http_options``: more of Serve's HTTP options (request_timeout_s); ``controller_options`` as
+    deployments.launch passes them (the proxy callback)."""
     from ray import serve
 
     for attempt in range(attempts):
         port = free_port()
         try:
-            serve.start(http_options={**http_options, "host": "127.0.0.1", "port": port})
+            serve.start(http_options={**http_options, "host": "127.0.0.1", "port": port},
+                        **({"controller_options": controller_options} if controller_options else {}))
             return port
         except Exception as e:  # ray.exceptions.RayTaskError(RuntimeError) from the proxy actor
             if "Failed to bind" not in str(e) or attempt == attempts - 1:

@@ -19,9 +19,8 @@ import httpx
 import openai
 import pytest
 from conftest import ENGINE_OPTIONS
-from test_ray_serve import MODEL, deploy, wait_for
+from test_ray_serve import MODEL, deploy, start_serve, wait_for
 
-from bole.parallel import free_port
 from deployments.app import INGRESS_NAME, PROXY_TIMEOUT_SLACK_S, AppConfig
 from deployments.launch import serve_controller_options, serve_http_options
 from deployments.proxy_errors import CLIENT_OVERRIDE_HEADERS, PROXY_CALLBACK, PROXY_CALLBACK_ENV, ProxyErrors
@@ -43,24 +42,6 @@ def app_config(model_path, port: int, **extra) -> dict:
                                                     "import_path": "deployments.app:build_app", "args": args}]}
 
 
-def start_serve_as_launch(http: dict, attempts: int = 4) -> int:
-    """serve.start as deployments.launch starts it (its controller_options: the proxy callback), on a
-    free port, retried on another one if the proxy cannot bind (as test_ray_serve.start_serve)."""
-    from ray import serve
-
-    for attempt in range(attempts):
-        port = free_port()
-        try:
-            serve.start(http_options={**http, "host": "127.0.0.1", "port": port},
-                        controller_options=serve_controller_options(None))
-            return port
-        except Exception as e:  # ray.exceptions.RayTaskError(RuntimeError) from the proxy actor
-            if "Failed to bind" not in str(e) or attempt == attempts - 1:
-                raise
-            serve.shutdown()
-    raise AssertionError("unreachable")
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_model):
     ray = pytest.importorskip("ray")
@@ -70,7 +51,7 @@ def cluster(tiny_model):
              log_to_driver=False, runtime_env={"env_vars": {"TRITON_INTERPRET": "1"}})
     http = app_config(tiny_model, 0)["http_options"]
     assert http["request_timeout_s"] == TIMEOUT_S + PROXY_TIMEOUT_SLACK_S
-    port = start_serve_as_launch(http)
+    port = start_serve(controller_options=serve_controller_options(None), **http)  # as deployments.launch
     deploy(app_config(tiny_model, port))
     yield f"http://127.0.0.1:{port}", port
     serve.shutdown()
