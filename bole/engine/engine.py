@@ -185,6 +185,9 @@ class LLMEngine:
         nothing (``bole.LLM.generate`` checks a whole batch before adding any of it)."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.n != 1:   # else served once, silently
+            raise InvalidRequest(f"n={params.n}: an engine request is one sequence; LLM.generate and the endpoint "
+                                 "send n choices as n requests (bole.sampling_params.choice_params)", param="n")
         if not isinstance(prompt_token_ids, (list, tuple)):
             raise InvalidRequest(f"prompt_token_ids must be a list of ints, got {type(prompt_token_ids).__name__}")
         if not prompt_token_ids:

@@ -368,6 +368,14 @@ def test_seeded_n_choices_are_the_http_layers(llm):
     assert not llm.engine.requests
 
 
+def test_the_engine_refuses_n_it_would_serve_once(llm):
+    """An engine request is one sequence: n > 1 sent to the engine itself (not through LLM.generate or the
+    endpoint, which expand it) is refused by name, not served once."""
+    with pytest.raises(ValueError, match="n=2: an engine request is one sequence") as e:
+        llm.engine.add_request([1, 2, 3], SamplingParams(n=2, max_tokens=2))
+    assert e.value.param == "n" and not llm.engine.requests
+
+
 # ---- draft_vocab within the vocabulary
 
 def test_draft_vocab_larger_than_the_vocabulary_is_refused_before_loading(ckpt, tmp_path):
