@@ -67,8 +67,7 @@ def generate(a: argparse.Namespace) -> int:
                    draft_vocab=a.draft_vocab, budget_epsilon=a.budget_epsilon, cap_tree_width=a.cap_tree_width,
                    budget_floor=a.budget_floor, budget_rule=a.budget_rule,
                    num_blocks=a.num_blocks, gpu_memory_utilization=a.gpu_memory_utilization)
-    EngineConfig.from_options(**options)
-    llm = LLM(a.model, **options)
+    llm = LLM(a.model, **options)   # build_engine checks the options before the weights load
     t0 = time.perf_counter()
     outs = llm.generate(a.prompt, params, use_tqdm=True)
     dt = time.perf_counter() - t0
